@@ -1,0 +1,48 @@
+// Small host helpers shared by every kvops CUDA family.
+#pragma once
+
+#include <ATen/ATen.h>
+#include <ATen/cuda/CUDAContext.h>
+#include <c10/cuda/CUDAException.h>
+#include <cuda_runtime.h>
+
+namespace kvops {
+
+// Raises a clear error when this build has no kernel image for the current GPU
+// (cudaFuncGetAttributes fails with cudaErrorInvalidDeviceFunction). Cached per kernel.
+template <class Kernel>
+void ensure_kernel_image(Kernel kernel, const char* op) {
+  static thread_local int checked_device = -1;
+  int dev = 0;
+  C10_CUDA_CHECK(cudaGetDevice(&dev));
+  if (checked_device == dev) return;
+  cudaFuncAttributes attr;
+  cudaError_t err = cudaFuncGetAttributes(&attr, kernel);
+  if (err != cudaSuccess) {
+    (void)cudaGetLastError();
+    cudaDeviceProp prop;
+    C10_CUDA_CHECK(cudaGetDeviceProperties(&prop, dev));
+    TORCH_CHECK(false, "kvops::", op, ": this kvops build has no kernel for sm_", prop.major, prop.minor,
+                " (", cudaGetErrorString(err), "); rebuild with TORCH_CUDA_ARCH_LIST including ", prop.major, ".",
+                prop.minor);
+  }
+  checked_device = dev;
+}
+
+// Device-visible address of a tensor that lives on `device` or in pinned host memory.
+// Pinned host memory is read and written by the kernels in place (no staging copy).
+inline void* device_address(const at::Tensor& t, const at::Device& device, const char* name, const char* op) {
+  if (t.is_cuda()) {
+    TORCH_CHECK_VALUE(t.device() == device, op, ": ", name, " is on ", t.device(), ", expected ", device);
+    return t.data_ptr();
+  }
+  TORCH_CHECK_VALUE(t.is_cpu(), op, ": ", name, " must be on ", device, " or in pinned host memory");
+  cudaPointerAttributes attr;
+  cudaError_t err = cudaPointerGetAttributes(&attr, t.data_ptr());
+  if (err != cudaSuccess) (void)cudaGetLastError();
+  TORCH_CHECK_VALUE(err == cudaSuccess && attr.type == cudaMemoryTypeHost && attr.devicePointer != nullptr, op, ": ",
+                    name, " is in pageable host memory; it must be pinned (tensor.pin_memory()) or on ", device);
+  return attr.devicePointer;
+}
+
+}  // namespace kvops

@@ -1,0 +1,137 @@
+// Host-side checks and descriptors for the cold-page codec (CPU and CUDA share them).
+#include "codec.h"
+
+#include <unordered_set>
+
+namespace kvops {
+namespace nvfp4 {
+
+bool is_hot_dtype(at::ScalarType t) {
+  return t == at::kBFloat16 || t == at::kHalf || t == at::kFloat8_e4m3fn;
+}
+
+std::vector<PoolDesc> make_pool_descs(const std::vector<at::Tensor>& pools, at::IntArrayRef plan,
+                                      int64_t cold_page_bytes, const char* what) {
+  TORCH_CHECK_VALUE(!pools.empty(), what, ": pools is empty");
+  TORCH_CHECK_VALUE(int64_t(plan.size()) == int64_t(pools.size()) * kPlanFields, what, ": plan has ",
+                    plan.size(), " entries, expected ", kPlanFields, " per pool for ", pools.size(), " pools");
+  TORCH_CHECK_VALUE(cold_page_bytes % 16 == 0, what, ": cold_pages row size ", cold_page_bytes,
+                    " is not a multiple of 16");
+  std::vector<PoolDesc> descs;
+  for (size_t p = 0; p < pools.size(); ++p) {
+    const at::Tensor& t = pools[p];
+    const int64_t* f = plan.data() + p * kPlanFields;
+    TORCH_CHECK_VALUE(t.device() == pools[0].device(), what, ": pools[", p, "] is on ", t.device(),
+                      ", pools[0] on ", pools[0].device());
+    TORCH_CHECK_VALUE(t.dim() >= 2, what, ": pools[", p, "] must have a page dim and a row dim, got shape ",
+                      t.sizes());
+    const int nd = int(t.dim());
+    TORCH_CHECK_VALUE(t.stride(nd - 1) == 1, what, ": pools[", p, "] rows (last dim) must be contiguous");
+    PoolDesc d{};
+    d.esize = int32_t(t.element_size());
+    d.base = static_cast<char*>(t.data_ptr());
+    d.row_bytes = int32_t(t.size(nd - 1) * d.esize);
+    TORCH_CHECK_VALUE(d.row_bytes % 16 == 0 && reinterpret_cast<uintptr_t>(d.base) % 16 == 0, what,
+                      ": pools[", p, "] rows must be 16-byte aligned and a multiple of 16 bytes");
+    for (int k = 0; k < nd - 1; ++k)
+      TORCH_CHECK_VALUE((t.stride(k) * d.esize) % 16 == 0 || t.size(k) == 1, what, ": pools[", p,
+                        "] stride of dim ", k, " is not a multiple of 16 bytes");
+    d.num_pages = int32_t(t.size(0));
+    d.page_stride = t.stride(0) * d.esize;
+    d.q_start = int32_t(f[kQStart]);
+    d.q_len = int32_t(f[kQLen]);
+    d.r_start = int32_t(f[kRStart]);
+    d.r_len = int32_t(f[kRLen]);
+    const int64_t row = t.size(nd - 1);
+    TORCH_CHECK_VALUE(f[kQStart] >= 0 && f[kQLen] >= 0 && f[kQStart] % 16 == 0 && f[kQLen] % 16 == 0 &&
+                          f[kQStart] + f[kQLen] <= row,
+                      what, ": pools[", p, "] quantized range (", f[kQStart], ", ", f[kQLen],
+                      ") must be multiples of 16 inside a row of ", row);
+    TORCH_CHECK_VALUE(f[kRLen] == 0 || (f[kRStart] % 16 == 0 && f[kRLen] % 16 == 0 && f[kRStart] >= f[kQStart] &&
+                                        f[kRStart] + f[kRLen] <= f[kQStart] + f[kQLen]),
+                      what, ": pools[", p, "] residual range (", f[kRStart], ", ", f[kRLen],
+                      ") must be multiples of 16 inside the quantized range");
+    TORCH_CHECK_VALUE(f[kQLen] == 0 || is_hot_dtype(t.scalar_type()), what, ": pools[", p, "] dtype ",
+                      t.scalar_type(), " cannot be quantized (bf16, fp16, float8_e4m3fn)");
+    const int plane_dim = int(f[kPlaneDim]);
+    TORCH_CHECK_VALUE(plane_dim == 0 || (plane_dim >= 1 && plane_dim <= nd - 2), what, ": pools[", p,
+                      "] plane_dim ", plane_dim, " is not a middle dim of shape ", t.sizes());
+    d.planes = plane_dim ? int32_t(t.size(plane_dim)) : 1;
+    d.plane_stride = plane_dim ? t.stride(plane_dim) * d.esize : 0;
+    int other = 0;
+    int64_t rows = 1;
+    for (int k = 1; k < nd - 1; ++k) {
+      if (k == plane_dim) continue;
+      TORCH_CHECK_VALUE(other < kMaxOtherDims, what, ": pools[", p, "] has more than ", kMaxOtherDims + 1,
+                        " dims between page and row");
+      d.dim_size[other] = FastDiv(uint32_t(t.size(k)));
+      d.dim_stride[other] = t.stride(k) * d.esize;
+      rows *= t.size(k);
+      ++other;
+    }
+    for (; other < kMaxOtherDims; ++other) {
+      // Pad at the outer end: dims are consumed innermost first.
+      for (int k = kMaxOtherDims - 1; k > 0; --k) {
+        d.dim_size[k] = d.dim_size[k - 1];
+        d.dim_stride[k] = d.dim_stride[k - 1];
+      }
+      d.dim_size[0] = FastDiv(1);
+      d.dim_stride[0] = 0;
+    }
+    TORCH_CHECK_VALUE(rows < (int64_t(1) << 30), what, ": pools[", p, "] has too many rows per page");
+    d.plane_rows = int32_t(rows);
+    d.scale_kind = int32_t(f[kScaleKind]);
+    TORCH_CHECK_VALUE(d.scale_kind >= kScaleFixed && d.scale_kind <= kScalePerPagePow2, what, ": pools[", p,
+                      "] unknown scale kind ", d.scale_kind);
+    d.fixed_scale = bits_f32(uint32_t(f[kFixedScaleBits]));
+    TORCH_CHECK_VALUE(d.scale_kind != kScaleFixed || (d.fixed_scale > 0.f && d.fixed_scale <= FLT_MAX), what,
+                      ": pools[", p, "] fixed global scale must be positive and finite");
+    d.section_offset = f[kSectionOffset];
+    d.plane_offset = f[kPlaneOffset];
+    d.plane_bytes = f[kPlaneBytes];
+    d.off_codes = int32_t(f[kOffCodes]);
+    d.off_rcodes = int32_t(f[kOffRCodes]);
+    d.off_scales = int32_t(f[kOffScales]);
+    d.off_rscales = int32_t(f[kOffRScales]);
+    d.off_lossless = int32_t(f[kOffLossless]);
+    // Regions come in a fixed order; each must fit before the next, the last inside the plane.
+    const int64_t ends[5][2] = {
+        {d.off_codes, rows * d.q_len / 2},      {d.off_rcodes, rows * d.r_len / 2},
+        {d.off_scales, rows * d.q_len / 16},    {d.off_rscales, rows * d.r_len / 16},
+        {d.off_lossless, rows * d.lossless_bytes()}};
+    int64_t prev = 0;
+    for (auto& r : ends) {
+      TORCH_CHECK_VALUE(r[0] >= prev && r[0] % 16 == 0, what, ": pools[", p, "] plan regions overlap or are unaligned");
+      prev = r[0] + r[1];
+    }
+    TORCH_CHECK_VALUE(prev <= d.plane_bytes && d.plane_bytes % 16 == 0 && d.plane_offset >= 4 * d.planes &&
+                          d.plane_offset % 16 == 0 && d.section_offset % 16 == 0 && d.section_offset >= 0 &&
+                          d.section_offset + d.plane_offset + d.planes * d.plane_bytes <= cold_page_bytes,
+                      what, ": pools[", p, "] plan does not fit a cold page of ", cold_page_bytes, " bytes");
+    descs.push_back(d);
+  }
+  return descs;
+}
+
+void check_page_pairs(const at::Tensor& page_pairs, int64_t dst_limit, int64_t src_limit, const char* dst_name,
+                      const char* src_name, bool validate, const char* what) {
+  TORCH_CHECK_VALUE(page_pairs.scalar_type() == at::kInt && page_pairs.dim() == 2 && page_pairs.size(1) == 2, what,
+                    ": page_pairs must be int32 [n, 2], got ", page_pairs.scalar_type(), " ", page_pairs.sizes());
+  TORCH_CHECK_VALUE(page_pairs.is_contiguous(), what, ": page_pairs must be contiguous");
+  if (page_pairs.size(0) == 0 || !(page_pairs.is_cpu() || validate)) return;
+  at::Tensor host = page_pairs.is_cpu() ? page_pairs : page_pairs.cpu();  // validate: syncs by design
+  const int32_t* pp = host.data_ptr<int32_t>();
+  std::unordered_set<int32_t> seen;
+  for (int64_t i = 0; i < host.size(0); ++i) {
+    int32_t dst = pp[2 * i], src = pp[2 * i + 1];
+    TORCH_CHECK_VALUE(dst >= 0 && dst < dst_limit, what, ": page_pairs[", i, "] ", dst_name, " ", dst,
+                      " is out of range [0, ", dst_limit, ")");
+    TORCH_CHECK_VALUE(src >= 0 && src < src_limit, what, ": page_pairs[", i, "] ", src_name, " ", src,
+                      " is out of range [0, ", src_limit, ")");
+    TORCH_CHECK_VALUE(seen.insert(dst).second, what, ": page_pairs[", i, "] ", dst_name, " ", dst,
+                      " is written twice");
+  }
+}
+
+}  // namespace nvfp4
+}  // namespace kvops

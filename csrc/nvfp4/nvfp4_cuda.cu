@@ -1,0 +1,518 @@
+// CUDA kernels for the NVFP4 ops: quantize/dequantize primitives and the cold-page codec.
+//
+// The codec kernels are shaped like a shared-memory page copy. One CTA owns one (page, pool,
+// plane) unit and walks it in row chunks:
+//   encode: cp.async 16-byte vectors of the quantized run -> smem; quantize in registers (lanes of a
+//           block exchange the amax by shuffles); codes and scales -> smem staging; 16-byte vector
+//           stores of the staging into the blob. Lossless bytes go straight from row to blob.
+//   decode: cp.async the chunk's codes/scales from the blob -> smem; dequantize in registers;
+//           16-byte vector stores into the pool rows. Lossless bytes go straight from blob to row.
+// The blob may live in pinned host memory: every access to it is a coalesced 16-byte vector, and
+// the grid has a CTA per unit so that enough requests are in flight to fill PCIe.
+#include <ATen/ATen.h>
+#include <ATen/cuda/CUDAContext.h>
+#include <c10/cuda/CUDAGuard.h>
+#include <torch/library.h>
+
+#include <map>
+
+#include "../cuda_utils.cuh"
+#include "codec.h"
+#include "nvfp4.h"
+#include "nvfp4_device.cuh"
+
+namespace kvops {
+namespace nvfp4 {
+namespace {
+
+constexpr int kThreads = 256;
+constexpr int kWarps = kThreads / 32;
+constexpr int kMaxPools = 16;               // pools per launch (keeps the parameter block < 4 KB)
+constexpr int64_t kTileBytes = 64 * 1024;   // encode input tile: a whole Qwen3-8B bf16 plane
+constexpr int kMaxSmem = 200 * 1024;
+
+__device__ __forceinline__ int64_t pad16(int64_t n) { return (n + 15) & ~int64_t(15); }
+
+__device__ __forceinline__ void cp_async16(void* smem, const void* gmem) {
+  uint32_t s = static_cast<uint32_t>(__cvta_generic_to_shared(smem));
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"(s), "l"(gmem));
+}
+__device__ __forceinline__ void cp_async_wait_all() { asm volatile("cp.async.wait_all;\n" ::); }
+
+// Block-wide NaN-propagating max; every thread gets the result.
+__device__ float block_max(float v, float* red) {
+#pragma unroll
+  for (int o = 16; o; o >>= 1) v = nan_max(v, __shfl_xor_sync(kFullMask, v, o));
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  if (lane == 0) red[warp] = v;
+  __syncthreads();
+  v = red[0];
+  for (int w = 1; w < kWarps; ++w) v = nan_max(v, red[w]);
+  __syncthreads();  // red is reused
+  return v;
+}
+
+template <class T>
+__device__ __forceinline__ float vector_amax(const uint4& v) {
+  float x[Hot<T>::kEpt];
+  to_float<T>(v, x);
+  float m = 0.f;
+#pragma unroll
+  for (int i = 0; i < Hot<T>::kEpt; ++i) m = nan_max(m, fabsf(x[i]));
+  return m;
+}
+
+template <int kBytes>
+__device__ __forceinline__ void store_codes(uint8_t* p, uint64_t codes) {
+  if constexpr (kBytes == 8) *reinterpret_cast<uint64_t*>(p) = codes;
+  else if constexpr (kBytes == 4) *reinterpret_cast<uint32_t*>(p) = uint32_t(codes);
+  else *reinterpret_cast<uint16_t*>(p) = uint16_t(codes);
+}
+
+template <int kBytes>
+__device__ __forceinline__ uint64_t load_codes(const uint8_t* p) {
+  if constexpr (kBytes == 8) return *reinterpret_cast<const uint64_t*>(p);
+  else if constexpr (kBytes == 4) return *reinterpret_cast<const uint32_t*>(p);
+  else return *reinterpret_cast<const uint16_t*>(p);
+}
+
+// ---- primitives ---------------------------------------------------------------------------------
+
+template <class T>
+__global__ void __launch_bounds__(kThreads) quantize_kernel(const uint4* __restrict__ x, int64_t nvec,
+                                                            const float* g_dev, float g_host,
+                                                            uint8_t* __restrict__ packed, uint8_t* __restrict__ scales) {
+  constexpr int kEpt = Hot<T>::kEpt, kLanes = lanes_per_block<T>();
+  const float g = g_dev ? *g_dev : g_host;
+  const bool fast = fast_scale<T>(g);
+  // Whole-CTA strides keep every lane of a warp in the shuffles; stores are masked instead.
+  for (int64_t base = int64_t(blockIdx.x) * kThreads; base < nvec; base += int64_t(gridDim.x) * kThreads) {
+    const int64_t v = base + threadIdx.x;
+    const bool ok = v < nvec;
+    uint4 in = ok ? x[v] : make_uint4(0, 0, 0, 0);
+    uint8_t sc;
+    uint64_t codes = quantize_vector<T>(in, g, fast, sc);
+    if (ok) {
+      store_codes<kEpt / 2>(packed + v * (kEpt / 2), codes);
+      if (threadIdx.x % kLanes == 0) scales[v / kLanes] = sc;
+    }
+  }
+}
+
+template <class T>
+__device__ __forceinline__ uint4 dequantize_vector(uint64_t codes, uint8_t scale, float g, bool fast) {
+  if (scale == kScaleNaN) return nan_vector<T>();
+  float x[Hot<T>::kEpt];
+  dequantize_floats<Hot<T>::kEpt>(codes, scale, g, fast, x);
+  return from_float<T>(x);
+}
+
+template <class T>
+__global__ void __launch_bounds__(kThreads) dequantize_kernel(const uint8_t* __restrict__ packed,
+                                                              const uint8_t* __restrict__ scales, int64_t nvec,
+                                                              const float* g_dev, float g_host, uint4* __restrict__ out) {
+  constexpr int kEpt = Hot<T>::kEpt, kLanes = lanes_per_block<T>();
+  const float g = g_dev ? *g_dev : g_host;
+  const bool fast = is_fast_scale(g);
+  for (int64_t v = int64_t(blockIdx.x) * kThreads + threadIdx.x; v < nvec; v += int64_t(gridDim.x) * kThreads)
+    out[v] = dequantize_vector<T>(load_codes<kEpt / 2>(packed + v * (kEpt / 2)), scales[v / kLanes], g, fast);
+}
+
+template <class F>
+void dispatch_dtype(at::ScalarType t, F&& f) {
+  switch (t) {
+    case at::kBFloat16: f(__nv_bfloat16{}); break;
+    case at::kHalf: f(__half{}); break;
+    case at::kFloat8_e4m3fn: f(__nv_fp8_e4m3{}); break;
+    case at::kFloat: f(float{}); break;
+    default: TORCH_CHECK_VALUE(false, "kvops: unsupported dtype ", t);
+  }
+}
+
+int grid_for(int64_t nvec) {
+  const int sms = at::cuda::getCurrentDeviceProperties()->multiProcessorCount;
+  return int(std::max<int64_t>(1, std::min<int64_t>((nvec + kThreads - 1) / kThreads, int64_t(sms) * 8)));
+}
+
+// g on the device is read by the kernel (no sync); on the host it is passed by value.
+std::pair<const float*, float> scale_arg(const c10::optional<at::Tensor>& g, const char* what) {
+  if (!g) return {nullptr, 1.f};
+  if (g->is_cuda()) return {g->data_ptr<float>(), 1.f};
+  const float v = g->item<float>();
+  TORCH_CHECK_VALUE(v > 0.f && v <= FLT_MAX, what, ": global_scale must be positive and finite, got ", v);
+  return {nullptr, v};
+}
+
+at::Tensor aligned_contiguous(const at::Tensor& t) {
+  at::Tensor c = t.contiguous();
+  return reinterpret_cast<uintptr_t>(c.data_ptr()) % 16 ? c.clone() : c;
+}
+
+std::tuple<at::Tensor, at::Tensor> quantize_cuda(const at::Tensor& x, const c10::optional<at::Tensor>& global_scale) {
+  check_quantize_args(x, global_scale);
+  c10::cuda::CUDAGuard guard(x.device());
+  auto [g_dev, g_host] = scale_arg(global_scale, "nvfp4_quantize");
+  at::Tensor xc = aligned_contiguous(x);
+  auto [packed, scales] = quantize_outputs(x);
+  const int64_t nvec = xc.numel() * xc.element_size() / 16;
+  if (nvec == 0) return {packed, scales};
+  auto stream = at::cuda::getCurrentCUDAStream();
+  dispatch_dtype(xc.scalar_type(), [&](auto tag) {
+    using T = decltype(tag);
+    ensure_kernel_image(quantize_kernel<T>, "nvfp4_quantize");
+    quantize_kernel<T><<<grid_for(nvec), kThreads, 0, stream>>>(
+        static_cast<const uint4*>(xc.data_ptr()), nvec, g_dev, g_host, packed.data_ptr<uint8_t>(),
+        reinterpret_cast<uint8_t*>(scales.data_ptr()));
+    C10_CUDA_KERNEL_LAUNCH_CHECK();
+  });
+  return {packed, scales};
+}
+
+at::Tensor dequantize_cuda(const at::Tensor& packed, const at::Tensor& scales,
+                           const c10::optional<at::Tensor>& global_scale, at::ScalarType dtype) {
+  check_dequantize_args(packed, scales, global_scale, dtype);
+  c10::cuda::CUDAGuard guard(packed.device());
+  auto [g_dev, g_host] = scale_arg(global_scale, "nvfp4_dequantize");
+  at::Tensor pc = packed.contiguous(), sc = scales.contiguous();
+  at::Tensor out = dequantize_output(packed, dtype);
+  const int64_t nvec = out.numel() * out.element_size() / 16;
+  if (nvec == 0) return out;
+  auto stream = at::cuda::getCurrentCUDAStream();
+  dispatch_dtype(dtype, [&](auto tag) {
+    using T = decltype(tag);
+    ensure_kernel_image(dequantize_kernel<T>, "nvfp4_dequantize");
+    dequantize_kernel<T><<<grid_for(nvec), kThreads, 0, stream>>>(pc.data_ptr<uint8_t>(),
+                                                                  reinterpret_cast<const uint8_t*>(sc.data_ptr()), nvec,
+                                                                  g_dev, g_host, static_cast<uint4*>(out.data_ptr()));
+    C10_CUDA_KERNEL_LAUNCH_CHECK();
+  });
+  return out;
+}
+
+// ---- cold-page codec ----------------------------------------------------------------------------
+
+struct CodecParams {
+  PoolDesc pools[kMaxPools];
+  int32_t unit_begin[kMaxPools + 1];  // units (planes) of pools before each pool, within one page
+  int32_t chunk_rows[kMaxPools];
+  int32_t num_pools, units_per_page;
+  const int32_t* pairs;  // [n, 2] (dst, src)
+  uint8_t* blobs;
+  int64_t blob_stride, num_slots;
+};
+
+// Staging layout of one chunk's quantized output (each region padded to 16 bytes).
+struct ChunkStaging {
+  int32_t codes, rcodes, scales, rscales, total;
+  __host__ __device__ ChunkStaging(const PoolDesc& d, int32_t rows) {
+    auto p16 = [](int64_t n) { return int32_t((n + 15) & ~int64_t(15)); };
+    codes = 0;
+    rcodes = codes + p16(int64_t(rows) * d.q_len / 2);
+    scales = rcodes + p16(int64_t(rows) * d.r_len / 2);
+    rscales = scales + p16(int64_t(rows) * d.q_len / kBlock);
+    total = rscales + p16(int64_t(rows) * d.r_len / kBlock);
+  }
+};
+
+struct Unit {
+  int pool, plane;
+  int64_t page, slot;
+};
+
+// Which (pool, plane) and pair this CTA owns; false when the pair is out of range (skipped).
+__device__ __forceinline__ bool locate_unit(const CodecParams& P, bool encode, Unit& u) {
+  const int64_t pair = blockIdx.x / P.units_per_page;
+  int unit = blockIdx.x % P.units_per_page;
+  u.pool = 0;
+  while (unit >= P.unit_begin[u.pool + 1]) ++u.pool;
+  u.plane = unit - P.unit_begin[u.pool];
+  const int32_t dst = P.pairs[2 * pair], src = P.pairs[2 * pair + 1];
+  u.page = encode ? src : dst;
+  u.slot = encode ? dst : src;
+  return u.slot >= 0 && u.slot < P.num_slots && u.page >= 0 && u.page < P.pools[u.pool].num_pages;
+}
+
+// Lossless bytes of a plane: row <-> blob region, 16-byte vectors, no smem.
+__device__ __forceinline__ void copy_lossless(const PoolDesc& d, int64_t page, int plane, uint8_t* region, bool to_blob) {
+  const int32_t lb = d.lossless_bytes();
+  if (lb == 0) return;
+  const int32_t vpr = lb / 16;
+  const int32_t n = d.plane_rows * vpr;
+  for (int32_t v = threadIdx.x; v < n; v += kThreads) {
+    const uint32_t row = uint32_t(v / vpr);
+    const int32_t j = (v - int32_t(row) * vpr) * 16;
+    char* rp = d.base + d.row_offset(page, plane, row) + d.lossless_col(j);
+    uint4* bp = reinterpret_cast<uint4*>(region + int64_t(row) * lb + j);
+    if (to_blob) *bp = *reinterpret_cast<const uint4*>(rp);
+    else *reinterpret_cast<uint4*>(rp) = *bp;
+  }
+}
+
+// 16-byte vector copy of n bytes (n padded up to 16; both sides 16-byte aligned).
+__device__ __forceinline__ void copy_out(uint8_t* dst, const uint8_t* src, int64_t n) {
+  for (int64_t i = threadIdx.x * 16; i < n; i += kThreads * 16)
+    *reinterpret_cast<uint4*>(dst + i) = *reinterpret_cast<const uint4*>(src + i);
+}
+
+__device__ __forceinline__ void cp_async_range(uint8_t* smem, const uint8_t* src, int64_t n) {
+  for (int64_t i = threadIdx.x * 16; i < n; i += kThreads * 16) cp_async16(smem + i, src + i);
+}
+
+template <class T>
+__global__ void __launch_bounds__(kThreads) encode_pages_kernel(const __grid_constant__ CodecParams P) {
+  constexpr int kEpt = Hot<T>::kEpt, kLanes = lanes_per_block<T>();
+  extern __shared__ __align__(16) uint8_t smem[];
+  __shared__ float red[kWarps];
+  Unit u;
+  if (!locate_unit(P, true, u)) return;
+  const PoolDesc& d = P.pools[u.pool];
+  uint8_t* section = P.blobs + u.slot * P.blob_stride + d.section_offset;
+  uint8_t* pb = section + d.plane_offset + u.plane * d.plane_bytes;
+
+  copy_lossless(d, u.page, u.plane, pb + d.off_lossless, true);
+
+  const int32_t qvpr = d.q_len * d.esize / 16;  // quantized vectors per row
+  const int32_t cr = P.chunk_rows[u.pool];
+  const int32_t nchunks = d.q_len ? (d.plane_rows + cr - 1) / cr : 0;
+  // A pool with nothing to quantize still records g (1 for per-page policies, as on the CPU).
+  float g = d.scale_kind == kScaleFixed ? d.fixed_scale : 1.f;
+  if (d.scale_kind != kScaleFixed && nchunks > 1) {  // plane larger than a tile: amax pass first
+    float m = 0.f;
+    for (int32_t v = threadIdx.x; v < d.plane_rows * qvpr; v += kThreads) {
+      const uint32_t row = uint32_t(v / qvpr);
+      const int32_t k = v - int32_t(row) * qvpr;
+      m = nan_max(m, vector_amax<T>(*reinterpret_cast<const uint4*>(
+                         d.base + d.row_offset(u.page, u.plane, row) + d.q_start * d.esize + k * 16)));
+    }
+    g = page_global_scale(block_max(m, red), d.scale_kind);
+  }
+
+  uint8_t* tile = smem;
+  const ChunkStaging st(d, cr);
+  uint8_t* stage = smem + int64_t(cr) * d.q_len * d.esize;
+  const int32_t qb = d.q_len / kBlock, rb = d.r_len / kBlock;
+  for (int32_t c = 0; c < nchunks; ++c) {
+    const int32_t r0 = c * cr, rows = min(cr, d.plane_rows - r0);
+    const int32_t nvec = rows * qvpr;
+    for (int32_t v = threadIdx.x; v < nvec; v += kThreads) {
+      const uint32_t row = uint32_t(v / qvpr);
+      const int32_t k = v - int32_t(row) * qvpr;
+      cp_async16(tile + int64_t(v) * 16, d.base + d.row_offset(u.page, u.plane, r0 + row) + d.q_start * d.esize + k * 16);
+    }
+    cp_async_wait_all();
+    // Zero the staging so padding bytes in the blob are deterministic.
+    for (int32_t i = threadIdx.x * 16; i < st.total; i += kThreads * 16)
+      *reinterpret_cast<uint4*>(stage + i) = make_uint4(0, 0, 0, 0);
+    __syncthreads();
+    if (d.scale_kind != kScaleFixed && nchunks == 1) {
+      float m = 0.f;
+      for (int32_t v = threadIdx.x; v < nvec; v += kThreads)
+        m = nan_max(m, vector_amax<T>(reinterpret_cast<const uint4*>(tile)[v]));
+      g = page_global_scale(block_max(m, red), d.scale_kind);
+    }
+    const bool fast = fast_scale<T>(g);
+    const int32_t nvec_warps = (nvec + 31) & ~31;
+    for (int32_t v = threadIdx.x; v < nvec_warps; v += kThreads) {
+      const bool ok = v < nvec;
+      const uint4 in = ok ? reinterpret_cast<const uint4*>(tile)[v] : make_uint4(0, 0, 0, 0);
+      uint8_t sc;
+      const uint64_t codes = quantize_vector<T>(in, g, fast, sc);
+      if (ok) {
+        store_codes<kEpt / 2>(stage + st.codes + int64_t(v) * (kEpt / 2), codes);
+        if (v % kLanes == 0) stage[st.scales + v / kLanes] = sc;
+      }
+      if (d.r_len) {  // 2FP4: quantize the rounding error of the first component (all lanes shuffle)
+        const uint32_t row = uint32_t(v / qvpr);
+        const int32_t col = d.q_start + (v - int32_t(row) * qvpr) * kEpt;
+        const bool in_res = ok && col >= d.r_start && col < d.r_start + d.r_len;
+        float x[kEpt], dec[kEpt];
+        to_float<T>(in, x);
+        dequantize_floats<kEpt>(codes, sc, g, fast, dec);
+#pragma unroll
+        for (int i = 0; i < kEpt; ++i) x[i] = x[i] - dec[i];
+        uint8_t rsc;
+        const uint64_t rcodes = quantize_floats<kEpt, kLanes>(x, g, rsc);
+        if (in_res) {
+          const int32_t rv = int32_t(row) * (rb * kBlock / kEpt) + (col - d.r_start) / kEpt;
+          store_codes<kEpt / 2>(stage + st.rcodes + int64_t(rv) * (kEpt / 2), rcodes);
+          if (rv % kLanes == 0) stage[st.rscales + rv / kLanes] = rsc;
+        }
+      }
+    }
+    __syncthreads();
+    copy_out(pb + d.off_codes + int64_t(r0) * d.q_len / 2, stage + st.codes, int64_t(rows) * d.q_len / 2);
+    copy_out(pb + d.off_scales + int64_t(r0) * qb, stage + st.scales, int64_t(rows) * qb);
+    if (d.r_len) {
+      copy_out(pb + d.off_rcodes + int64_t(r0) * d.r_len / 2, stage + st.rcodes, int64_t(rows) * d.r_len / 2);
+      copy_out(pb + d.off_rscales + int64_t(r0) * rb, stage + st.rscales, int64_t(rows) * rb);
+    }
+    __syncthreads();  // the tile and staging are reused by the next chunk
+  }
+  if (threadIdx.x == 0) {
+    *reinterpret_cast<float*>(section + 4 * u.plane) = g;
+    if (u.plane == 0)  // zero the g table's padding
+      for (int64_t i = 4 * d.planes; i < d.plane_offset; i += 4) *reinterpret_cast<uint32_t*>(section + i) = 0;
+  }
+}
+
+template <class T>
+__global__ void __launch_bounds__(kThreads) decode_pages_kernel(const __grid_constant__ CodecParams P) {
+  constexpr int kEpt = Hot<T>::kEpt, kLanes = lanes_per_block<T>();
+  extern __shared__ __align__(16) uint8_t smem[];
+  Unit u;
+  if (!locate_unit(P, false, u)) return;
+  const PoolDesc& d = P.pools[u.pool];
+  const uint8_t* section = P.blobs + u.slot * P.blob_stride + d.section_offset;
+  uint8_t* pb = const_cast<uint8_t*>(section) + d.plane_offset + u.plane * d.plane_bytes;
+
+  copy_lossless(d, u.page, u.plane, pb + d.off_lossless, false);
+  if (d.q_len == 0) return;
+  const float g = *reinterpret_cast<const float*>(section + 4 * u.plane);
+  const bool fast = is_fast_scale(g);
+  const int32_t qvpr = d.q_len * d.esize / 16;
+  const int32_t rvpr = d.r_len * d.esize / 16;
+  const int32_t cr = P.chunk_rows[u.pool];
+  const ChunkStaging st(d, cr);
+  const int32_t qb = d.q_len / kBlock, rb = d.r_len / kBlock;
+  for (int32_t r0 = 0; r0 < d.plane_rows; r0 += cr) {
+    const int32_t rows = min(cr, d.plane_rows - r0);
+    cp_async_range(smem + st.codes, pb + d.off_codes + int64_t(r0) * d.q_len / 2, int64_t(rows) * d.q_len / 2);
+    cp_async_range(smem + st.scales, pb + d.off_scales + int64_t(r0) * qb, int64_t(rows) * qb);
+    if (d.r_len) {
+      cp_async_range(smem + st.rcodes, pb + d.off_rcodes + int64_t(r0) * d.r_len / 2, int64_t(rows) * d.r_len / 2);
+      cp_async_range(smem + st.rscales, pb + d.off_rscales + int64_t(r0) * rb, int64_t(rows) * rb);
+    }
+    cp_async_wait_all();
+    __syncthreads();
+    const int32_t nvec = rows * qvpr;
+    for (int32_t v = threadIdx.x; v < nvec; v += kThreads) {
+      const uint32_t row = uint32_t(v / qvpr);
+      const int32_t k = v - int32_t(row) * qvpr;
+      const int32_t col = d.q_start + k * kEpt;
+      const uint8_t sc = smem[st.scales + v / kLanes];
+      bool nan = sc == kScaleNaN;
+      float x[kEpt];
+      dequantize_floats<kEpt>(load_codes<kEpt / 2>(smem + st.codes + int64_t(v) * (kEpt / 2)), sc, g, fast, x);
+      if (d.r_len && col >= d.r_start && col < d.r_start + d.r_len) {
+        const int32_t rv = int32_t(row) * rvpr + (col - d.r_start) / kEpt;
+        const uint8_t rsc = smem[st.rscales + rv / kLanes];
+        nan |= rsc == kScaleNaN;
+        float r[kEpt];
+        dequantize_floats<kEpt>(load_codes<kEpt / 2>(smem + st.rcodes + int64_t(rv) * (kEpt / 2)), rsc, g, fast, r);
+#pragma unroll
+        for (int i = 0; i < kEpt; ++i) x[i] = x[i] + r[i];
+      }
+      const uint4 out = nan ? nan_vector<T>() : from_float<T>(x);
+      *reinterpret_cast<uint4*>(d.base + d.row_offset(u.page, u.plane, r0 + row) + col * d.esize) = out;
+    }
+    __syncthreads();
+  }
+}
+
+int64_t chunk_rows_for(const PoolDesc& d) {
+  const int64_t qbytes = int64_t(d.q_len) * d.esize;
+  if (qbytes == 0 || d.plane_rows * qbytes <= kTileBytes) return std::max<int64_t>(d.plane_rows, 1);
+  const int64_t rows = std::max<int64_t>(16, (kTileBytes / qbytes) & ~int64_t(15));
+  TORCH_CHECK_VALUE(rows * qbytes <= kTileBytes, "nvfp4 codec: rows of ", d.q_len,
+                    " quantized elements are too long for the encode tile");
+  return rows;
+}
+
+template <class Kernel>
+void launch_codec(Kernel kernel, const char* what, bool encode, const std::vector<PoolDesc>& descs,
+                  const std::vector<size_t>& members, const int32_t* pairs, int64_t num_pairs, uint8_t* blobs,
+                  int64_t blob_stride, int64_t num_slots) {
+  ensure_kernel_image(kernel, what);
+  static bool smem_set = false;  // per instantiation
+  if (!smem_set) {
+    C10_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kMaxSmem));
+    smem_set = true;
+  }
+  auto stream = at::cuda::getCurrentCUDAStream();
+  for (size_t b = 0; b < members.size(); b += kMaxPools) {
+    CodecParams P{};
+    P.num_pools = int32_t(std::min<size_t>(kMaxPools, members.size() - b));
+    int64_t smem = 0;
+    for (int i = 0; i < P.num_pools; ++i) {
+      const PoolDesc& d = descs[members[b + i]];
+      P.pools[i] = d;
+      P.chunk_rows[i] = int32_t(chunk_rows_for(d));
+      P.unit_begin[i + 1] = P.unit_begin[i] + d.planes;
+      const int64_t stage = ChunkStaging(d, P.chunk_rows[i]).total;
+      smem = std::max<int64_t>(smem, encode ? stage + int64_t(P.chunk_rows[i]) * d.q_len * d.esize : stage);
+    }
+    TORCH_CHECK(smem <= kMaxSmem, what, ": a chunk needs ", smem, " bytes of shared memory");
+    P.units_per_page = P.unit_begin[P.num_pools];
+    P.pairs = pairs;
+    P.blobs = blobs;
+    P.blob_stride = blob_stride;
+    P.num_slots = num_slots;
+    const int64_t grid = num_pairs * P.units_per_page;
+    TORCH_CHECK(grid < (int64_t(1) << 31), what, ": too many pages in one call");
+    kernel<<<dim3(uint32_t(grid)), kThreads, smem, stream>>>(P);
+    C10_CUDA_KERNEL_LAUNCH_CHECK();
+  }
+}
+
+void run_codec(at::TensorList pools, const at::Tensor& cold_pages, const at::Tensor& page_pairs, at::IntArrayRef plan,
+               bool validate, bool encode) {
+  const char* what = encode ? "nvfp4_encode_pages" : "nvfp4_decode_pages";
+  check_cold_pages(cold_pages, what);
+  TORCH_CHECK_VALUE(!pools.empty(), what, ": pools is empty");
+  const at::Device device = pools[0].device();
+  for (size_t p = 0; p < pools.size(); ++p)
+    TORCH_CHECK_VALUE(pools[p].is_cuda(), what, ": pools[", p, "] is on ", pools[p].device(),
+                      "; pools must be on the GPU when cold_pages or page_pairs are");
+  c10::cuda::CUDAGuard guard(device);
+  std::vector<at::Tensor> pv(pools.begin(), pools.end());
+  auto descs = make_pool_descs(pv, plan, cold_pages.size(1), what);
+  int64_t pages = descs[0].num_pages;
+  for (auto& d : descs) pages = std::min<int64_t>(pages, d.num_pages);
+  if (encode) check_page_pairs(page_pairs, cold_pages.size(0), pages, "slot", "page", validate, what);
+  else check_page_pairs(page_pairs, pages, cold_pages.size(0), "page", "slot", validate, what);
+  uint8_t* blobs = static_cast<uint8_t*>(device_address(cold_pages, device, "cold_pages", what));
+  const int32_t* pairs = static_cast<const int32_t*>(device_address(page_pairs, device, "page_pairs", what));
+  const int64_t n = page_pairs.size(0);
+  if (n == 0) return;
+  // One launch per dtype (lossless-only pools of other dtypes ride with bf16: bytes are bytes).
+  std::map<at::ScalarType, std::vector<size_t>> groups;
+  for (size_t p = 0; p < pv.size(); ++p) {
+    at::ScalarType t = pv[p].scalar_type();
+    groups[is_hot_dtype(t) ? t : at::kBFloat16].push_back(p);
+  }
+  for (auto& [t, members] : groups) {
+    dispatch_dtype(t, [&](auto tag) {
+      using T = decltype(tag);
+      if constexpr (!std::is_same_v<T, float>) {
+        if (encode)
+          launch_codec(encode_pages_kernel<T>, what, true, descs, members, pairs, n, blobs, cold_pages.stride(0),
+                       cold_pages.size(0));
+        else
+          launch_codec(decode_pages_kernel<T>, what, false, descs, members, pairs, n, blobs, cold_pages.stride(0),
+                       cold_pages.size(0));
+      }
+    });
+  }
+}
+
+void encode_pages_cuda(at::TensorList pools, const at::Tensor& cold_pages, const at::Tensor& page_pairs,
+                       at::IntArrayRef plan, bool validate) {
+  run_codec(pools, cold_pages, page_pairs, plan, validate, true);
+}
+
+void decode_pages_cuda(const at::Tensor& cold_pages, at::TensorList pools, const at::Tensor& page_pairs,
+                       at::IntArrayRef plan, bool validate) {
+  run_codec(pools, cold_pages, page_pairs, plan, validate, false);
+}
+
+}  // namespace
+
+TORCH_LIBRARY_IMPL(kvops, CUDA, m) {
+  m.impl("nvfp4_quantize", &quantize_cuda);
+  m.impl("nvfp4_dequantize", &dequantize_cuda);
+  m.impl("nvfp4_encode_pages", &encode_pages_cuda);
+  m.impl("nvfp4_decode_pages", &decode_pages_cuda);
+}
+
+}  // namespace nvfp4
+}  // namespace kvops

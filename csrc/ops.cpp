@@ -1,0 +1,39 @@
+// Every kvops schema, in one place. Backend impls live with their family
+// (csrc/<family>/*_cpu.cpp, *_cuda.cu); fake impls live beside the Python wrappers.
+#include <Python.h>
+#include <torch/library.h>
+
+extern "C" {
+// A plain module: importing kvops._C runs the static registrations below and in each family.
+PyObject* PyInit__C(void) {
+  static struct PyModuleDef module_def = {PyModuleDef_HEAD_INIT, "_C", nullptr, -1, nullptr};
+  return PyModule_Create(&module_def);
+}
+}
+
+TORCH_LIBRARY(kvops, m) {
+  // NVFP4 primitives: 16-element blocks, E4M3 block scales, one fp32 global scale.
+  m.def("nvfp4_quantize(Tensor x, Tensor? global_scale=None) -> (Tensor packed, Tensor scales)");
+  m.def("nvfp4_dequantize(Tensor packed, Tensor scales, Tensor? global_scale, ScalarType dtype) -> Tensor");
+  // Cold-page codec: pools -> one fixed-size blob per page (plan from kvops/nvfp4/layout.py).
+  m.def("nvfp4_encode_pages(Tensor[] pools, Tensor(a!) cold_pages, Tensor page_pairs, int[] plan, "
+        "bool validate=False) -> ()");
+  m.def("nvfp4_decode_pages(Tensor cold_pages, Tensor(a!)[] pools, Tensor page_pairs, int[] plan, "
+        "bool validate=False) -> ()");
+}
+
+#ifndef KVOPS_WITH_CUDA
+// A build without nvcc still answers CUDA calls, with a clear error instead of a missing kernel.
+namespace {
+void not_built(const c10::OperatorHandle& op, torch::jit::Stack*) {
+  TORCH_CHECK(false, op.schema().name(),
+              ": kvops was built without CUDA kernels (no nvcc or a CPU-only torch at build time); "
+              "reinstall with CUDA_HOME set to the CUDA toolkit");
+}
+}  // namespace
+
+TORCH_LIBRARY_IMPL(kvops, CUDA, m) {
+  for (const char* name : {"nvfp4_quantize", "nvfp4_dequantize", "nvfp4_encode_pages", "nvfp4_decode_pages"})
+    m.impl(name, torch::CppFunction::makeFromBoxedFunction<&not_built>());
+}
+#endif

@@ -1,0 +1,15 @@
+"""kvops: KV-cache compression kernels for LLM inference engines, registered under torch.ops.kvops."""
+
+import torch
+
+try:
+    from . import _C  # noqa: F401  (registers every schema and the CPU/CUDA impls)
+except ImportError as e:  # pragma: no cover
+    raise ImportError(
+        "kvops._C is not built; install with `pip install --no-build-isolation -e .` (see README.md)"
+    ) from e
+
+from . import nvfp4  # noqa: E402
+
+__all__ = ["nvfp4"]
+__version__ = "0.1.0"

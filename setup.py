@@ -1,0 +1,53 @@
+"""Builds kvops._C ahead of time: C++ CPU kernels always, CUDA kernels when torch has CUDA and nvcc exists.
+
+Default CUDA archs are sm_90a (Hopper) and sm_100a (Blackwell); TORCH_CUDA_ARCH_LIST overrides them
+(e.g. TORCH_CUDA_ARCH_LIST="9.0" for a quick Hopper-only build). Build with --no-build-isolation so the
+extension links against the torch you run with.
+"""
+import glob
+import os
+
+from setuptools import find_packages, setup
+from torch.utils.cpp_extension import CUDA_HOME, BuildExtension, CppExtension, CUDAExtension
+import torch
+
+ROOT = os.path.dirname(os.path.abspath(__file__))
+
+
+def _sources(pattern):
+    return sorted(os.path.relpath(p, ROOT) for p in glob.glob(os.path.join(ROOT, "csrc", "**", pattern), recursive=True))
+
+
+def _cuda_arch_flags():
+    archs = os.environ.get("TORCH_CUDA_ARCH_LIST")
+    if archs:
+        return []  # torch's cpp_extension turns TORCH_CUDA_ARCH_LIST into -gencode flags
+    # 'a' targets unlock the arch-specific instructions (setmaxnreg, wgmma, FP4 converts on sm_100a).
+    return ["-gencode=arch=compute_90a,code=sm_90a", "-gencode=arch=compute_100a,code=sm_100a"]
+
+
+def _extension():
+    with_cuda = torch.version.cuda is not None and CUDA_HOME is not None and os.environ.get("KVOPS_NO_CUDA") != "1"
+    cxx = ["-O3", "-ffp-contract=off"]
+    sources = _sources("*.cpp")
+    if not with_cuda:
+        return CppExtension("kvops._C", sources, extra_compile_args={"cxx": cxx}, py_limited_api=True)
+    nvcc = ["-O3", "--expt-relaxed-constexpr", "-lineinfo", "-DKVOPS_WITH_CUDA",
+            "-Xcompiler=-ffp-contract=off"] + _cuda_arch_flags()
+    return CUDAExtension("kvops._C", sources + _sources("*.cu"),
+                         extra_compile_args={"cxx": cxx + ["-DKVOPS_WITH_CUDA"], "nvcc": nvcc}, py_limited_api=True)
+
+
+setup(
+    name="kvops",
+    version="0.1.0",
+    description="KV-cache compression kernels for LLM inference engines (torch.ops.kvops)",
+    packages=find_packages(include=["kvops", "kvops.*"]),
+    python_requires=">=3.10",
+    install_requires=["torch", "numpy"],
+    extras_require={"dev": ["pytest", "hypothesis", "ninja"]},
+    ext_modules=[_extension()],
+    cmdclass={"build_ext": BuildExtension.with_options(use_ninja=True)},
+    options={"bdist_wheel": {"py_limited_api": "cp39"}},
+    entry_points={"console_scripts": ["kvops=kvops.__main__:main"]},
+)
