@@ -2,8 +2,8 @@
 #pragma once
 
 #include <ATen/ATen.h>
-#include <ATen/cuda/CUDAContext.h>
 #include <c10/cuda/CUDAException.h>
+#include <c10/cuda/CUDAStream.h>
 #include <cuda_runtime.h>
 
 namespace kvops {
@@ -27,6 +27,13 @@ void ensure_kernel_image(Kernel kernel, const char* op) {
                 prop.minor);
   }
   checked_device = dev;
+}
+
+inline int sm_count() {
+  int dev = 0, sms = 0;
+  C10_CUDA_CHECK(cudaGetDevice(&dev));
+  C10_CUDA_CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev));
+  return sms;
 }
 
 // Device-visible address of a tensor that lives on `device` or in pinned host memory.

@@ -60,7 +60,7 @@ struct PoolDesc {
   int64_t section_offset, plane_offset, plane_bytes;
   int32_t off_codes, off_rcodes, off_scales, off_rscales, off_lossless;
 
-  int32_t lossless_bytes() const { return row_bytes - q_len * esize; }
+  KVOPS_HD int32_t lossless_bytes() const { return row_bytes - q_len * esize; }
   KVOPS_HD int64_t row_offset(int64_t page, int plane, uint32_t row) const {
     int64_t off = page * page_stride + plane * plane_stride;
 #if defined(__CUDACC__)

@@ -10,7 +10,6 @@
 // The blob may live in pinned host memory: every access to it is a coalesced 16-byte vector, and
 // the grid has a CTA per unit so that enough requests are in flight to fill PCIe.
 #include <ATen/ATen.h>
-#include <ATen/cuda/CUDAContext.h>
 #include <c10/cuda/CUDAGuard.h>
 #include <torch/library.h>
 
@@ -30,8 +29,6 @@ constexpr int kWarps = kThreads / 32;
 constexpr int kMaxPools = 16;               // pools per launch (keeps the parameter block < 4 KB)
 constexpr int64_t kTileBytes = 64 * 1024;   // encode input tile: a whole Qwen3-8B bf16 plane
 constexpr int kMaxSmem = 200 * 1024;
-
-__device__ __forceinline__ int64_t pad16(int64_t n) { return (n + 15) & ~int64_t(15); }
 
 __device__ __forceinline__ void cp_async16(void* smem, const void* gmem) {
   uint32_t s = static_cast<uint32_t>(__cvta_generic_to_shared(smem));
@@ -130,7 +127,7 @@ void dispatch_dtype(at::ScalarType t, F&& f) {
 }
 
 int grid_for(int64_t nvec) {
-  const int sms = at::cuda::getCurrentDeviceProperties()->multiProcessorCount;
+  const int sms = sm_count();
   return int(std::max<int64_t>(1, std::min<int64_t>((nvec + kThreads - 1) / kThreads, int64_t(sms) * 8)));
 }
 
@@ -156,7 +153,7 @@ std::tuple<at::Tensor, at::Tensor> quantize_cuda(const at::Tensor& x, const c10:
   auto [packed, scales] = quantize_outputs(x);
   const int64_t nvec = xc.numel() * xc.element_size() / 16;
   if (nvec == 0) return {packed, scales};
-  auto stream = at::cuda::getCurrentCUDAStream();
+  auto stream = c10::cuda::getCurrentCUDAStream();
   dispatch_dtype(xc.scalar_type(), [&](auto tag) {
     using T = decltype(tag);
     ensure_kernel_image(quantize_kernel<T>, "nvfp4_quantize");
@@ -177,7 +174,7 @@ at::Tensor dequantize_cuda(const at::Tensor& packed, const at::Tensor& scales,
   at::Tensor out = dequantize_output(packed, dtype);
   const int64_t nvec = out.numel() * out.element_size() / 16;
   if (nvec == 0) return out;
-  auto stream = at::cuda::getCurrentCUDAStream();
+  auto stream = c10::cuda::getCurrentCUDAStream();
   dispatch_dtype(dtype, [&](auto tag) {
     using T = decltype(tag);
     ensure_kernel_image(dequantize_kernel<T>, "nvfp4_dequantize");
@@ -428,7 +425,7 @@ void launch_codec(Kernel kernel, const char* what, bool encode, const std::vecto
     C10_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kMaxSmem));
     smem_set = true;
   }
-  auto stream = at::cuda::getCurrentCUDAStream();
+  auto stream = c10::cuda::getCurrentCUDAStream();
   for (size_t b = 0; b < members.size(); b += kMaxPools) {
     CodecParams P{};
     P.num_pools = int32_t(std::min<size_t>(kMaxPools, members.size() - b));

@@ -1,0 +1,50 @@
+import os
+
+import pytest
+import torch
+
+import kvops  # noqa: F401  (loads the ops)
+
+HAS_CUDA = torch.cuda.is_available()
+DEVICES = ["cpu"] + (["cuda"] if HAS_CUDA else [])
+requires_cuda = pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA GPU")
+
+
+@pytest.fixture(autouse=True)
+def _fresh_seed(request):
+    # Fresh data every run (the seed is printed on failure), reproducible with KVOPS_TEST_SEED.
+    seed = int(os.environ.get("KVOPS_TEST_SEED", torch.seed() % 2**31))
+    torch.manual_seed(seed)
+    request.node.user_properties.append(("seed", seed))
+    yield
+
+
+def poison_(t: torch.Tensor) -> torch.Tensor:
+    """Fill with random bytes (never zeros only), in place."""
+    b = t.view(torch.uint8) if t.dtype != torch.uint8 else t
+    b.copy_(torch.randint(0, 256, b.shape, dtype=torch.uint8, device=b.device))
+    return t
+
+
+def bytes_of(t: torch.Tensor) -> torch.Tensor:
+    return t.reshape(-1).contiguous().view(torch.uint8).cpu()
+
+
+def opcheck(op, args):
+    """torch.library.opcheck, all of it. torch's schema-check mode cannot compare float8 tensors
+    (bitwise_equal multiplies them), so for float8 inputs its mutation check is done here instead."""
+    flat = [a for x in args for a in (x if isinstance(x, (list, tuple)) else [x]) if isinstance(a, torch.Tensor)]
+    if not any(t.dtype == torch.float8_e4m3fn for t in flat):
+        torch.library.opcheck(op, args)
+        return
+    utils = ("test_autograd_registration", "test_faketensor", "test_aot_dispatch_dynamic")
+    torch.library.opcheck(op, args, test_utils=utils)
+    mutable = {i for i, a in enumerate(op._schema.arguments) if a.alias_info is not None and a.alias_info.is_write}
+    before = [[bytes_of(t).clone() for t in (a if isinstance(a, (list, tuple)) else [a]) if isinstance(t, torch.Tensor)]
+              for a in args]
+    op(*args)
+    for i, a in enumerate(args):
+        if i in mutable:
+            continue
+        after = [bytes_of(t) for t in (a if isinstance(a, (list, tuple)) else [a]) if isinstance(t, torch.Tensor)]
+        assert all(torch.equal(x, y) for x, y in zip(before[i], after)), f"argument {i} mutated but not declared"

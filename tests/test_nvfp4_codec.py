@@ -1,0 +1,354 @@
+"""The NVFP4 cold-page codec: layouts, reference agreement, canaries, round trips, ops, errors."""
+
+import pytest
+import torch
+
+from kvops.nvfp4 import ColdPageCodec, RowSpec
+from kvops.nvfp4 import reference as ref
+
+from conftest import DEVICES, HAS_CUDA, bytes_of, opcheck, poison_, requires_cuda
+
+HOT = [torch.bfloat16, torch.float16, torch.float8_e4m3fn]
+POLICIES = ["per_page_pow2", "per_page", "identity", 0.5]
+
+
+def _kv(shape, dtype, device="cpu", v_scale=0.05):
+    """Lognormal-ish K with small V (the case that makes identity scaling underflow)."""
+    x = torch.randn(shape).sign() * torch.exp(torch.randn(shape) * 0.8)
+    if dtype == torch.float8_e4m3fn:
+        x = x.clamp(-448, 448)
+    return (x * v_scale if v_scale else x).to(dtype).to(device)
+
+
+def _geometries(dtype, device, policy, num_pages=9):
+    """(pools, specs) for the layouts engines use."""
+    P = num_pages
+    hnd = _kv((P, 2, 2, 16, 128), dtype, device, None)
+    hnd[:, 1] = hnd[:, 1] * 0.03 if dtype != torch.float8_e4m3fn else hnd[:, 1]
+    nhd = _kv((P, 16, 2, 2, 64), dtype, device, None)
+    k, v = _kv((P, 16, 2, 64), dtype, device, None), _kv((P, 16, 2, 64), dtype, device)
+    mla = _kv((P, 16, 576), dtype, device, None)
+    side = torch.randn(P, 3, 8, device=device)  # fp32 lossless side state
+    vllm = _kv((2, P, 16, 2, 64), dtype, device, None).permute(1, 0, 3, 2, 4)  # a strided view
+    return {
+        "hnd": ([hnd], [RowSpec.full(128, plane_dim=1, global_scale=policy)]),
+        "nhd": ([nhd], [RowSpec.full(64, plane_dim=2, global_scale=policy)]),
+        "split_kv": ([k, v], [RowSpec.full(64, global_scale=policy), RowSpec.full(64, global_scale=policy)]),
+        "mla_skip_rope": ([mla], [RowSpec.for_rope(576, (512, 64), skip_rope_quantization=True, global_scale=policy)]),
+        "mla_residual": ([mla], [RowSpec.for_rope(576, (512, 64), rope_residual=True, global_scale=policy)]),
+        "rope_prefix_partial": ([nhd], [RowSpec((32, 32), plane_dim=2, global_scale=policy)]),
+        "vllm_view_and_side": ([vllm, side], [RowSpec.full(64, plane_dim=1, global_scale=policy), RowSpec.lossless()]),
+    }
+
+
+def _pairs(n, limit_dst, limit_src, device="cpu"):
+    dst = torch.randperm(limit_dst)[:n]
+    src = torch.randperm(limit_src)[:n]  # distinct, so the reverse pairs are valid decode pairs
+    return torch.stack([dst, src], 1).to(torch.int32).to(device)
+
+
+def _pool_bytes(pools):
+    return [bytes_of(p) for p in pools]
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", HOT)
+@pytest.mark.parametrize("policy", POLICIES)
+def test_matches_reference_with_canaries(device, dtype, policy):
+    for name, (pools, specs) in _geometries(dtype, device, policy).items():
+        codec = ColdPageCodec(pools, specs)
+        assert codec.cold_page_bytes % 16 == 0
+        # A wider buffer: canary columns right of each blob and canary slots must survive.
+        buf = poison_(torch.empty(12, codec.cold_page_bytes + 48, dtype=torch.uint8, device=device))
+        cold = buf[:, :codec.cold_page_bytes]
+        before = buf.clone()
+        pairs = _pairs(5, 12, pools[0].shape[0], device)
+        codec.encode(pools, cold, pairs)
+        expect = before.clone().cpu()
+        ref.encode_pages([p.cpu() for p in pools], specs, expect[:, :codec.cold_page_bytes], pairs.cpu())
+        assert torch.equal(buf.cpu(), expect), f"{name}: encode differs from the reference"
+
+        # Poisoned pools: pages not decoded into are canaries and must survive.
+        outs = [poison_(p.clone()) for p in pools]
+        expect_pools = [o.cpu().clone() for o in outs]
+        dpairs = torch.stack([torch.randperm(pools[0].shape[0])[:5], pairs[:, 0].cpu()], 1).to(torch.int32).to(device)
+        codec.decode(cold, outs, dpairs)
+        ref.decode_pages(cold.cpu(), expect_pools, specs, dpairs.cpu())
+        for o, e in zip(outs, expect_pools):
+            assert torch.equal(bytes_of(o), bytes_of(e)), f"{name}: decode differs from the reference"
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_lossless_bytes_and_non_finite(device):
+    """NaN/Inf outside the quantized run come back bit-exact; inside, NaN poisons only its block."""
+    pool = torch.randn(4, 8, 576).to(torch.bfloat16).to(device)
+    pool[:, :, 530] = float("nan")
+    pool[:, :, 560] = float("inf")
+    pool[1, 3, 17] = float("nan")
+    pool[2, 5, 100] = float("inf")
+    specs = [RowSpec.for_rope(576, (512, 64), skip_rope_quantization=True)]
+    codec = ColdPageCodec([pool], specs)
+    cold = codec.allocate(4, device=device)
+    pairs = torch.tensor([[0, 0], [1, 1], [2, 2], [3, 3]], dtype=torch.int32, device=device)
+    codec.encode([pool], cold, pairs)
+    out = poison_(torch.empty_like(pool))
+    codec.decode(cold, [out], pairs)
+    assert torch.equal(bytes_of(out[..., 512:]), bytes_of(pool[..., 512:]))
+    assert out[1, 3, 16:32].isnan().all() and not out[1, 3, :16].isnan().any()
+    assert out[2, 5, 96:112].isfinite().all()  # Inf saturates to 6 * 448 / g
+    expect = torch.zeros_like(cold.cpu())
+    ref.encode_pages([pool.cpu()], specs, expect, pairs.cpu())
+    assert torch.equal(cold.cpu(), expect)
+
+
+def _roundtrip(codec, pools, device):
+    cold = codec.allocate(pools[0].shape[0], device=device)
+    n = pools[0].shape[0]
+    pairs = torch.stack([torch.arange(n), torch.arange(n)], 1).to(torch.int32).to(device)
+    codec.encode(pools, cold, pairs)
+    outs = [poison_(torch.empty_like(p)) for p in pools]
+    codec.decode(cold, outs, pairs)
+    return outs, cold
+
+
+def _normal_scale_blocks(cold, codec):
+    """Bool [pages, planes*rows*blocks]: block scale bytes whose E4M3 exponent is non-zero and not NaN."""
+    lay = codec.layouts[0]
+    nb = lay.rows * lay.spec.quantized_range[1] // 16
+    out = []
+    for p in range(lay.planes):
+        base = lay.section_offset + lay.plane_offset + p * lay.plane_bytes + lay.off_scales
+        sc = cold[:, base:base + nb].cpu()
+        out.append(((sc & 0x78) != 0) & ((sc & 0x7F) != 0x7F))
+    return torch.cat(out, 1)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", HOT)
+@pytest.mark.parametrize("policy", ["per_page_pow2", "identity"])
+def test_every_bit_pattern_round_trip(device, dtype, policy):
+    """Every bit pattern of the hot dtype, laid out in pages: reference bytes, lossless part exact,
+    and no error accumulation: D(E(D(E(x)))) == D(E(x)) where block scales are normal (fp8: from trip 2)."""
+    n = 1 << (8 * torch.empty((), dtype=dtype).element_size())
+    bits = torch.arange(n, dtype=torch.int32).to(torch.int16 if n > 256 else torch.uint8)
+    x = bits.view(dtype)
+    # [pages, 2 planes, 4 rows, 64]: every pattern once in the 32 quantized and once in the 32 lossless columns
+    q = x.reshape(-1, 2, 4 if n > 256 else 1, 32)  # fp8: small pages, so most hold no NaN
+    pool = torch.cat([q, x[torch.randperm(n)].reshape(q.shape)], -1).contiguous().to(device)
+    specs = [RowSpec((0, 32), plane_dim=1, global_scale=policy)]
+    codec = ColdPageCodec([pool], specs)
+    (y1,), cold1 = _roundtrip(codec, [pool], device)
+    expect = torch.zeros_like(cold1.cpu())
+    ref.encode_pages([pool.cpu()], specs, expect, torch.stack([torch.arange(pool.shape[0])] * 2, 1).int())
+    assert torch.equal(cold1.cpu(), expect)
+    assert torch.equal(bytes_of(y1[..., 32:]), bytes_of(pool[..., 32:]))
+    (y2,), cold2 = _roundtrip(codec, [y1], device)
+    if dtype == torch.float8_e4m3fn:
+        (y3,), _ = _roundtrip(codec, [y2], device)
+        y1, y2, cold1, cold2 = y2, y3, cold2, None
+        cold2 = _roundtrip(codec, [y1], device)[1]
+    ok = _normal_scale_blocks(cold1, codec) & _normal_scale_blocks(cold2, codec)  # [pages, planes*rows*2]
+    # Pages holding Inf/NaN (or that overflow fp16 on decode, which rounds, not saturates) get g = 1
+    # on the next trip, so they are outside the claim.
+    finite = lambda t: t[..., :32].float().isfinite().reshape(t.shape[0], -1).all(-1, keepdim=True).cpu()  # noqa: E731
+    ok &= finite(pool if dtype != torch.float8_e4m3fn else y1) & finite(y1)
+    a = bytes_of(y1[..., :32]).view(y1.shape[0], -1, 16 * y1.element_size())
+    b = bytes_of(y2[..., :32]).view(y1.shape[0], -1, 16 * y1.element_size())
+    same = (a == b).all(-1)
+    assert ok.float().mean() > 0.3, "too few normal blocks to say anything"
+    assert bool(same[ok].all()), f"{int((~same[ok]).sum())} normal blocks changed on the second trip"
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("num_pages", [1, 257, 10_000])
+def test_batches(device, num_pages):
+    if num_pages == 10_000 and device == "cpu" and not HAS_CUDA:
+        pass  # still run: the C++ CPU kernel is fast enough on 4 KiB pages
+    pool = _kv((num_pages, 2, 1, 16, 64), torch.bfloat16, device, None)
+    specs = [RowSpec.full(64, plane_dim=1)]
+    codec = ColdPageCodec([pool], specs)
+    cold = poison_(codec.allocate(num_pages + 3, device=device))
+    perm = torch.randperm(num_pages + 3)[:num_pages]
+    pairs = torch.stack([perm, torch.arange(num_pages)], 1).to(torch.int32).to(device)
+    codec.encode([pool], cold, pairs)
+    out = poison_(torch.empty_like(pool))
+    codec.decode(cold, [out], torch.stack([torch.arange(num_pages), perm], 1).to(torch.int32).to(device))
+    # Against the CPU kernel (the float64 reference is too slow for 10k pages; it checks the CPU kernel above).
+    cold_cpu = cold.cpu().clone()
+    out_cpu = torch.empty_like(out.cpu())
+    codec.encode([pool.cpu()], cold_cpu, pairs.cpu())
+    assert torch.equal(cold_cpu, cold.cpu())
+    codec.decode(cold_cpu, [out_cpu], torch.stack([torch.arange(num_pages), perm], 1).to(torch.int32))
+    assert torch.equal(bytes_of(out_cpu), bytes_of(out))
+    sub = torch.randint(0, num_pages, (3,))
+    for i in sub.tolist():
+        e = ref.encode_page(pool[i].cpu(), codec.layouts[0])
+        assert torch.equal(cold[perm[i]].cpu(), e)
+
+
+@requires_cuda
+@pytest.mark.parametrize("dtype", HOT)
+def test_pinned_host_blobs_no_sync_between(dtype):
+    """Encode into pinned host memory and decode back, enqueued back to back with no sync."""
+    pools, specs = _geometries(dtype, "cuda", "per_page_pow2", num_pages=40)["hnd"]
+    codec = ColdPageCodec(pools, specs)
+    host = poison_(codec.allocate(50, device="cpu", pin_memory=True))
+    dev = poison_(codec.allocate(50, device="cuda"))
+    pairs = _pairs(30, 50, 40, "cuda")
+    host_pairs = pairs.cpu().pin_memory()
+    codec.encode(pools, host, pairs)
+    codec.encode(pools, dev, host_pairs)  # pairs in pinned host memory work too
+    outs = [torch.empty_like(pools[0])]
+    back = torch.stack([pairs[:, 1], pairs[:, 0]], 1).contiguous()
+    codec.decode(host, outs, back)
+    torch.cuda.synchronize()
+    assert torch.equal(host, dev.cpu())
+    ref_out = [torch.empty_like(pools[0])]
+    codec.decode(dev, ref_out, back)
+    assert torch.equal(bytes_of(outs[0]), bytes_of(ref_out[0]))
+
+
+@requires_cuda
+@pytest.mark.parametrize("dtype", HOT)
+def test_cpu_and_cuda_bytes_identical(dtype):
+    for name, (pools, specs) in _geometries(dtype, "cpu", "per_page_pow2").items():
+        codec = ColdPageCodec(pools, specs)
+        pairs = _pairs(6, 8, pools[0].shape[0])
+        a, b = codec.allocate(8), codec.allocate(8, device="cuda")
+        codec.encode(pools, a, pairs)
+        codec.encode([p.cuda() for p in pools], b, pairs.cuda())
+        assert torch.equal(a, b.cpu()), name
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_opcheck(device):
+    for dtype in HOT:
+        pools, specs = _geometries(dtype, device, "per_page_pow2")["mla_residual"]
+        codec = ColdPageCodec(pools, specs)
+        cold = codec.allocate(4, device=device)
+        pairs = _pairs(3, 4, pools[0].shape[0], device)
+        opcheck(torch.ops.kvops.nvfp4_encode_pages.default, (pools, cold, pairs, codec.plan, False))
+        dp = torch.stack([pairs[:, 1], pairs[:, 0]], 1).contiguous()
+        opcheck(torch.ops.kvops.nvfp4_decode_pages.default, (cold, [p.clone() for p in pools], dp, codec.plan, False))
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_compile_fullgraph(device):
+    pools, specs = _geometries(torch.bfloat16, device, "per_page_pow2")["hnd"]
+    codec = ColdPageCodec(pools, specs)
+
+    def offload_onboard(pools, cold, pairs, back, outs):
+        codec.encode(pools, cold, pairs)
+        codec.decode(cold, outs, back)
+        return outs[0] * 2
+
+    cold, cold2 = codec.allocate(6, device=device), codec.allocate(6, device=device)
+    pairs = _pairs(4, 6, pools[0].shape[0], device)
+    back = torch.stack([pairs[:, 1], pairs[:, 0]], 1).contiguous()
+    outs, outs2 = [torch.zeros_like(pools[0])], [torch.zeros_like(pools[0])]
+    compiled = torch.compile(offload_onboard, fullgraph=True, backend="aot_eager" if device == "cpu" else "inductor")
+    r = compiled(pools, cold, pairs, back, outs)
+    e = offload_onboard(pools, cold2, pairs, back, outs2)
+    assert torch.equal(cold, cold2) and torch.equal(bytes_of(r), bytes_of(e))
+
+
+@requires_cuda
+def test_cuda_graph_replay_fresh_data():
+    pools, specs = _geometries(torch.bfloat16, "cuda", "per_page_pow2", num_pages=16)["mla_residual"]
+    codec = ColdPageCodec(pools, specs)
+    host = codec.allocate(16, device="cpu", pin_memory=True)
+    pairs = torch.zeros(8, 2, dtype=torch.int32, device="cuda")
+    back = torch.zeros(8, 2, dtype=torch.int32, device="cuda")
+    outs = [torch.zeros_like(pools[0])]
+    codec.encode(pools, host, pairs)  # warm up outside capture
+    codec.decode(host, outs, back)
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        codec.encode(pools, host, pairs)
+        codec.decode(host, outs, back)
+    for _ in range(3):
+        pools[0].copy_(_kv(pools[0].shape, torch.bfloat16, "cuda", None))
+        slots, pages = torch.randperm(16)[:8], torch.randperm(16)[:8]
+        pairs.copy_(torch.stack([slots, pages], 1))
+        back.copy_(torch.stack([torch.randperm(16)[:8], slots], 1))
+        outs[0].zero_()
+        graph.replay()
+        torch.cuda.synchronize()
+        expect = torch.zeros_like(host)
+        ref.encode_pages([pools[0].cpu()], specs, expect, pairs.cpu())
+        assert torch.equal(host[slots], expect[slots])
+        exp_out = torch.zeros_like(outs[0].cpu())
+        ref.decode_pages(host, [exp_out], specs, back.cpu())
+        assert torch.equal(bytes_of(outs[0]), bytes_of(exp_out))
+
+
+def test_config_errors_name_the_pool():
+    pool = torch.zeros(4, 2, 8, 16, 128, dtype=torch.bfloat16)
+    cases = [
+        (RowSpec((8, 64)), "multiples of 16"),
+        (RowSpec((0, 144)), "outside the row"),
+        (RowSpec((0, 64), residual_range=(64, 16)), "outside quantized_range"),
+        (RowSpec((0, 64), residual_range=(0, 8)), "multiples of 16"),
+        (RowSpec.full(128, plane_dim=4), "plane_dim"),
+        (RowSpec.full(128, global_scale="per_token"), "global_scale"),
+        (RowSpec.full(128, global_scale=-1.0), "positive"),
+        (RowSpec.full(128, global_scale=float("nan")), "positive"),
+    ]
+    for spec, msg in cases:
+        with pytest.raises(ValueError, match=rf"pools\[1\].*{msg}"):
+            ColdPageCodec([pool, pool], [RowSpec.lossless(), spec])
+    with pytest.raises(ValueError, match="can be quantized"):
+        ColdPageCodec([torch.zeros(4, 8, 64)], [RowSpec.full(64)])
+    with pytest.raises(ValueError, match="not a multiple of 16"):
+        ColdPageCodec([torch.zeros(4, 8, 4, dtype=torch.bfloat16)], [RowSpec.lossless()])
+    with pytest.raises(ValueError, match="middle of a row"):
+        RowSpec.for_rope(128, (32, 64), skip_rope_quantization=True)
+    with pytest.raises(ValueError, match="whole row is RoPE"):
+        RowSpec.for_rope(128, (0, 128), skip_rope_quantization=True)
+    with pytest.raises(ValueError, match="2 pools"):
+        ColdPageCodec([pool, pool], [RowSpec.lossless()])
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_call_errors_touch_nothing(device):
+    pools, specs = _geometries(torch.bfloat16, device, "per_page_pow2")["split_kv"]
+    codec = ColdPageCodec(pools, specs)
+    cold = poison_(codec.allocate(4, device=device))
+    saved = cold.clone()
+    ok = torch.tensor([[0, 0]], dtype=torch.int32, device=device)
+
+    def expect(exc, msg, fn):
+        with pytest.raises(exc, match=msg):
+            fn()
+        assert torch.equal(cold, saved)
+
+    expect(ValueError, "slot 4 is out of range", lambda: codec.encode(pools, cold, torch.tensor([[4, 0]], dtype=torch.int32)))
+    expect(ValueError, "page 9 is out of range", lambda: codec.encode(pools, cold, torch.tensor([[0, 9]], dtype=torch.int32)))
+    expect(ValueError, "slot 1 is written twice", lambda: codec.encode(pools, cold, torch.tensor([[1, 0], [1, 2]], dtype=torch.int32)))
+    expect(ValueError, "page_pairs must be int32", lambda: codec.encode(pools, cold, ok.long()))
+    expect(ValueError, "page_pairs must be int32", lambda: codec.encode(pools, cold, ok[0]))
+    expect(ValueError, "cold_pages: expected", lambda: codec.encode(pools, cold[:, :16], ok))
+    expect(ValueError, "pools\\[1\\]: configured", lambda: codec.encode([pools[0], pools[1][:, :8]], cold, ok))
+    expect(ValueError, "expected 2 pools", lambda: codec.encode(pools[:1], cold, ok))
+    expect(ValueError, "plan has", lambda: torch.ops.kvops.nvfp4_encode_pages(pools, cold, ok, codec.plan[:-1]))
+    expect(ValueError, "cold_pages must be uint8", lambda: torch.ops.kvops.nvfp4_encode_pages(pools, cold.view(torch.int8), ok, codec.plan))
+    bad_plan = list(codec.plan)
+    bad_plan[1] = 80  # quantized length past the row
+    expect(ValueError, "quantized range", lambda: torch.ops.kvops.nvfp4_encode_pages(pools, cold, ok, bad_plan))
+    bad_plan = list(codec.plan)
+    bad_plan[7] = codec.cold_page_bytes  # section past the blob
+    expect(ValueError, "does not fit", lambda: torch.ops.kvops.nvfp4_encode_pages(pools, cold, ok, bad_plan))
+    outs = [p.clone() for p in pools]
+    with pytest.raises(ValueError, match="slot 7 is out of range"):
+        codec.decode(cold, outs, torch.tensor([[0, 7]], dtype=torch.int32))
+    assert all(torch.equal(a, b) for a, b in zip(outs, pools))
+    if device == "cuda":
+        expect(ValueError, "pinned", lambda: codec.encode(pools, cold, ok.cpu()))
+        expect(ValueError, "pinned", lambda: codec.encode(pools, torch.zeros_like(cold.cpu()), ok))
+        bad = torch.tensor([[0, 9]], dtype=torch.int32, device="cuda")
+        expect(ValueError, "page 9 is out of range", lambda: codec.encode(pools, cold, bad, validate=True))
+        codec.encode(pools, cold, bad)  # without validate the kernel skips the bad pair and writes nothing
+        torch.cuda.synchronize()
+        assert torch.equal(cold, saved)
+        expect(ValueError, "is not on the CPU|must be on the GPU", lambda: codec.encode([p.cpu() for p in pools], cold, ok))
