@@ -6,16 +6,24 @@
 #include <c10/cuda/CUDAStream.h>
 #include <cuda_runtime.h>
 
+#include <mutex>
+#include <set>
+#include <tuple>
+
 namespace kvops {
 
 // Raises a clear error when this build has no kernel image for the current GPU
-// (cudaFuncGetAttributes fails with cudaErrorInvalidDeviceFunction). Cached per kernel.
+// (cudaFuncGetAttributes fails with cudaErrorInvalidDeviceFunction). Also opts the kernel in to
+// `smem_bytes` of dynamic shared memory. Done once per (kernel, device), before any capture.
 template <class Kernel>
-void ensure_kernel_image(Kernel kernel, const char* op) {
-  static thread_local int checked_device = -1;
+void prepare_kernel(Kernel kernel, const char* op, int smem_bytes = 0) {
+  static std::mutex mu;
+  static std::set<std::tuple<const void*, int, int>> done;
   int dev = 0;
   C10_CUDA_CHECK(cudaGetDevice(&dev));
-  if (checked_device == dev) return;
+  const auto key = std::make_tuple(reinterpret_cast<const void*>(kernel), dev, smem_bytes);
+  std::lock_guard<std::mutex> lock(mu);
+  if (done.count(key)) return;
   cudaFuncAttributes attr;
   cudaError_t err = cudaFuncGetAttributes(&attr, kernel);
   if (err != cudaSuccess) {
@@ -26,7 +34,9 @@ void ensure_kernel_image(Kernel kernel, const char* op) {
                 " (", cudaGetErrorString(err), "); rebuild with TORCH_CUDA_ARCH_LIST including ", prop.major, ".",
                 prop.minor);
   }
-  checked_device = dev;
+  if (smem_bytes > 48 * 1024)
+    C10_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem_bytes));
+  done.insert(key);
 }
 
 inline int sm_count() {

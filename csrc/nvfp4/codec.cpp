@@ -1,10 +1,72 @@
 // Host-side checks and descriptors for the cold-page codec (CPU and CUDA share them).
 #include "codec.h"
+#include "nvfp4.h"
 
 #include <unordered_set>
 
 namespace kvops {
 namespace nvfp4 {
+
+void check_global_scale(const c10::optional<at::Tensor>& g, const at::Tensor& like, const char* what) {
+  if (!g) return;
+  TORCH_CHECK_VALUE(g->scalar_type() == at::kFloat && g->numel() == 1, what,
+                    ": global_scale must be a one-element float32 tensor, got ", g->scalar_type(), " ", g->sizes());
+  TORCH_CHECK_VALUE(g->is_cpu() || g->device() == like.device(), what, ": global_scale is on ", g->device(),
+                    ", the data on ", like.device());
+}
+
+void check_quantize_args(const at::Tensor& x, const c10::optional<at::Tensor>& g) {
+  const char* what = "nvfp4_quantize";
+  TORCH_CHECK_VALUE(is_hot_dtype(x.scalar_type()) || x.scalar_type() == at::kFloat, what,
+                    ": x dtype must be bfloat16, float16, float32 or float8_e4m3fn, got ", x.scalar_type());
+  TORCH_CHECK_VALUE(x.dim() >= 1 && x.size(-1) % kBlock == 0, what, ": x last dim must be a multiple of 16, got shape ",
+                    x.sizes());
+  check_global_scale(g, x, what);
+}
+
+void check_dequantize_args(const at::Tensor& packed, const at::Tensor& scales, const c10::optional<at::Tensor>& g,
+                                  at::ScalarType dtype) {
+  const char* what = "nvfp4_dequantize";
+  TORCH_CHECK_VALUE(packed.scalar_type() == at::kByte, what, ": packed must be uint8, got ", packed.scalar_type());
+  TORCH_CHECK_VALUE(scales.scalar_type() == at::kFloat8_e4m3fn, what, ": scales must be float8_e4m3fn, got ",
+                    scales.scalar_type());
+  TORCH_CHECK_VALUE(packed.dim() >= 1 && packed.size(-1) % 8 == 0, what,
+                    ": packed last dim must be a multiple of 8 (16 codes per block), got shape ", packed.sizes());
+  auto expect = packed.sizes().vec();
+  expect.back() /= 8;
+  TORCH_CHECK_VALUE(scales.sizes() == at::IntArrayRef(expect), what, ": scales shape ", scales.sizes(),
+                    " does not match packed shape ", packed.sizes(), " (expected ", at::IntArrayRef(expect), ")");
+  TORCH_CHECK_VALUE(scales.device() == packed.device(), what, ": scales is on ", scales.device(), ", packed on ",
+                    packed.device());
+  TORCH_CHECK_VALUE(is_hot_dtype(dtype) || dtype == at::kFloat, what,
+                    ": dtype must be bfloat16, float16, float32 or float8_e4m3fn, got ", dtype);
+  check_global_scale(g, packed, what);
+}
+
+std::tuple<at::Tensor, at::Tensor> quantize_outputs(const at::Tensor& x) {
+  auto shape = x.sizes().vec();
+  const int64_t n = shape.back();
+  shape.back() = n / 2;
+  at::Tensor packed = at::empty(shape, x.options().dtype(at::kByte));
+  shape.back() = n / kBlock;
+  at::Tensor scales = at::empty(shape, x.options().dtype(at::kFloat8_e4m3fn));
+  return {packed, scales};
+}
+
+at::Tensor dequantize_output(const at::Tensor& packed, at::ScalarType dtype) {
+  auto shape = packed.sizes().vec();
+  shape.back() *= 2;
+  return at::empty(shape, packed.options().dtype(dtype));
+}
+
+void check_cold_pages(const at::Tensor& cold_pages, const char* what) {
+  TORCH_CHECK_VALUE(cold_pages.scalar_type() == at::kByte && cold_pages.dim() == 2, what,
+                    ": cold_pages must be uint8 [num_slots, cold_page_bytes], got ", cold_pages.scalar_type(), " ",
+                    cold_pages.sizes());
+  TORCH_CHECK_VALUE(cold_pages.stride(1) == 1 && (cold_pages.stride(0) % 16 == 0 || cold_pages.size(0) <= 1) &&
+                        reinterpret_cast<uintptr_t>(cold_pages.data_ptr()) % 16 == 0,
+                    what, ": cold_pages rows must be contiguous and 16-byte aligned");
+}
 
 bool is_hot_dtype(at::ScalarType t) {
   return t == at::kBFloat16 || t == at::kHalf || t == at::kFloat8_e4m3fn;
@@ -79,6 +141,16 @@ std::vector<PoolDesc> make_pool_descs(const std::vector<at::Tensor>& pools, at::
       d.dim_stride[0] = 0;
     }
     TORCH_CHECK_VALUE(rows < (int64_t(1) << 30), what, ": pools[", p, "] has too many rows per page");
+    // Evenly spaced rows: each non-trivial dim's stride is the next inner one's stride times its size.
+    d.uniform_rows = true;
+    d.row_stride = d.row_bytes;
+    int64_t expect = -1;
+    for (int k = kMaxOtherDims - 1; k >= 0; --k) {
+      if (d.dim_size[k].d == 1) continue;
+      if (expect < 0) d.row_stride = d.dim_stride[k];
+      else if (d.dim_stride[k] != expect) d.uniform_rows = false;
+      expect = d.dim_stride[k] * d.dim_size[k].d;
+    }
     d.plane_rows = int32_t(rows);
     d.scale_kind = int32_t(f[kScaleKind]);
     TORCH_CHECK_VALUE(d.scale_kind >= kScaleFixed && d.scale_kind <= kScalePerPagePow2, what, ": pools[", p,
@@ -108,6 +180,8 @@ std::vector<PoolDesc> make_pool_descs(const std::vector<at::Tensor>& pools, at::
                           d.plane_offset % 16 == 0 && d.section_offset % 16 == 0 && d.section_offset >= 0 &&
                           d.section_offset + d.plane_offset + d.planes * d.plane_bytes <= cold_page_bytes,
                       what, ": pools[", p, "] plan does not fit a cold page of ", cold_page_bytes, " bytes");
+    d.qvecs = FastDiv(uint32_t(std::max<int64_t>(1, d.q_len * d.esize / 16)));
+    d.lvecs = FastDiv(uint32_t(std::max<int64_t>(1, d.lossless_bytes() / 16)));
     descs.push_back(d);
   }
   return descs;

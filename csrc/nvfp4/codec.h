@@ -59,10 +59,14 @@ struct PoolDesc {
   float fixed_scale;
   int64_t section_offset, plane_offset, plane_bytes;
   int32_t off_codes, off_rcodes, off_scales, off_rscales, off_lossless;
+  int64_t row_stride;               // bytes between rows of a plane when they are evenly spaced
+  bool uniform_rows;                // (HND, MLA: one multiply instead of the mixed-radix walk)
+  FastDiv qvecs, lvecs;             // 16-byte vectors per row in the quantized run / lossless part
 
   KVOPS_HD int32_t lossless_bytes() const { return row_bytes - q_len * esize; }
   KVOPS_HD int64_t row_offset(int64_t page, int plane, uint32_t row) const {
     int64_t off = page * page_stride + plane * plane_stride;
+    if (uniform_rows) return off + int64_t(row) * row_stride;
 #if defined(__CUDACC__)
 #pragma unroll
 #endif

@@ -25,7 +25,6 @@ namespace nvfp4 {
 namespace {
 
 constexpr int kThreads = 256;
-constexpr int kWarps = kThreads / 32;
 constexpr int kMaxPools = 16;               // pools per launch (keeps the parameter block < 4 KB)
 constexpr int64_t kTileBytes = 64 * 1024;   // encode input tile: a whole Qwen3-8B bf16 plane
 constexpr int kMaxSmem = 200 * 1024;
@@ -44,7 +43,7 @@ __device__ float block_max(float v, float* red) {
   if (lane == 0) red[warp] = v;
   __syncthreads();
   v = red[0];
-  for (int w = 1; w < kWarps; ++w) v = nan_max(v, red[w]);
+  for (int w = 1; w < int(blockDim.x / 32); ++w) v = nan_max(v, red[w]);
   __syncthreads();  // red is reused
   return v;
 }
@@ -156,7 +155,7 @@ std::tuple<at::Tensor, at::Tensor> quantize_cuda(const at::Tensor& x, const c10:
   auto stream = c10::cuda::getCurrentCUDAStream();
   dispatch_dtype(xc.scalar_type(), [&](auto tag) {
     using T = decltype(tag);
-    ensure_kernel_image(quantize_kernel<T>, "nvfp4_quantize");
+    prepare_kernel(quantize_kernel<T>, "nvfp4_quantize");
     quantize_kernel<T><<<grid_for(nvec), kThreads, 0, stream>>>(
         static_cast<const uint4*>(xc.data_ptr()), nvec, g_dev, g_host, packed.data_ptr<uint8_t>(),
         reinterpret_cast<uint8_t*>(scales.data_ptr()));
@@ -177,7 +176,7 @@ at::Tensor dequantize_cuda(const at::Tensor& packed, const at::Tensor& scales,
   auto stream = c10::cuda::getCurrentCUDAStream();
   dispatch_dtype(dtype, [&](auto tag) {
     using T = decltype(tag);
-    ensure_kernel_image(dequantize_kernel<T>, "nvfp4_dequantize");
+    prepare_kernel(dequantize_kernel<T>, "nvfp4_dequantize");
     dequantize_kernel<T><<<grid_for(nvec), kThreads, 0, stream>>>(pc.data_ptr<uint8_t>(),
                                                                   reinterpret_cast<const uint8_t*>(sc.data_ptr()), nvec,
                                                                   g_dev, g_host, static_cast<uint4*>(out.data_ptr()));
@@ -187,6 +186,9 @@ at::Tensor dequantize_cuda(const at::Tensor& packed, const at::Tensor& scales,
 }
 
 // ---- cold-page codec ----------------------------------------------------------------------------
+
+constexpr int kEncodeThreads = 512;  // 2 CTAs (a 64 KiB plane each) per SM, 32 warps to hide latency
+constexpr int kDecodeThreads = 256;
 
 struct CodecParams {
   PoolDesc pools[kMaxPools];
@@ -233,11 +235,10 @@ __device__ __forceinline__ bool locate_unit(const CodecParams& P, bool encode, U
 __device__ __forceinline__ void copy_lossless(const PoolDesc& d, int64_t page, int plane, uint8_t* region, bool to_blob) {
   const int32_t lb = d.lossless_bytes();
   if (lb == 0) return;
-  const int32_t vpr = lb / 16;
-  const int32_t n = d.plane_rows * vpr;
-  for (int32_t v = threadIdx.x; v < n; v += kThreads) {
-    const uint32_t row = uint32_t(v / vpr);
-    const int32_t j = (v - int32_t(row) * vpr) * 16;
+  const int32_t n = d.plane_rows * int32_t(d.lvecs.d);
+  for (int32_t v = threadIdx.x; v < n; v += blockDim.x) {
+    const uint32_t row = d.lvecs.div(uint32_t(v));
+    const int32_t j = (v - int32_t(row * d.lvecs.d)) * 16;
     char* rp = d.base + d.row_offset(page, plane, row) + d.lossless_col(j);
     uint4* bp = reinterpret_cast<uint4*>(region + int64_t(row) * lb + j);
     if (to_blob) *bp = *reinterpret_cast<const uint4*>(rp);
@@ -245,38 +246,53 @@ __device__ __forceinline__ void copy_lossless(const PoolDesc& d, int64_t page, i
   }
 }
 
-// 16-byte vector copy of n bytes (n padded up to 16; both sides 16-byte aligned).
+// 16-byte vector copy of n bytes rounded up to 16 (both sides 16-byte aligned).
 __device__ __forceinline__ void copy_out(uint8_t* dst, const uint8_t* src, int64_t n) {
-  for (int64_t i = threadIdx.x * 16; i < n; i += kThreads * 16)
+  for (int64_t i = threadIdx.x * 16; i < n; i += blockDim.x * 16)
     *reinterpret_cast<uint4*>(dst + i) = *reinterpret_cast<const uint4*>(src + i);
 }
 
-__device__ __forceinline__ void cp_async_range(uint8_t* smem, const uint8_t* src, int64_t n) {
-  for (int64_t i = threadIdx.x * 16; i < n; i += kThreads * 16) cp_async16(smem + i, src + i);
+// Global (device or mapped host) -> smem with plain 16-byte loads, four in flight per thread.
+__device__ __forceinline__ void load_to_smem(uint8_t* smem, const uint8_t* src, int64_t n) {
+  const int64_t nv = (n + 15) / 16, step = blockDim.x;
+  const uint4* s = reinterpret_cast<const uint4*>(src);
+  uint4* d = reinterpret_cast<uint4*>(smem);
+  for (int64_t i = threadIdx.x; i < nv; i += 4 * step) {
+    uint4 r[4];
+#pragma unroll
+    for (int j = 0; j < 4; ++j)
+      if (i + j * step < nv) r[j] = s[i + j * step];
+#pragma unroll
+    for (int j = 0; j < 4; ++j)
+      if (i + j * step < nv) d[i + j * step] = r[j];
+  }
+}
+
+// Zero a staging region's padding (the blob's padding bytes come from here).
+__device__ __forceinline__ void zero_tail(uint8_t* stage, int64_t n) {
+  for (int64_t i = n; i & 15; ++i) stage[i] = 0;
 }
 
 template <class T>
-__global__ void __launch_bounds__(kThreads) encode_pages_kernel(const __grid_constant__ CodecParams P) {
+__global__ void __launch_bounds__(kEncodeThreads, 2) encode_pages_kernel(const __grid_constant__ CodecParams P) {
   constexpr int kEpt = Hot<T>::kEpt, kLanes = lanes_per_block<T>();
   extern __shared__ __align__(16) uint8_t smem[];
-  __shared__ float red[kWarps];
+  __shared__ float red[32];
   Unit u;
   if (!locate_unit(P, true, u)) return;
   const PoolDesc& d = P.pools[u.pool];
   uint8_t* section = P.blobs + u.slot * P.blob_stride + d.section_offset;
   uint8_t* pb = section + d.plane_offset + u.plane * d.plane_bytes;
 
-  copy_lossless(d, u.page, u.plane, pb + d.off_lossless, true);
-
-  const int32_t qvpr = d.q_len * d.esize / 16;  // quantized vectors per row
+  const int32_t qvpr = int32_t(d.qvecs.d);  // quantized vectors per row
   const int32_t cr = P.chunk_rows[u.pool];
   const int32_t nchunks = d.q_len ? (d.plane_rows + cr - 1) / cr : 0;
   // A pool with nothing to quantize still records g (1 for per-page policies, as on the CPU).
   float g = d.scale_kind == kScaleFixed ? d.fixed_scale : 1.f;
   if (d.scale_kind != kScaleFixed && nchunks > 1) {  // plane larger than a tile: amax pass first
     float m = 0.f;
-    for (int32_t v = threadIdx.x; v < d.plane_rows * qvpr; v += kThreads) {
-      const uint32_t row = uint32_t(v / qvpr);
+    for (int32_t v = threadIdx.x; v < d.plane_rows * qvpr; v += blockDim.x) {
+      const uint32_t row = d.qvecs.div(uint32_t(v));
       const int32_t k = v - int32_t(row) * qvpr;
       m = nan_max(m, vector_amax<T>(*reinterpret_cast<const uint4*>(
                          d.base + d.row_offset(u.page, u.plane, row) + d.q_start * d.esize + k * 16)));
@@ -291,25 +307,28 @@ __global__ void __launch_bounds__(kThreads) encode_pages_kernel(const __grid_con
   for (int32_t c = 0; c < nchunks; ++c) {
     const int32_t r0 = c * cr, rows = min(cr, d.plane_rows - r0);
     const int32_t nvec = rows * qvpr;
-    for (int32_t v = threadIdx.x; v < nvec; v += kThreads) {
-      const uint32_t row = uint32_t(v / qvpr);
+    for (int32_t v = threadIdx.x; v < nvec; v += blockDim.x) {
+      const uint32_t row = d.qvecs.div(uint32_t(v));
       const int32_t k = v - int32_t(row) * qvpr;
       cp_async16(tile + int64_t(v) * 16, d.base + d.row_offset(u.page, u.plane, r0 + row) + d.q_start * d.esize + k * 16);
     }
     cp_async_wait_all();
-    // Zero the staging so padding bytes in the blob are deterministic.
-    for (int32_t i = threadIdx.x * 16; i < st.total; i += kThreads * 16)
-      *reinterpret_cast<uint4*>(stage + i) = make_uint4(0, 0, 0, 0);
+    if (threadIdx.x == 0) {
+      zero_tail(stage + st.codes, int64_t(rows) * d.q_len / 2);
+      zero_tail(stage + st.scales, int64_t(rows) * qb);
+      zero_tail(stage + st.rcodes, int64_t(rows) * d.r_len / 2);
+      zero_tail(stage + st.rscales, int64_t(rows) * rb);
+    }
     __syncthreads();
     if (d.scale_kind != kScaleFixed && nchunks == 1) {
       float m = 0.f;
-      for (int32_t v = threadIdx.x; v < nvec; v += kThreads)
+      for (int32_t v = threadIdx.x; v < nvec; v += blockDim.x)
         m = nan_max(m, vector_amax<T>(reinterpret_cast<const uint4*>(tile)[v]));
       g = page_global_scale(block_max(m, red), d.scale_kind);
     }
     const bool fast = fast_scale<T>(g);
     const int32_t nvec_warps = (nvec + 31) & ~31;
-    for (int32_t v = threadIdx.x; v < nvec_warps; v += kThreads) {
+    for (int32_t v = threadIdx.x; v < nvec_warps; v += blockDim.x) {
       const bool ok = v < nvec;
       const uint4 in = ok ? reinterpret_cast<const uint4*>(tile)[v] : make_uint4(0, 0, 0, 0);
       uint8_t sc;
@@ -319,7 +338,7 @@ __global__ void __launch_bounds__(kThreads) encode_pages_kernel(const __grid_con
         if (v % kLanes == 0) stage[st.scales + v / kLanes] = sc;
       }
       if (d.r_len) {  // 2FP4: quantize the rounding error of the first component (all lanes shuffle)
-        const uint32_t row = uint32_t(v / qvpr);
+        const uint32_t row = d.qvecs.div(uint32_t(v));
         const int32_t col = d.q_start + (v - int32_t(row) * qvpr) * kEpt;
         const bool in_res = ok && col >= d.r_start && col < d.r_start + d.r_len;
         float x[kEpt], dec[kEpt];
@@ -343,8 +362,9 @@ __global__ void __launch_bounds__(kThreads) encode_pages_kernel(const __grid_con
       copy_out(pb + d.off_rcodes + int64_t(r0) * d.r_len / 2, stage + st.rcodes, int64_t(rows) * d.r_len / 2);
       copy_out(pb + d.off_rscales + int64_t(r0) * rb, stage + st.rscales, int64_t(rows) * rb);
     }
-    __syncthreads();  // the tile and staging are reused by the next chunk
+    if (c + 1 < nchunks) __syncthreads();  // the tile and staging are reused by the next chunk
   }
+  copy_lossless(d, u.page, u.plane, pb + d.off_lossless, true);
   if (threadIdx.x == 0) {
     *reinterpret_cast<float*>(section + 4 * u.plane) = g;
     if (u.plane == 0)  // zero the g table's padding
@@ -353,7 +373,7 @@ __global__ void __launch_bounds__(kThreads) encode_pages_kernel(const __grid_con
 }
 
 template <class T>
-__global__ void __launch_bounds__(kThreads) decode_pages_kernel(const __grid_constant__ CodecParams P) {
+__global__ void __launch_bounds__(kDecodeThreads) decode_pages_kernel(const __grid_constant__ CodecParams P) {
   constexpr int kEpt = Hot<T>::kEpt, kLanes = lanes_per_block<T>();
   extern __shared__ __align__(16) uint8_t smem[];
   Unit u;
@@ -362,28 +382,25 @@ __global__ void __launch_bounds__(kThreads) decode_pages_kernel(const __grid_con
   const uint8_t* section = P.blobs + u.slot * P.blob_stride + d.section_offset;
   uint8_t* pb = const_cast<uint8_t*>(section) + d.plane_offset + u.plane * d.plane_bytes;
 
-  copy_lossless(d, u.page, u.plane, pb + d.off_lossless, false);
-  if (d.q_len == 0) return;
-  const float g = *reinterpret_cast<const float*>(section + 4 * u.plane);
-  const bool fast = is_fast_scale(g);
-  const int32_t qvpr = d.q_len * d.esize / 16;
+  const int32_t qvpr = int32_t(d.qvecs.d);
   const int32_t rvpr = d.r_len * d.esize / 16;
   const int32_t cr = P.chunk_rows[u.pool];
   const ChunkStaging st(d, cr);
   const int32_t qb = d.q_len / kBlock, rb = d.r_len / kBlock;
-  for (int32_t r0 = 0; r0 < d.plane_rows; r0 += cr) {
+  for (int32_t r0 = 0; r0 < d.plane_rows && d.q_len; r0 += cr) {
     const int32_t rows = min(cr, d.plane_rows - r0);
-    cp_async_range(smem + st.codes, pb + d.off_codes + int64_t(r0) * d.q_len / 2, int64_t(rows) * d.q_len / 2);
-    cp_async_range(smem + st.scales, pb + d.off_scales + int64_t(r0) * qb, int64_t(rows) * qb);
+    load_to_smem(smem + st.codes, pb + d.off_codes + int64_t(r0) * d.q_len / 2, int64_t(rows) * d.q_len / 2);
+    load_to_smem(smem + st.scales, pb + d.off_scales + int64_t(r0) * qb, int64_t(rows) * qb);
     if (d.r_len) {
-      cp_async_range(smem + st.rcodes, pb + d.off_rcodes + int64_t(r0) * d.r_len / 2, int64_t(rows) * d.r_len / 2);
-      cp_async_range(smem + st.rscales, pb + d.off_rscales + int64_t(r0) * rb, int64_t(rows) * rb);
+      load_to_smem(smem + st.rcodes, pb + d.off_rcodes + int64_t(r0) * d.r_len / 2, int64_t(rows) * d.r_len / 2);
+      load_to_smem(smem + st.rscales, pb + d.off_rscales + int64_t(r0) * rb, int64_t(rows) * rb);
     }
-    cp_async_wait_all();
+    const float g = *reinterpret_cast<const float*>(section + 4 * u.plane);  // after the loads are in flight
+    const bool fast = is_fast_scale(g);
     __syncthreads();
     const int32_t nvec = rows * qvpr;
-    for (int32_t v = threadIdx.x; v < nvec; v += kThreads) {
-      const uint32_t row = uint32_t(v / qvpr);
+    for (int32_t v = threadIdx.x; v < nvec; v += blockDim.x) {
+      const uint32_t row = d.qvecs.div(uint32_t(v));
       const int32_t k = v - int32_t(row) * qvpr;
       const int32_t col = d.q_start + k * kEpt;
       const uint8_t sc = smem[st.scales + v / kLanes];
@@ -402,8 +419,9 @@ __global__ void __launch_bounds__(kThreads) decode_pages_kernel(const __grid_con
       const uint4 out = nan ? nan_vector<T>() : from_float<T>(x);
       *reinterpret_cast<uint4*>(d.base + d.row_offset(u.page, u.plane, r0 + row) + col * d.esize) = out;
     }
-    __syncthreads();
+    if (r0 + cr < d.plane_rows) __syncthreads();
   }
+  copy_lossless(d, u.page, u.plane, pb + d.off_lossless, false);
 }
 
 int64_t chunk_rows_for(const PoolDesc& d) {
@@ -419,12 +437,7 @@ template <class Kernel>
 void launch_codec(Kernel kernel, const char* what, bool encode, const std::vector<PoolDesc>& descs,
                   const std::vector<size_t>& members, const int32_t* pairs, int64_t num_pairs, uint8_t* blobs,
                   int64_t blob_stride, int64_t num_slots) {
-  ensure_kernel_image(kernel, what);
-  static bool smem_set = false;  // per instantiation
-  if (!smem_set) {
-    C10_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kMaxSmem));
-    smem_set = true;
-  }
+  prepare_kernel(kernel, what, kMaxSmem);
   auto stream = c10::cuda::getCurrentCUDAStream();
   for (size_t b = 0; b < members.size(); b += kMaxPools) {
     CodecParams P{};
@@ -446,7 +459,7 @@ void launch_codec(Kernel kernel, const char* what, bool encode, const std::vecto
     P.num_slots = num_slots;
     const int64_t grid = num_pairs * P.units_per_page;
     TORCH_CHECK(grid < (int64_t(1) << 31), what, ": too many pages in one call");
-    kernel<<<dim3(uint32_t(grid)), kThreads, smem, stream>>>(P);
+    kernel<<<dim3(uint32_t(grid)), encode ? kEncodeThreads : kDecodeThreads, smem, stream>>>(P);
     C10_CUDA_KERNEL_LAUNCH_CHECK();
   }
 }

@@ -170,6 +170,9 @@ struct Packed<__nv_bfloat16> {
   static __device__ __forceinline__ float lo(uint32_t u) { return __uint_as_float(u << 16); }
   static __device__ __forceinline__ float hi(uint32_t u) { return __uint_as_float(u & 0xffff0000u); }
   static __device__ __forceinline__ bool scale_ok(float g) { return is_fast_scale(g); }
+  // {0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5} in both halves
+  static constexpr uint32_t kT[7] = {0x3e803e80u, 0x3f403f40u, 0x3fa03fa0u, 0x3fe03fe0u,
+                                     0x40204020u, 0x40604060u, 0x40a040a0u};
 };
 template <>
 struct Packed<__half> {
@@ -181,6 +184,8 @@ struct Packed<__half> {
   static __device__ __forceinline__ float hi(uint32_t u) { return __high2float(as(u)); }
   // g itself must be a normal half for the packed multiply to be a pure exponent shift.
   static __device__ __forceinline__ bool scale_ok(float g) { return is_fast_scale(g) && g >= 0x1p-14f && g <= 0x1p15f; }
+  static constexpr uint32_t kT[7] = {0x34003400u, 0x3a003a00u, 0x3d003d00u, 0x3f003f00u,
+                                     0x41004100u, 0x43004300u, 0x45004500u};
 };
 
 __device__ __forceinline__ uint32_t select(uint32_t mask, uint32_t a, uint32_t b) { return (a & mask) | (b & ~mask); }
@@ -201,10 +206,11 @@ __device__ __forceinline__ uint64_t quantize_packed(const uint32_t (&w)[kWords],
   scale = block_scale_dev(amax, g);
   float s = e4m3_value(scale);
   if (scale == kScaleNaN || s == 0.f) return 0;
-  // Thresholds between E2M1 magnitudes, times s: exact in either 16-bit type.
-  const uint32_t t0 = P::splat(0.25f * s), t1 = P::splat(0.75f * s), t2 = P::splat(1.25f * s),
-                 t3 = P::splat(1.75f * s), t4 = P::splat(2.5f * s), t5 = P::splat(3.5f * s),
-                 t6 = P::splat(5.f * s), gg = P::splat(g);
+  // Thresholds between E2M1 magnitudes, times s: packed products, exact in either 16-bit type.
+  const typename P::T2 s2 = P::as(P::splat(s));
+  auto times_s = [&](uint32_t t) { return P::bits(__hmul2(s2, P::as(t))); };
+  const uint32_t t0 = times_s(P::kT[0]), t1 = times_s(P::kT[1]), t2 = times_s(P::kT[2]), t3 = times_s(P::kT[3]),
+                 t4 = times_s(P::kT[4]), t5 = times_s(P::kT[5]), t6 = times_s(P::kT[6]), gg = P::splat(g);
   uint64_t codes = 0;
 #pragma unroll
   for (int i = 0; i < kWords; ++i) {

@@ -1,0 +1,1 @@
+"""kvops benchmarks: `python -m benchmarks [--quick] [--csv out.csv] [--plot out.png]`."""
