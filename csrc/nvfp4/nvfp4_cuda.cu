@@ -13,8 +13,6 @@
 #include <c10/cuda/CUDAGuard.h>
 #include <torch/library.h>
 
-#include <cooperative_groups.h>
-
 #include <map>
 
 #include "../cuda_utils.cuh"
@@ -28,7 +26,7 @@ namespace {
 
 constexpr int kThreads = 256;
 constexpr int kMaxPools = 16;               // pools per launch (keeps the parameter block < 4 KB)
-constexpr int64_t kTileBytes = 32 * 1024;   // encode input tile (a quarter of a Qwen3-8B bf16 plane is 16 KiB)
+constexpr int64_t kTileBytes = 64 * 1024;   // encode input tile: a whole Qwen3-8B bf16 plane
 constexpr int kMaxSmem = 200 * 1024;
 
 __device__ __forceinline__ void cp_async16(void* smem, const void* gmem) {
@@ -189,19 +187,13 @@ at::Tensor dequantize_cuda(const at::Tensor& packed, const at::Tensor& scales,
 
 // ---- cold-page codec ----------------------------------------------------------------------------
 
-// A (page, pool, plane) unit is split over a cluster of kCluster CTAs, each owning a span of rows
-// (a multiple of 16, so every CTA's blob regions stay 16-byte aligned). The per-page amax is
-// reduced across the cluster through distributed shared memory: small CTAs, many per SM, and the
-// whole plane is still read once.
-constexpr int kCluster = 4;
-constexpr int kEncodeThreads = 256;
+constexpr int kEncodeThreads = 512;  // 2 CTAs (a 64 KiB plane each) per SM, 32 warps to hide latency
 constexpr int kDecodeThreads = 256;
 
 struct CodecParams {
   PoolDesc pools[kMaxPools];
   int32_t unit_begin[kMaxPools + 1];  // units (planes) of pools before each pool, within one page
-  int32_t span_rows[kMaxPools];   // rows per cluster rank
-  int32_t chunk_rows[kMaxPools];  // rows per smem tile (<= span)
+  int32_t chunk_rows[kMaxPools];
   int32_t num_pools, units_per_page;
   const int32_t* pairs;  // [n, 2] (dst, src)
   uint8_t* blobs;
@@ -224,38 +216,30 @@ struct ChunkStaging {
 struct Unit {
   int pool, plane;
   int64_t page, slot;
-  int32_t row_begin, row_end;  // this CTA's rows of the plane
 };
 
-// Which (pool, plane, rows) and pair this CTA owns; false when the pair is out of range (skipped,
-// by the whole cluster alike).
+// Which (pool, plane) and pair this CTA owns; false when the pair is out of range (skipped).
 __device__ __forceinline__ bool locate_unit(const CodecParams& P, bool encode, Unit& u) {
-  const int64_t unit_id = blockIdx.x / kCluster;
-  const int rank = blockIdx.x % kCluster;
-  const int64_t pair = unit_id / P.units_per_page;
-  int unit = int(unit_id % P.units_per_page);
+  const int64_t pair = blockIdx.x / P.units_per_page;
+  int unit = blockIdx.x % P.units_per_page;
   u.pool = 0;
   while (unit >= P.unit_begin[u.pool + 1]) ++u.pool;
   u.plane = unit - P.unit_begin[u.pool];
-  const int32_t span = P.span_rows[u.pool], rows = P.pools[u.pool].plane_rows;
-  u.row_begin = min(rows, rank * span);
-  u.row_end = min(rows, u.row_begin + span);
   const int32_t dst = P.pairs[2 * pair], src = P.pairs[2 * pair + 1];
   u.page = encode ? src : dst;
   u.slot = encode ? dst : src;
   return u.slot >= 0 && u.slot < P.num_slots && u.page >= 0 && u.page < P.pools[u.pool].num_pages;
 }
 
-// Lossless bytes of rows [r0, r1) of a plane: row <-> blob region, 16-byte vectors, no smem.
-__device__ __forceinline__ void copy_lossless(const PoolDesc& d, const Unit& u, uint8_t* region, bool to_blob) {
+// Lossless bytes of a plane: row <-> blob region, 16-byte vectors, no smem.
+__device__ __forceinline__ void copy_lossless(const PoolDesc& d, int64_t page, int plane, uint8_t* region, bool to_blob) {
   const int32_t lb = d.lossless_bytes();
   if (lb == 0) return;
-  const int32_t n = (u.row_end - u.row_begin) * int32_t(d.lvecs.d);
+  const int32_t n = d.plane_rows * int32_t(d.lvecs.d);
   for (int32_t v = threadIdx.x; v < n; v += blockDim.x) {
-    const uint32_t r = d.lvecs.div(uint32_t(v));
-    const int32_t j = (v - int32_t(r * d.lvecs.d)) * 16;
-    const uint32_t row = u.row_begin + r;
-    char* rp = d.base + d.row_offset(u.page, u.plane, row) + d.lossless_col(j);
+    const uint32_t row = d.lvecs.div(uint32_t(v));
+    const int32_t j = (v - int32_t(row * d.lvecs.d)) * 16;
+    char* rp = d.base + d.row_offset(page, plane, row) + d.lossless_col(j);
     uint4* bp = reinterpret_cast<uint4*>(region + int64_t(row) * lb + j);
     if (to_blob) *bp = *reinterpret_cast<const uint4*>(rp);
     else *reinterpret_cast<uint4*>(rp) = *bp;
@@ -290,23 +274,10 @@ __device__ __forceinline__ void zero_tail(uint8_t* stage, int64_t n) {
 }
 
 template <class T>
-__device__ __forceinline__ void load_tile(const PoolDesc& d, const Unit& u, int32_t r0, int32_t rows, uint8_t* tile) {
-  const int32_t qvpr = int32_t(d.qvecs.d);
-  for (int32_t v = threadIdx.x; v < rows * qvpr; v += blockDim.x) {
-    const uint32_t row = d.qvecs.div(uint32_t(v));
-    const int32_t k = v - int32_t(row) * qvpr;
-    cp_async16(tile + int64_t(v) * 16, d.base + d.row_offset(u.page, u.plane, r0 + row) + d.q_start * d.esize + k * 16);
-  }
-  cp_async_wait_all();
-}
-
-template <class T>
-__global__ void __cluster_dims__(kCluster, 1, 1) __launch_bounds__(kEncodeThreads, 4)
-    encode_pages_kernel(const __grid_constant__ CodecParams P) {
+__global__ void __launch_bounds__(kEncodeThreads, 2) encode_pages_kernel(const __grid_constant__ CodecParams P) {
   constexpr int kEpt = Hot<T>::kEpt, kLanes = lanes_per_block<T>();
   extern __shared__ __align__(16) uint8_t smem[];
   __shared__ float red[32];
-  __shared__ float cluster_amax;
   Unit u;
   if (!locate_unit(P, true, u)) return;
   const PoolDesc& d = P.pools[u.pool];
@@ -315,46 +286,33 @@ __global__ void __cluster_dims__(kCluster, 1, 1) __launch_bounds__(kEncodeThread
 
   const int32_t qvpr = int32_t(d.qvecs.d);  // quantized vectors per row
   const int32_t cr = P.chunk_rows[u.pool];
-  const int32_t my_rows = d.q_len ? u.row_end - u.row_begin : 0;
-  const int32_t nchunks = (my_rows + cr - 1) / cr;
+  const int32_t nchunks = d.q_len ? (d.plane_rows + cr - 1) / cr : 0;
+  // A pool with nothing to quantize still records g (1 for per-page policies, as on the CPU).
+  float g = d.scale_kind == kScaleFixed ? d.fixed_scale : 1.f;
+  if (d.scale_kind != kScaleFixed && nchunks > 1) {  // plane larger than a tile: amax pass first
+    float m = 0.f;
+    for (int32_t v = threadIdx.x; v < d.plane_rows * qvpr; v += blockDim.x) {
+      const uint32_t row = d.qvecs.div(uint32_t(v));
+      const int32_t k = v - int32_t(row) * qvpr;
+      m = nan_max(m, vector_amax<T>(*reinterpret_cast<const uint4*>(
+                         d.base + d.row_offset(u.page, u.plane, row) + d.q_start * d.esize + k * 16)));
+    }
+    g = page_global_scale(block_max(m, red), d.scale_kind);
+  }
+
   uint8_t* tile = smem;
   const ChunkStaging st(d, cr);
   uint8_t* stage = smem + int64_t(cr) * d.q_len * d.esize;
-  if (nchunks == 1) {  // the common case: this CTA's rows fit one tile, read once
-    load_tile<T>(d, u, u.row_begin, my_rows, tile);
-    __syncthreads();
-  }
-  // A pool with nothing to quantize still records g (1 for per-page policies, as on the CPU).
-  float g = d.scale_kind == kScaleFixed ? d.fixed_scale : 1.f;
-  if (d.scale_kind != kScaleFixed && d.q_len) {
-    float m = 0.f;
-    if (nchunks == 1) {
-      for (int32_t v = threadIdx.x; v < my_rows * qvpr; v += blockDim.x)
-        m = nan_max(m, vector_amax<T>(reinterpret_cast<const uint4*>(tile)[v]));
-    } else {  // rows larger than a tile: an amax pass over global memory first
-      for (int32_t v = threadIdx.x; v < my_rows * qvpr; v += blockDim.x) {
-        const uint32_t row = d.qvecs.div(uint32_t(v));
-        const int32_t k = v - int32_t(row) * qvpr;
-        m = nan_max(m, vector_amax<T>(*reinterpret_cast<const uint4*>(
-                           d.base + d.row_offset(u.page, u.plane, u.row_begin + row) + d.q_start * d.esize + k * 16)));
-      }
-    }
-    m = block_max(m, red);
-    namespace cg = cooperative_groups;
-    cg::cluster_group cluster = cg::this_cluster();
-    if (threadIdx.x == 0) cluster_amax = m;
-    cluster.sync();
-#pragma unroll
-    for (int r = 0; r < kCluster; ++r) m = nan_max(m, *cluster.map_shared_rank(&cluster_amax, r));
-    cluster.sync();  // no CTA leaves while another still reads its smem
-    g = page_global_scale(m, d.scale_kind);
-  }
-  const bool fast = fast_scale<T>(g);
   const int32_t qb = d.q_len / kBlock, rb = d.r_len / kBlock;
   for (int32_t c = 0; c < nchunks; ++c) {
-    const int32_t r0 = u.row_begin + c * cr, rows = min(cr, u.row_end - r0);
+    const int32_t r0 = c * cr, rows = min(cr, d.plane_rows - r0);
     const int32_t nvec = rows * qvpr;
-    if (nchunks > 1) load_tile<T>(d, u, r0, rows, tile);
+    for (int32_t v = threadIdx.x; v < nvec; v += blockDim.x) {
+      const uint32_t row = d.qvecs.div(uint32_t(v));
+      const int32_t k = v - int32_t(row) * qvpr;
+      cp_async16(tile + int64_t(v) * 16, d.base + d.row_offset(u.page, u.plane, r0 + row) + d.q_start * d.esize + k * 16);
+    }
+    cp_async_wait_all();
     if (threadIdx.x == 0) {
       zero_tail(stage + st.codes, int64_t(rows) * d.q_len / 2);
       zero_tail(stage + st.scales, int64_t(rows) * qb);
@@ -362,6 +320,13 @@ __global__ void __cluster_dims__(kCluster, 1, 1) __launch_bounds__(kEncodeThread
       zero_tail(stage + st.rscales, int64_t(rows) * rb);
     }
     __syncthreads();
+    if (d.scale_kind != kScaleFixed && nchunks == 1) {
+      float m = 0.f;
+      for (int32_t v = threadIdx.x; v < nvec; v += blockDim.x)
+        m = nan_max(m, vector_amax<T>(reinterpret_cast<const uint4*>(tile)[v]));
+      g = page_global_scale(block_max(m, red), d.scale_kind);
+    }
+    const bool fast = fast_scale<T>(g);
     const int32_t nvec_warps = (nvec + 31) & ~31;
     for (int32_t v = threadIdx.x; v < nvec_warps; v += blockDim.x) {
       const bool ok = v < nvec;
@@ -399,8 +364,8 @@ __global__ void __cluster_dims__(kCluster, 1, 1) __launch_bounds__(kEncodeThread
     }
     if (c + 1 < nchunks) __syncthreads();  // the tile and staging are reused by the next chunk
   }
-  copy_lossless(d, u, pb + d.off_lossless, true);
-  if (threadIdx.x == 0 && u.row_begin == 0) {
+  copy_lossless(d, u.page, u.plane, pb + d.off_lossless, true);
+  if (threadIdx.x == 0) {
     *reinterpret_cast<float*>(section + 4 * u.plane) = g;
     if (u.plane == 0)  // zero the g table's padding
       for (int64_t i = 4 * d.planes; i < d.plane_offset; i += 4) *reinterpret_cast<uint32_t*>(section + i) = 0;
@@ -408,7 +373,7 @@ __global__ void __cluster_dims__(kCluster, 1, 1) __launch_bounds__(kEncodeThread
 }
 
 template <class T>
-__global__ void __launch_bounds__(kDecodeThreads) decode_pages_kernel(const __grid_constant__ CodecParams P) {
+__global__ void __launch_bounds__(kDecodeThreads, 4) decode_pages_kernel(const __grid_constant__ CodecParams P) {
   constexpr int kEpt = Hot<T>::kEpt, kLanes = lanes_per_block<T>();
   extern __shared__ __align__(16) uint8_t smem[];
   Unit u;
@@ -422,8 +387,8 @@ __global__ void __launch_bounds__(kDecodeThreads) decode_pages_kernel(const __gr
   const int32_t cr = P.chunk_rows[u.pool];
   const ChunkStaging st(d, cr);
   const int32_t qb = d.q_len / kBlock, rb = d.r_len / kBlock;
-  for (int32_t r0 = u.row_begin; r0 < u.row_end && d.q_len; r0 += cr) {
-    const int32_t rows = min(cr, u.row_end - r0);
+  for (int32_t r0 = 0; r0 < d.plane_rows && d.q_len; r0 += cr) {
+    const int32_t rows = min(cr, d.plane_rows - r0);
     load_to_smem(smem + st.codes, pb + d.off_codes + int64_t(r0) * d.q_len / 2, int64_t(rows) * d.q_len / 2);
     load_to_smem(smem + st.scales, pb + d.off_scales + int64_t(r0) * qb, int64_t(rows) * qb);
     if (d.r_len) {
@@ -454,20 +419,18 @@ __global__ void __launch_bounds__(kDecodeThreads) decode_pages_kernel(const __gr
       const uint4 out = nan ? nan_vector<T>() : from_float<T>(x);
       *reinterpret_cast<uint4*>(d.base + d.row_offset(u.page, u.plane, r0 + row) + col * d.esize) = out;
     }
-    if (r0 + cr < u.row_end) __syncthreads();
+    if (r0 + cr < d.plane_rows) __syncthreads();
   }
-  copy_lossless(d, u, pb + d.off_lossless, false);
+  copy_lossless(d, u.page, u.plane, pb + d.off_lossless, false);
 }
 
-// Rows per cluster rank (a multiple of 16) and rows per smem tile.
-std::pair<int32_t, int32_t> span_and_tile_rows(const PoolDesc& d) {
-  const int64_t span = ((d.plane_rows + kCluster - 1) / kCluster + 15) & ~int64_t(15);
+int64_t chunk_rows_for(const PoolDesc& d) {
   const int64_t qbytes = int64_t(d.q_len) * d.esize;
-  if (qbytes == 0 || span * qbytes <= kTileBytes) return {int32_t(span), int32_t(span)};
+  if (qbytes == 0 || d.plane_rows * qbytes <= kTileBytes) return std::max<int64_t>(d.plane_rows, 1);
   const int64_t rows = std::max<int64_t>(16, (kTileBytes / qbytes) & ~int64_t(15));
   TORCH_CHECK_VALUE(rows * qbytes <= kTileBytes, "nvfp4 codec: rows of ", d.q_len,
                     " quantized elements are too long for the encode tile");
-  return {int32_t(span), int32_t(rows)};
+  return rows;
 }
 
 template <class Kernel>
@@ -483,7 +446,7 @@ void launch_codec(Kernel kernel, const char* what, bool encode, const std::vecto
     for (int i = 0; i < P.num_pools; ++i) {
       const PoolDesc& d = descs[members[b + i]];
       P.pools[i] = d;
-      std::tie(P.span_rows[i], P.chunk_rows[i]) = span_and_tile_rows(d);
+      P.chunk_rows[i] = int32_t(chunk_rows_for(d));
       P.unit_begin[i + 1] = P.unit_begin[i] + d.planes;
       const int64_t stage = ChunkStaging(d, P.chunk_rows[i]).total;
       smem = std::max<int64_t>(smem, encode ? stage + int64_t(P.chunk_rows[i]) * d.q_len * d.esize : stage);
@@ -494,7 +457,7 @@ void launch_codec(Kernel kernel, const char* what, bool encode, const std::vecto
     P.blobs = blobs;
     P.blob_stride = blob_stride;
     P.num_slots = num_slots;
-    const int64_t grid = num_pairs * P.units_per_page * kCluster;
+    const int64_t grid = num_pairs * P.units_per_page;
     TORCH_CHECK(grid < (int64_t(1) << 31), what, ": too many pages in one call");
     kernel<<<dim3(uint32_t(grid)), encode ? kEncodeThreads : kDecodeThreads, smem, stream>>>(P);
     C10_CUDA_KERNEL_LAUNCH_CHECK();
