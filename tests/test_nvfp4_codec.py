@@ -354,3 +354,48 @@ def test_call_errors_touch_nothing(device):
         torch.cuda.synchronize()
         assert torch.equal(cold, saved)
         expect(ValueError, "is not on the CPU|must be on the GPU", lambda: codec.encode([p.cpu() for p in pools], cold, ok))
+
+
+# ---- property test: any valid spec gives an aligned, self-consistent layout the kernels accept ----------------
+
+from hypothesis import given, settings  # noqa: E402
+from hypothesis import strategies as st  # noqa: E402
+
+
+@st.composite
+def _pool_and_spec(draw):
+    dtype = draw(st.sampled_from(HOT))
+    row = 16 * draw(st.integers(1, 12))
+    mids = draw(st.lists(st.integers(1, 3), min_size=0, max_size=3))
+    shape = (draw(st.integers(1, 3)), *mids, row)
+    q0 = 16 * draw(st.integers(0, row // 16))
+    ql = 16 * draw(st.integers(0, (row - q0) // 16))
+    res = None
+    if ql and draw(st.booleans()):
+        r0 = q0 + 16 * draw(st.integers(0, ql // 16 - 1))
+        res = (r0, 16 * draw(st.integers(1, (q0 + ql - r0) // 16)))
+    plane_dim = draw(st.sampled_from([None] + list(range(1, len(shape) - 1))))
+    policy = draw(st.sampled_from(["per_page_pow2", "per_page", "identity", 3.0]))
+    return shape, dtype, RowSpec((q0, ql), res, policy, plane_dim)
+
+
+@settings(max_examples=40, deadline=None)
+@given(st.lists(_pool_and_spec(), min_size=1, max_size=3))
+def test_layout_property(pools_specs):
+    pools = [_kv(shape, dtype, "cpu", None) for shape, dtype, _ in pools_specs]
+    specs = [spec for _, _, spec in pools_specs]
+    codec = ColdPageCodec(pools, specs)
+    end = 0
+    for lay in codec.layouts:
+        offs = [lay.off_codes, lay.off_rcodes, lay.off_scales, lay.off_rscales, lay.off_lossless]
+        assert all(o % 16 == 0 for o in offs + [lay.section_offset, lay.plane_offset, lay.plane_bytes])
+        assert offs == sorted(offs) and lay.section_offset >= end
+        end = lay.section_offset + lay.section_bytes
+    assert codec.cold_page_bytes >= end and codec.cold_page_bytes % 16 == 0
+    n = min(p.shape[0] for p in pools)  # pools may differ in page count; a page index must exist in all
+    pairs = torch.stack([torch.arange(n), torch.arange(n)], 1).int()
+    cold = poison_(codec.allocate(n))
+    codec.encode(pools, cold, pairs)
+    expect = torch.zeros_like(cold)
+    ref.encode_pages(pools, specs, expect, pairs)
+    assert torch.equal(cold, expect)
