@@ -207,5 +207,18 @@ void check_page_pairs(const at::Tensor& page_pairs, int64_t dst_limit, int64_t s
   }
 }
 
+std::vector<PoolDesc> check_codec_call(at::TensorList pools, const at::Tensor& cold_pages, const at::Tensor& page_pairs,
+                                       at::IntArrayRef plan, bool validate, bool encode) {
+  const char* what = encode ? "nvfp4_encode_pages" : "nvfp4_decode_pages";
+  check_cold_pages(cold_pages, what);
+  std::vector<at::Tensor> pv(pools.begin(), pools.end());
+  auto descs = make_pool_descs(pv, plan, cold_pages.size(1), what);
+  int64_t pages = descs[0].num_pages;  // a page index must exist in every pool
+  for (auto& d : descs) pages = std::min<int64_t>(pages, d.num_pages);
+  if (encode) check_page_pairs(page_pairs, cold_pages.size(0), pages, "slot", "page", validate, what);
+  else check_page_pairs(page_pairs, pages, cold_pages.size(0), "page", "slot", validate, what);
+  return descs;
+}
+
 }  // namespace nvfp4
 }  // namespace kvops

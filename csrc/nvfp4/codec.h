@@ -92,6 +92,11 @@ std::vector<PoolDesc> make_pool_descs(const std::vector<at::Tensor>& pools, at::
 void check_page_pairs(const at::Tensor& page_pairs, int64_t dst_limit, int64_t src_limit,
                       const char* dst_name, const char* src_name, bool validate, const char* what);
 
+// Every host-side check of an encode/decode call (blob, plan, pools, pairs); returns the descriptors.
+// Device placement is checked by each backend before this.
+std::vector<PoolDesc> check_codec_call(at::TensorList pools, const at::Tensor& cold_pages, const at::Tensor& page_pairs,
+                                       at::IntArrayRef plan, bool validate, bool encode);
+
 // True for dtypes whose values can be quantized (the hot dtypes).
 bool is_hot_dtype(at::ScalarType t);
 

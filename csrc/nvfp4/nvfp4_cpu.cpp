@@ -186,51 +186,35 @@ void decode_page(const PoolDesc& d, at::ScalarType t, const uint8_t* blob, int64
   }
 }
 
-int64_t min_pages(const std::vector<PoolDesc>& descs) {
-  int64_t n = descs[0].num_pages;
-  for (auto& d : descs) n = std::min<int64_t>(n, d.num_pages);
-  return n;
-}
-
 }  // namespace
 
-void encode_pages_cpu(at::TensorList pools, const at::Tensor& cold_pages, const at::Tensor& page_pairs,
-                      at::IntArrayRef plan, bool validate) {
-  const char* what = "nvfp4_encode_pages";
-  check_cold_pages(cold_pages, what);
+// Both directions: pools and pairs must be on the CPU; one pair per task.
+void run_codec_cpu(at::TensorList pools, const at::Tensor& cold_pages, const at::Tensor& page_pairs, at::IntArrayRef plan,
+                   bool validate, bool encode) {
+  const char* what = encode ? "nvfp4_encode_pages" : "nvfp4_decode_pages";
   TORCH_CHECK_VALUE(page_pairs.is_cpu(), what, ": page_pairs must be on the CPU for CPU pools");
-  std::vector<at::Tensor> pv(pools.begin(), pools.end());
-  for (size_t p = 0; p < pv.size(); ++p) TORCH_CHECK_VALUE(pv[p].is_cpu(), what, ": pools[", p, "] is not on the CPU");
-  auto descs = make_pool_descs(pv, plan, cold_pages.size(1), what);
-  check_page_pairs(page_pairs, cold_pages.size(0), min_pages(descs), "slot", "page", validate, what);
+  for (size_t p = 0; p < pools.size(); ++p) TORCH_CHECK_VALUE(pools[p].is_cpu(), what, ": pools[", p, "] is not on the CPU");
+  const auto descs = check_codec_call(pools, cold_pages, page_pairs, plan, validate, encode);
   const int32_t* pp = page_pairs.data_ptr<int32_t>();
   uint8_t* blobs = cold_pages.data_ptr<uint8_t>();
   const int64_t stride = cold_pages.stride(0);
   at::parallel_for(0, page_pairs.size(0), 1, [&](int64_t i0, int64_t i1) {
-    for (int64_t i = i0; i < i1; ++i) {
-      uint8_t* blob = blobs + pp[2 * i] * stride;
-      for (size_t p = 0; p < descs.size(); ++p) encode_page(descs[p], pv[p].scalar_type(), pp[2 * i + 1], blob);
-    }
+    for (int64_t i = i0; i < i1; ++i)
+      for (size_t p = 0; p < descs.size(); ++p) {
+        if (encode) encode_page(descs[p], pools[p].scalar_type(), pp[2 * i + 1], blobs + pp[2 * i] * stride);
+        else decode_page(descs[p], pools[p].scalar_type(), blobs + pp[2 * i + 1] * stride, pp[2 * i]);
+      }
   });
+}
+
+void encode_pages_cpu(at::TensorList pools, const at::Tensor& cold_pages, const at::Tensor& page_pairs,
+                      at::IntArrayRef plan, bool validate) {
+  run_codec_cpu(pools, cold_pages, page_pairs, plan, validate, true);
 }
 
 void decode_pages_cpu(const at::Tensor& cold_pages, at::TensorList pools, const at::Tensor& page_pairs,
                       at::IntArrayRef plan, bool validate) {
-  const char* what = "nvfp4_decode_pages";
-  check_cold_pages(cold_pages, what);
-  TORCH_CHECK_VALUE(page_pairs.is_cpu(), what, ": page_pairs must be on the CPU for CPU pools");
-  std::vector<at::Tensor> pv(pools.begin(), pools.end());
-  for (size_t p = 0; p < pv.size(); ++p) TORCH_CHECK_VALUE(pv[p].is_cpu(), what, ": pools[", p, "] is not on the CPU");
-  auto descs = make_pool_descs(pv, plan, cold_pages.size(1), what);
-  check_page_pairs(page_pairs, min_pages(descs), cold_pages.size(0), "page", "slot", validate, what);
-  const int32_t* pp = page_pairs.data_ptr<int32_t>();
-  const uint8_t* blobs = cold_pages.data_ptr<uint8_t>();
-  const int64_t stride = cold_pages.stride(0);
-  at::parallel_for(0, page_pairs.size(0), 1, [&](int64_t i0, int64_t i1) {
-    for (int64_t i = i0; i < i1; ++i)
-      for (size_t p = 0; p < descs.size(); ++p)
-        decode_page(descs[p], pv[p].scalar_type(), blobs + pp[2 * i + 1] * stride, pp[2 * i]);
-  });
+  run_codec_cpu(pools, cold_pages, page_pairs, plan, validate, false);
 }
 
 TORCH_LIBRARY_IMPL(kvops, CPU, m) {

@@ -467,27 +467,21 @@ void launch_codec(Kernel kernel, const char* what, bool encode, const std::vecto
 void run_codec(at::TensorList pools, const at::Tensor& cold_pages, const at::Tensor& page_pairs, at::IntArrayRef plan,
                bool validate, bool encode) {
   const char* what = encode ? "nvfp4_encode_pages" : "nvfp4_decode_pages";
-  check_cold_pages(cold_pages, what);
   TORCH_CHECK_VALUE(!pools.empty(), what, ": pools is empty");
   const at::Device device = pools[0].device();
   for (size_t p = 0; p < pools.size(); ++p)
     TORCH_CHECK_VALUE(pools[p].is_cuda(), what, ": pools[", p, "] is on ", pools[p].device(),
                       "; pools must be on the GPU when cold_pages or page_pairs are");
   c10::cuda::CUDAGuard guard(device);
-  std::vector<at::Tensor> pv(pools.begin(), pools.end());
-  auto descs = make_pool_descs(pv, plan, cold_pages.size(1), what);
-  int64_t pages = descs[0].num_pages;
-  for (auto& d : descs) pages = std::min<int64_t>(pages, d.num_pages);
-  if (encode) check_page_pairs(page_pairs, cold_pages.size(0), pages, "slot", "page", validate, what);
-  else check_page_pairs(page_pairs, pages, cold_pages.size(0), "page", "slot", validate, what);
+  const auto descs = check_codec_call(pools, cold_pages, page_pairs, plan, validate, encode);
   uint8_t* blobs = static_cast<uint8_t*>(device_address(cold_pages, device, "cold_pages", what));
   const int32_t* pairs = static_cast<const int32_t*>(device_address(page_pairs, device, "page_pairs", what));
   const int64_t n = page_pairs.size(0);
   if (n == 0) return;
   // One launch per dtype (lossless-only pools of other dtypes ride with bf16: bytes are bytes).
   std::map<at::ScalarType, std::vector<size_t>> groups;
-  for (size_t p = 0; p < pv.size(); ++p) {
-    at::ScalarType t = pv[p].scalar_type();
+  for (size_t p = 0; p < pools.size(); ++p) {
+    at::ScalarType t = pools[p].scalar_type();
     groups[is_hot_dtype(t) ? t : at::kBFloat16].push_back(p);
   }
   for (auto& [t, members] : groups) {
