@@ -79,6 +79,26 @@ def test_matches_reference_with_canaries(device, dtype, policy):
 
 
 @pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("policy", ["per_page_pow2", "identity"])
+def test_planes_larger_than_a_tile(device, policy):
+    """128-token pages: a 256 KiB bf16 plane spans four encode tiles (amax pass, then tile by tile)."""
+    pool = _kv((3, 2, 8, 128, 128), torch.bfloat16, device, None)
+    specs = [RowSpec.full(128, plane_dim=1, global_scale=policy)]
+    codec = ColdPageCodec([pool], specs)
+    cold = poison_(codec.allocate(3, device=device))
+    pairs = torch.tensor([[2, 0], [0, 2]], dtype=torch.int32, device=device)
+    codec.encode([pool], cold, pairs)
+    expect = cold.cpu().clone()
+    ref.encode_pages([pool.cpu()], specs, expect, pairs.cpu())
+    assert torch.equal(cold.cpu(), expect)
+    out = poison_(pool.clone())
+    expect_out = out.cpu().clone()
+    codec.decode(cold, [out], pairs)
+    ref.decode_pages(cold.cpu(), [expect_out], specs, pairs.cpu())
+    assert torch.equal(bytes_of(out), bytes_of(expect_out))
+
+
+@pytest.mark.parametrize("device", DEVICES)
 def test_lossless_bytes_and_non_finite(device):
     """NaN/Inf outside the quantized run come back bit-exact; inside, NaN poisons only its block."""
     pool = torch.randn(4, 8, 576).to(torch.bfloat16).to(device)
