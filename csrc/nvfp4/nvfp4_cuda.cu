@@ -34,8 +34,6 @@ __device__ __forceinline__ void cp_async16(void* smem, const void* gmem) {
   asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"(s), "l"(gmem));
 }
 __device__ __forceinline__ void cp_async_wait_all() { asm volatile("cp.async.wait_all;\n" ::); }
-__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::); }
-__device__ __forceinline__ void cp_async_wait_prior() { asm volatile("cp.async.wait_group 1;\n" ::); }
 
 // Block-wide NaN-propagating max; every thread gets the result.
 __device__ float block_max(float v, float* red) {
@@ -189,7 +187,7 @@ at::Tensor dequantize_cuda(const at::Tensor& packed, const at::Tensor& scales,
 
 // ---- cold-page codec ----------------------------------------------------------------------------
 
-constexpr int kEncodeThreads = 1024;  // one persistent CTA per SM, 32 warps to hide latency
+constexpr int kEncodeThreads = 512;  // 2 CTAs (a 64 KiB plane each) per SM, 32 warps to hide latency
 constexpr int kDecodeThreads = 256;
 
 struct CodecParams {
@@ -220,10 +218,10 @@ struct Unit {
   int64_t page, slot;
 };
 
-// Which (pool, plane) and pair a unit id names; false when the pair is out of range (skipped).
-__device__ __forceinline__ bool locate_unit(const CodecParams& P, int64_t id, bool encode, Unit& u) {
-  const int64_t pair = id / P.units_per_page;
-  int unit = int(id % P.units_per_page);
+// Which (pool, plane) and pair this CTA owns; false when the pair is out of range (skipped).
+__device__ __forceinline__ bool locate_unit(const CodecParams& P, bool encode, Unit& u) {
+  const int64_t pair = blockIdx.x / P.units_per_page;
+  int unit = blockIdx.x % P.units_per_page;
   u.pool = 0;
   while (unit >= P.unit_begin[u.pool + 1]) ++u.pool;
   u.plane = unit - P.unit_begin[u.pool];
@@ -275,26 +273,13 @@ __device__ __forceinline__ void zero_tail(uint8_t* stage, int64_t n) {
   for (int64_t i = n; i & 15; ++i) stage[i] = 0;
 }
 
-// Issues the cp.async loads of rows [r0, r0 + rows) of a unit's quantized run into tile (one group).
-__device__ __forceinline__ void load_tile(const PoolDesc& d, const Unit& u, int32_t r0, int32_t rows, uint8_t* tile) {
-  const int32_t qvpr = int32_t(d.qvecs.d);
-  for (int32_t v = threadIdx.x; v < rows * qvpr; v += blockDim.x) {
-    const uint32_t row = d.qvecs.div(uint32_t(v));
-    const int32_t k = v - int32_t(row) * qvpr;
-    cp_async16(tile + int64_t(v) * 16, d.base + d.row_offset(u.page, u.plane, r0 + row) + d.q_start * d.esize + k * 16);
-  }
-}
-
-__device__ __forceinline__ bool single_tile(const CodecParams& P, const Unit& u) {
-  const PoolDesc& d = P.pools[u.pool];
-  return d.q_len && d.plane_rows <= P.chunk_rows[u.pool];
-}
-
-// Encodes one unit. preloaded: its single tile already sits in `tile` (prefetched by the caller).
 template <class T>
-__device__ __forceinline__ void encode_unit(const CodecParams& P, const Unit& u, uint8_t* tile, uint8_t* stage,
-                                            bool preloaded, float* red) {
+__global__ void __launch_bounds__(kEncodeThreads, 2) encode_pages_kernel(const __grid_constant__ CodecParams P) {
   constexpr int kEpt = Hot<T>::kEpt, kLanes = lanes_per_block<T>();
+  extern __shared__ __align__(16) uint8_t smem[];
+  __shared__ float red[32];
+  Unit u;
+  if (!locate_unit(P, true, u)) return;
   const PoolDesc& d = P.pools[u.pool];
   uint8_t* section = P.blobs + u.slot * P.blob_stride + d.section_offset;
   uint8_t* pb = section + d.plane_offset + u.plane * d.plane_bytes;
@@ -315,15 +300,19 @@ __device__ __forceinline__ void encode_unit(const CodecParams& P, const Unit& u,
     g = page_global_scale(block_max(m, red), d.scale_kind);
   }
 
+  uint8_t* tile = smem;
   const ChunkStaging st(d, cr);
+  uint8_t* stage = smem + int64_t(cr) * d.q_len * d.esize;
   const int32_t qb = d.q_len / kBlock, rb = d.r_len / kBlock;
   for (int32_t c = 0; c < nchunks; ++c) {
     const int32_t r0 = c * cr, rows = min(cr, d.plane_rows - r0);
     const int32_t nvec = rows * qvpr;
-    if (!preloaded) {
-      load_tile(d, u, r0, rows, tile);
-      cp_async_wait_all();
+    for (int32_t v = threadIdx.x; v < nvec; v += blockDim.x) {
+      const uint32_t row = d.qvecs.div(uint32_t(v));
+      const int32_t k = v - int32_t(row) * qvpr;
+      cp_async16(tile + int64_t(v) * 16, d.base + d.row_offset(u.page, u.plane, r0 + row) + d.q_start * d.esize + k * 16);
     }
+    cp_async_wait_all();
     if (threadIdx.x == 0) {
       zero_tail(stage + st.codes, int64_t(rows) * d.q_len / 2);
       zero_tail(stage + st.scales, int64_t(rows) * qb);
@@ -383,45 +372,12 @@ __device__ __forceinline__ void encode_unit(const CodecParams& P, const Unit& u,
   }
 }
 
-// Persistent: each CTA walks units id = blockIdx.x, += gridDim.x, and while it quantizes one unit the
-// cp.async loads of its next unit (when that fits one tile) are already in flight into the other buffer.
-template <class T>
-__global__ void __launch_bounds__(kEncodeThreads, 1)
-    encode_pages_kernel(const __grid_constant__ CodecParams P, int64_t num_units, int32_t tile_bytes) {
-  extern __shared__ __align__(16) uint8_t smem[];
-  __shared__ float red[32];
-  uint8_t* stage = smem + 2 * int64_t(tile_bytes);
-  int64_t id = blockIdx.x;
-  Unit cur;
-  bool cur_ok = id < num_units && locate_unit(P, id, true, cur);
-  bool cur_pre = cur_ok && single_tile(P, cur);
-  if (cur_pre) load_tile(P.pools[cur.pool], cur, 0, P.pools[cur.pool].plane_rows, smem);
-  cp_async_commit();
-  for (int it = 0; id < num_units; ++it, id += gridDim.x) {
-    uint8_t* tile = smem + (it & 1) * int64_t(tile_bytes);
-    Unit nxt;
-    const int64_t nid = id + gridDim.x;
-    const bool nxt_ok = nid < num_units && locate_unit(P, nid, true, nxt);
-    const bool nxt_pre = nxt_ok && single_tile(P, nxt);
-    if (nxt_pre) load_tile(P.pools[nxt.pool], nxt, 0, P.pools[nxt.pool].plane_rows, smem + ((it + 1) & 1) * int64_t(tile_bytes));
-    cp_async_commit();
-    cp_async_wait_prior();  // this unit's group has landed (the next one may still be in flight)
-    __syncthreads();
-    if (cur_ok) encode_unit<T>(P, cur, tile, stage, cur_pre, red);
-    __syncthreads();  // the buffer is refilled two units from now, the staging at the next unit
-    cur = nxt;
-    cur_ok = nxt_ok;
-    cur_pre = nxt_pre;
-  }
-  cp_async_wait_all();
-}
-
 template <class T>
 __global__ void __launch_bounds__(kDecodeThreads, 4) decode_pages_kernel(const __grid_constant__ CodecParams P) {
   constexpr int kEpt = Hot<T>::kEpt, kLanes = lanes_per_block<T>();
   extern __shared__ __align__(16) uint8_t smem[];
   Unit u;
-  if (!locate_unit(P, blockIdx.x, false, u)) return;
+  if (!locate_unit(P, false, u)) return;
   const PoolDesc& d = P.pools[u.pool];
   const uint8_t* section = P.blobs + u.slot * P.blob_stride + d.section_offset;
   uint8_t* pb = const_cast<uint8_t*>(section) + d.plane_offset + u.plane * d.plane_bytes;
@@ -477,29 +433,34 @@ int64_t chunk_rows_for(const PoolDesc& d) {
   return rows;
 }
 
-// Fills the parameter block for up to kMaxPools pools at a time and hands it to launch(P, tile, stage):
-// tile = the largest encode input tile, stage = the largest staging area, in bytes.
-template <class Launch>
-void for_each_batch(const char* what, const std::vector<PoolDesc>& descs, const std::vector<size_t>& members,
-                    const int32_t* pairs, uint8_t* blobs, int64_t blob_stride, int64_t num_slots, Launch&& launch) {
+template <class Kernel>
+void launch_codec(Kernel kernel, const char* what, bool encode, const std::vector<PoolDesc>& descs,
+                  const std::vector<size_t>& members, const int32_t* pairs, int64_t num_pairs, uint8_t* blobs,
+                  int64_t blob_stride, int64_t num_slots) {
+  prepare_kernel(kernel, what, kMaxSmem);
+  auto stream = c10::cuda::getCurrentCUDAStream();
   for (size_t b = 0; b < members.size(); b += kMaxPools) {
     CodecParams P{};
     P.num_pools = int32_t(std::min<size_t>(kMaxPools, members.size() - b));
-    int64_t tile = 0, stage = 0;
+    int64_t smem = 0;
     for (int i = 0; i < P.num_pools; ++i) {
       const PoolDesc& d = descs[members[b + i]];
       P.pools[i] = d;
       P.chunk_rows[i] = int32_t(chunk_rows_for(d));
       P.unit_begin[i + 1] = P.unit_begin[i] + d.planes;
-      tile = std::max<int64_t>(tile, (int64_t(P.chunk_rows[i]) * d.q_len * d.esize + 15) & ~int64_t(15));
-      stage = std::max<int64_t>(stage, ChunkStaging(d, P.chunk_rows[i]).total);
+      const int64_t stage = ChunkStaging(d, P.chunk_rows[i]).total;
+      smem = std::max<int64_t>(smem, encode ? stage + int64_t(P.chunk_rows[i]) * d.q_len * d.esize : stage);
     }
+    TORCH_CHECK(smem <= kMaxSmem, what, ": a chunk needs ", smem, " bytes of shared memory");
     P.units_per_page = P.unit_begin[P.num_pools];
     P.pairs = pairs;
     P.blobs = blobs;
     P.blob_stride = blob_stride;
     P.num_slots = num_slots;
-    launch(P, tile, stage);
+    const int64_t grid = num_pairs * P.units_per_page;
+    TORCH_CHECK(grid < (int64_t(1) << 31), what, ": too many pages in one call");
+    kernel<<<dim3(uint32_t(grid)), encode ? kEncodeThreads : kDecodeThreads, smem, stream>>>(P);
+    C10_CUDA_KERNEL_LAUNCH_CHECK();
   }
 }
 
@@ -523,27 +484,16 @@ void run_codec(at::TensorList pools, const at::Tensor& cold_pages, const at::Ten
     at::ScalarType t = pools[p].scalar_type();
     groups[is_hot_dtype(t) ? t : at::kBFloat16].push_back(p);
   }
-  auto stream = c10::cuda::getCurrentCUDAStream();
   for (auto& [t, members] : groups) {
     dispatch_dtype(t, [&](auto tag) {
       using T = decltype(tag);
       if constexpr (!std::is_same_v<T, float>) {
-        for_each_batch(what, descs, members, pairs, blobs, cold_pages.stride(0), cold_pages.size(0),
-                       [&](const CodecParams& P, int64_t tile, int64_t stage) {
-          const int64_t units = n * P.units_per_page;
-          TORCH_CHECK(units < (int64_t(1) << 31), what, ": too many pages in one call");
-          if (encode) {  // persistent: one CTA per SM, two tiles (double buffer) and the staging
-            const int64_t smem = 2 * tile + stage;
-            TORCH_CHECK(smem <= kMaxSmem, what, ": a unit needs ", smem, " bytes of shared memory");
-            prepare_kernel(encode_pages_kernel<T>, what, kMaxSmem);
-            const int grid = int(std::min<int64_t>(units, sm_count()));
-            encode_pages_kernel<T><<<grid, kEncodeThreads, smem, stream>>>(P, units, int32_t(tile));
-          } else {
-            prepare_kernel(decode_pages_kernel<T>, what, kMaxSmem);
-            decode_pages_kernel<T><<<uint32_t(units), kDecodeThreads, stage, stream>>>(P);
-          }
-          C10_CUDA_KERNEL_LAUNCH_CHECK();
-        });
+        if (encode)
+          launch_codec(encode_pages_kernel<T>, what, true, descs, members, pairs, n, blobs, cold_pages.stride(0),
+                       cold_pages.size(0));
+        else
+          launch_codec(decode_pages_kernel<T>, what, false, descs, members, pairs, n, blobs, cold_pages.stride(0),
+                       cold_pages.size(0));
       }
     });
   }
