@@ -316,6 +316,8 @@ def test_config_errors_name_the_pool():
         (RowSpec.full(128, global_scale="per_token"), "global_scale"),
         (RowSpec.full(128, global_scale=-1.0), "positive"),
         (RowSpec.full(128, global_scale=float("nan")), "positive"),
+        (RowSpec.full(128, global_scale=1e39), "float32"),
+        (RowSpec.full(128, global_scale=1e-50), "float32"),
     ]
     for spec, msg in cases:
         with pytest.raises(ValueError, match=rf"pools\[1\].*{msg}"):

@@ -154,8 +154,8 @@ def _check_spec(i: int, shape: tuple[int, ...], dtype: torch.dtype, spec: RowSpe
             bad(f"global_scale {g!r} is not one of {SCALE_POLICIES} or a positive float")
     elif isinstance(g, bool) or not isinstance(g, (int, float)) or not (0 < float(g) < float("inf")):
         bad(f"global_scale {g!r} must be a positive finite float")
-    elif struct.unpack("<f", struct.pack("<f", float(g)))[0] <= 0:
-        bad(f"global_scale {g!r} underflows float32")
+    elif not 0 < float(torch.tensor(float(g), dtype=torch.float32)) < float("inf"):
+        bad(f"global_scale {g!r} is not a positive finite float32")
 
 
 def plan_layout(pools: list[tuple[tuple[int, ...], torch.dtype]], specs: list[RowSpec]) -> tuple[list[PoolLayout], int]:
