@@ -75,23 +75,24 @@ __device__ __forceinline__ uint64_t load_codes(const uint8_t* p) {
 // ---- primitives ---------------------------------------------------------------------------------
 
 template <class T>
-__global__ void __launch_bounds__(kThreads) quantize_kernel(const uint4* __restrict__ x, int64_t nvec,
+__device__ __forceinline__ void load_block(const uint4* p, uint4 (&v)[vecs_per_block<T>()]) {
+#pragma unroll
+  for (int j = 0; j < vecs_per_block<T>(); ++j) v[j] = p[j];
+}
+
+template <class T>
+__global__ void __launch_bounds__(kThreads) quantize_kernel(const uint4* __restrict__ x, int64_t nblocks,
                                                             const float* g_dev, float g_host,
                                                             uint8_t* __restrict__ packed, uint8_t* __restrict__ scales) {
-  constexpr int kEpt = Hot<T>::kEpt, kLanes = lanes_per_block<T>();
   const float g = g_dev ? *g_dev : g_host;
   const bool fast = fast_scale<T>(g);
-  // Whole-CTA strides keep every lane of a warp in the shuffles; stores are masked instead.
-  for (int64_t base = int64_t(blockIdx.x) * kThreads; base < nvec; base += int64_t(gridDim.x) * kThreads) {
-    const int64_t v = base + threadIdx.x;
-    const bool ok = v < nvec;
-    uint4 in = ok ? x[v] : make_uint4(0, 0, 0, 0);
+  for (int64_t b = int64_t(blockIdx.x) * kThreads + threadIdx.x; b < nblocks; b += int64_t(gridDim.x) * kThreads) {
+    uint4 v[vecs_per_block<T>()];
+    load_block<T>(x + b * vecs_per_block<T>(), v);
     uint8_t sc;
-    uint64_t codes = quantize_vector<T>(in, g, fast, sc);
-    if (ok) {
-      store_codes<kEpt / 2>(packed + v * (kEpt / 2), codes);
-      if (threadIdx.x % kLanes == 0) scales[v / kLanes] = sc;
-    }
+    const uint64_t codes = quantize_block<T>(v, g, fast, sc);
+    *reinterpret_cast<uint64_t*>(packed + b * 8) = codes;
+    scales[b] = sc;
   }
 }
 
@@ -107,11 +108,11 @@ template <class T>
 __global__ void __launch_bounds__(kThreads) dequantize_kernel(const uint8_t* __restrict__ packed,
                                                               const uint8_t* __restrict__ scales, int64_t nvec,
                                                               const float* g_dev, float g_host, uint4* __restrict__ out) {
-  constexpr int kEpt = Hot<T>::kEpt, kLanes = lanes_per_block<T>();
+  constexpr int kEpt = Hot<T>::kEpt, kVecs = vecs_per_block<T>();
   const float g = g_dev ? *g_dev : g_host;
   const bool fast = is_fast_scale(g);
   for (int64_t v = int64_t(blockIdx.x) * kThreads + threadIdx.x; v < nvec; v += int64_t(gridDim.x) * kThreads)
-    out[v] = dequantize_vector<T>(load_codes<kEpt / 2>(packed + v * (kEpt / 2)), scales[v / kLanes], g, fast);
+    out[v] = dequantize_vector<T>(load_codes<kEpt / 2>(packed + v * (kEpt / 2)), scales[v / kVecs], g, fast);
 }
 
 template <class F>
@@ -150,14 +151,14 @@ std::tuple<at::Tensor, at::Tensor> quantize_cuda(const at::Tensor& x, const c10:
   auto [g_dev, g_host] = scale_arg(global_scale, "nvfp4_quantize");
   at::Tensor xc = aligned_contiguous(x);
   auto [packed, scales] = quantize_outputs(x);
-  const int64_t nvec = xc.numel() * xc.element_size() / 16;
-  if (nvec == 0) return {packed, scales};
+  const int64_t nblocks = xc.numel() / kBlock;
+  if (nblocks == 0) return {packed, scales};
   auto stream = c10::cuda::getCurrentCUDAStream();
   dispatch_dtype(xc.scalar_type(), [&](auto tag) {
     using T = decltype(tag);
     prepare_kernel(quantize_kernel<T>, "nvfp4_quantize");
-    quantize_kernel<T><<<grid_for(nvec), kThreads, 0, stream>>>(
-        static_cast<const uint4*>(xc.data_ptr()), nvec, g_dev, g_host, packed.data_ptr<uint8_t>(),
+    quantize_kernel<T><<<grid_for(nblocks), kThreads, 0, stream>>>(
+        static_cast<const uint4*>(xc.data_ptr()), nblocks, g_dev, g_host, packed.data_ptr<uint8_t>(),
         reinterpret_cast<uint8_t*>(scales.data_ptr()));
     C10_CUDA_KERNEL_LAUNCH_CHECK();
   });
@@ -275,7 +276,7 @@ __device__ __forceinline__ void zero_tail(uint8_t* stage, int64_t n) {
 
 template <class T>
 __global__ void __launch_bounds__(kEncodeThreads, 2) encode_pages_kernel(const __grid_constant__ CodecParams P) {
-  constexpr int kEpt = Hot<T>::kEpt, kLanes = lanes_per_block<T>();
+  constexpr int kVecs = vecs_per_block<T>();
   extern __shared__ __align__(16) uint8_t smem[];
   __shared__ float red[32];
   Unit u;
@@ -327,31 +328,28 @@ __global__ void __launch_bounds__(kEncodeThreads, 2) encode_pages_kernel(const _
       g = page_global_scale(block_max(m, red), d.scale_kind);
     }
     const bool fast = fast_scale<T>(g);
-    const int32_t nvec_warps = (nvec + 31) & ~31;
-    for (int32_t v = threadIdx.x; v < nvec_warps; v += blockDim.x) {
-      const bool ok = v < nvec;
-      const uint4 in = ok ? reinterpret_cast<const uint4*>(tile)[v] : make_uint4(0, 0, 0, 0);
+    const int32_t nblk = rows * qb;
+    for (int32_t b = threadIdx.x; b < nblk; b += blockDim.x) {  // one 16-element block per thread
+      uint4 v[kVecs];
+      load_block<T>(reinterpret_cast<const uint4*>(tile) + int64_t(b) * kVecs, v);
       uint8_t sc;
-      const uint64_t codes = quantize_vector<T>(in, g, fast, sc);
-      if (ok) {
-        store_codes<kEpt / 2>(stage + st.codes + int64_t(v) * (kEpt / 2), codes);
-        if (v % kLanes == 0) stage[st.scales + v / kLanes] = sc;
-      }
-      if (d.r_len) {  // 2FP4: quantize the rounding error of the first component (all lanes shuffle)
-        const uint32_t row = d.qvecs.div(uint32_t(v));
-        const int32_t col = d.q_start + (v - int32_t(row) * qvpr) * kEpt;
-        const bool in_res = ok && col >= d.r_start && col < d.r_start + d.r_len;
-        float x[kEpt], dec[kEpt];
-        to_float<T>(in, x);
-        dequantize_floats<kEpt>(codes, sc, g, fast, dec);
+      const uint64_t codes = quantize_block<T>(v, g, fast, sc);
+      *reinterpret_cast<uint64_t*>(stage + st.codes + int64_t(b) * 8) = codes;
+      stage[st.scales + b] = sc;
+      if (d.r_len) {  // 2FP4: quantize the first component's rounding error (general path)
+        const uint32_t row = d.qvecs.div(uint32_t(b * kVecs));
+        const int32_t col = d.q_start + (b - int32_t(row) * qb) * kBlock;
+        if (col >= d.r_start && col < d.r_start + d.r_len) {
+          float x[kBlock], dec[kBlock];
+          block_to_float<T>(v, x);
+          dequantize_floats<kBlock>(codes, sc, g, fast, dec);
 #pragma unroll
-        for (int i = 0; i < kEpt; ++i) x[i] = x[i] - dec[i];
-        uint8_t rsc;
-        const uint64_t rcodes = quantize_floats<kEpt, kLanes>(x, g, rsc);
-        if (in_res) {
-          const int32_t rv = int32_t(row) * (rb * kBlock / kEpt) + (col - d.r_start) / kEpt;
-          store_codes<kEpt / 2>(stage + st.rcodes + int64_t(rv) * (kEpt / 2), rcodes);
-          if (rv % kLanes == 0) stage[st.rscales + rv / kLanes] = rsc;
+          for (int i = 0; i < kBlock; ++i) x[i] = x[i] - dec[i];
+          uint8_t rsc;
+          const uint64_t rcodes = quantize_floats<kBlock>(x, g, rsc);
+          const int32_t rbi = int32_t(row) * rb + (col - d.r_start) / kBlock;
+          *reinterpret_cast<uint64_t*>(stage + st.rcodes + int64_t(rbi) * 8) = rcodes;
+          stage[st.rscales + rbi] = rsc;
         }
       }
     }
@@ -374,7 +372,7 @@ __global__ void __launch_bounds__(kEncodeThreads, 2) encode_pages_kernel(const _
 
 template <class T>
 __global__ void __launch_bounds__(kDecodeThreads, 4) decode_pages_kernel(const __grid_constant__ CodecParams P) {
-  constexpr int kEpt = Hot<T>::kEpt, kLanes = lanes_per_block<T>();
+  constexpr int kEpt = Hot<T>::kEpt, kVecs = vecs_per_block<T>();
   extern __shared__ __align__(16) uint8_t smem[];
   Unit u;
   if (!locate_unit(P, false, u)) return;
@@ -403,13 +401,13 @@ __global__ void __launch_bounds__(kDecodeThreads, 4) decode_pages_kernel(const _
       const uint32_t row = d.qvecs.div(uint32_t(v));
       const int32_t k = v - int32_t(row) * qvpr;
       const int32_t col = d.q_start + k * kEpt;
-      const uint8_t sc = smem[st.scales + v / kLanes];
+      const uint8_t sc = smem[st.scales + v / kVecs];
       bool nan = sc == kScaleNaN;
       float x[kEpt];
       dequantize_floats<kEpt>(load_codes<kEpt / 2>(smem + st.codes + int64_t(v) * (kEpt / 2)), sc, g, fast, x);
       if (d.r_len && col >= d.r_start && col < d.r_start + d.r_len) {
         const int32_t rv = int32_t(row) * rvpr + (col - d.r_start) / kEpt;
-        const uint8_t rsc = smem[st.rscales + rv / kLanes];
+        const uint8_t rsc = smem[st.rscales + rv / kVecs];
         nan |= rsc == kScaleNaN;
         float r[kEpt];
         dequantize_floats<kEpt>(load_codes<kEpt / 2>(smem + st.rcodes + int64_t(rv) * (kEpt / 2)), rsc, g, fast, r);

@@ -1,8 +1,8 @@
-// Device-side NVFP4 vector quantize/dequantize: one 16-byte vector of hot data per thread.
+// Device-side NVFP4 block quantize / vector dequantize.
 //
-// A 16-element block spans kLanes = 16 / kEpt consecutive lanes (2 for 16-bit dtypes, 1 for fp8,
-// 4 for fp32), which exchange the block amax with shuffles. Every lane of the warp must call
-// these functions (callers pad their loops to whole warps and mask the stores instead).
+// Encode works on one whole 16-element block per thread (2 vectors of 16 bytes for 16-bit dtypes, 1 for fp8,
+// 4 for fp32): the block amax, the E4M3 scale and the thresholds are then computed once per block, with no
+// shuffles, which matters because the encode is instruction-bound on sm_90.
 //
 // Two encode paths, bit-identical by construction (and by test):
 //  * general: the scalar definition in nvfp4_math.h (fp32 multiply, fp32 divide, thresholds);
@@ -48,7 +48,7 @@ struct Hot<float> {
 };
 
 template <class T>
-constexpr int lanes_per_block() {
+constexpr int vecs_per_block() {  // 16-byte vectors in one 16-element block
   return kBlock / Hot<T>::kEpt;
 }
 
@@ -83,6 +83,19 @@ __device__ __forceinline__ void to_float(const uint4& v, float (&x)[Hot<T>::kEpt
   }
 }
 
+// Exact conversion of one block (its vectors) to 16 floats.
+template <class T>
+__device__ __forceinline__ void block_to_float(const uint4 (&v)[kBlock / Hot<T>::kEpt], float (&x)[kBlock]) {
+  constexpr int kEpt = Hot<T>::kEpt;
+#pragma unroll
+  for (int j = 0; j < kBlock / kEpt; ++j) {
+    float xv[kEpt];
+    to_float<T>(v[j], xv);
+#pragma unroll
+    for (int i = 0; i < kEpt; ++i) x[j * kEpt + i] = xv[i];
+  }
+}
+
 // Round floats to a vector of T (RNE; fp8 saturates to finite).
 template <class T>
 __device__ __forceinline__ uint4 from_float(const float (&x)[Hot<T>::kEpt]) {
@@ -113,13 +126,6 @@ __device__ __forceinline__ uint4 nan_vector() {
   return make_uint4(w, w, w, w);
 }
 
-template <int kLanes>
-__device__ __forceinline__ float block_amax(float amax) {
-#pragma unroll
-  for (int o = 1; o < kLanes; o <<= 1) amax = nan_max(amax, __shfl_xor_sync(kFullMask, amax, o));
-  return amax;
-}
-
 __device__ __forceinline__ uint8_t block_scale_dev(float amax, float g) {
   if (is_nan(amax)) return kScaleNaN;
   float q = __fdiv_rn(__fmul_rn(amax, g), 6.f);
@@ -132,12 +138,11 @@ __device__ __forceinline__ uint8_t block_scale_dev(float amax, float g) {
 #define KVOPS_HW_E2M1 1  // Blackwell: the hardware E2M1 convert
 #endif
 
-template <int kEpt, int kLanes>
+template <int kEpt>
 __device__ __forceinline__ uint64_t quantize_floats(const float (&x)[kEpt], float g, uint8_t& scale) {
   float amax = 0.f;
 #pragma unroll
   for (int i = 0; i < kEpt; ++i) amax = nan_max(amax, fabsf(x[i]));
-  amax = block_amax<kLanes>(amax);
   scale = block_scale_dev(amax, g);
   float s = e4m3_value(scale);
   uint64_t codes = 0;
@@ -190,9 +195,10 @@ struct Packed<__half> {
 
 __device__ __forceinline__ uint32_t select(uint32_t mask, uint32_t a, uint32_t b) { return (a & mask) | (b & ~mask); }
 
-// Codes for nwords packed words (2 elements each) forming whole blocks across kLanes lanes.
-template <class H, int kWords, int kLanes>
-__device__ __forceinline__ uint64_t quantize_packed(const uint32_t (&w)[kWords], float g, uint8_t& scale) {
+// Codes of one block held as 8 packed words (2 elements each).
+template <class H>
+__device__ __forceinline__ uint64_t quantize_packed(const uint32_t (&w)[8], float g, uint8_t& scale) {
+  constexpr int kWords = 8;
   using P = Packed<H>;
   uint32_t a[kWords];
   typename P::T2 amax2 = P::as(0u);
@@ -202,7 +208,7 @@ __device__ __forceinline__ uint64_t quantize_packed(const uint32_t (&w)[kWords],
     amax2 = __hmax2_nan(amax2, P::as(a[i]));
   }
   uint32_t am = P::bits(amax2);
-  float amax = block_amax<kLanes>(nan_max(P::lo(am), P::hi(am)));
+  float amax = nan_max(P::lo(am), P::hi(am));
   scale = block_scale_dev(amax, g);
   float s = e4m3_value(scale);
   if (scale == kScaleNaN || s == 0.f) return 0;
@@ -233,34 +239,36 @@ __device__ __forceinline__ bool fast_scale(float g) {
   else return Packed<__half>::scale_ok(g);  // fp16, and fp8 widened to fp16
 }
 
-// Quantize one 16-byte vector of T. Returns kEpt codes (element i at bits [4i, 4i+4)).
+// Quantize one 16-element block of T, given as its vecs_per_block<T>() vectors.
+// Returns the 16 codes (element i at bits [4i, 4i+4)) and the scale byte.
 template <class T>
-__device__ __forceinline__ uint64_t quantize_vector(const uint4& v, float g, bool fast, uint8_t& scale) {
-  constexpr int kEpt = Hot<T>::kEpt, kLanes = lanes_per_block<T>();
+__device__ __forceinline__ uint64_t quantize_block(const uint4 (&v)[vecs_per_block<T>()], float g, bool fast,
+                                                   uint8_t& scale) {
 #if !defined(KVOPS_HW_E2M1)  // the packed comparisons are the sm_90 software path
   if constexpr (!std::is_same_v<T, float>) {
     if (fast) {
-      if constexpr (std::is_same_v<T, __nv_fp8_e4m3>) {
-        uint32_t w[8];
+      uint32_t w[8];
+      if constexpr (std::is_same_v<T, __nv_fp8_e4m3>) {  // widen to fp16 (exact)
 #pragma unroll
         for (int i = 0; i < 4; ++i) {
-          uint32_t u = word(v, i);
+          uint32_t u = word(v[0], i);
           __half2_raw lo = __nv_cvt_fp8x2_to_halfraw2(__nv_fp8x2_storage_t(u), __NV_E4M3);
           __half2_raw hi = __nv_cvt_fp8x2_to_halfraw2(__nv_fp8x2_storage_t(u >> 16), __NV_E4M3);
           w[2 * i] = *reinterpret_cast<uint32_t*>(&lo);
           w[2 * i + 1] = *reinterpret_cast<uint32_t*>(&hi);
         }
-        return quantize_packed<__half, 8, kLanes>(w, g, scale);
+        return quantize_packed<__half>(w, g, scale);
       } else {
-        const uint32_t w[4] = {v.x, v.y, v.z, v.w};
-        return quantize_packed<T, 4, kLanes>(w, g, scale);
+#pragma unroll
+        for (int i = 0; i < 8; ++i) w[i] = word(v[i / 4], i % 4);
+        return quantize_packed<T>(w, g, scale);
       }
     }
   }
 #endif
-  float x[kEpt];
-  to_float<T>(v, x);
-  return quantize_floats<kEpt, kLanes>(x, g, scale);
+  float x[kBlock];
+  block_to_float<T>(v, x);
+  return quantize_floats<kBlock>(x, g, scale);
 }
 
 // fp32 magnitudes of four codes (low 16 bits of c4) via byte-permute lookups.
