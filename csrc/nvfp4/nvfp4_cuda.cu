@@ -2,10 +2,10 @@
 //
 // The codec kernels are shaped like a shared-memory page copy. One CTA owns one (page, pool,
 // plane) unit and walks it in row chunks:
-//   encode: cp.async 16-byte vectors of the quantized run -> smem; quantize in registers (lanes of a
-//           block exchange the amax by shuffles); codes and scales -> smem staging; 16-byte vector
-//           stores of the staging into the blob. Lossless bytes go straight from row to blob.
-//   decode: cp.async the chunk's codes/scales from the blob -> smem; dequantize in registers;
+//   encode: cp.async 16-byte vectors of the quantized run -> smem; quantize in registers, one
+//           16-element block per thread; codes and scales -> smem staging; 16-byte vector stores of
+//           the staging into the blob. Lossless bytes go straight from row to blob.
+//   decode: 16-byte loads of the chunk's codes/scales from the blob -> smem; dequantize in registers;
 //           16-byte vector stores into the pool rows. Lossless bytes go straight from blob to row.
 // The blob may live in pinned host memory: every access to it is a coalesced 16-byte vector, and
 // the grid has a CTA per unit so that enough requests are in flight to fill PCIe.
@@ -97,10 +97,10 @@ __global__ void __launch_bounds__(kThreads) quantize_kernel(const uint4* __restr
 }
 
 template <class T>
-__device__ __forceinline__ uint4 dequantize_vector(uint64_t codes, uint8_t scale, float g, bool fast) {
+__device__ __forceinline__ uint4 dequantize_vector(uint64_t codes, uint8_t scale, float g, float g_inv, bool fast) {
   if (scale == kScaleNaN) return nan_vector<T>();
   float x[Hot<T>::kEpt];
-  dequantize_floats<Hot<T>::kEpt>(codes, scale, g, fast, x);
+  dequantize_floats<Hot<T>::kEpt>(codes, scale, g, g_inv, fast, x);
   return from_float<T>(x);
 }
 
@@ -111,8 +111,9 @@ __global__ void __launch_bounds__(kThreads) dequantize_kernel(const uint8_t* __r
   constexpr int kEpt = Hot<T>::kEpt, kVecs = vecs_per_block<T>();
   const float g = g_dev ? *g_dev : g_host;
   const bool fast = is_fast_scale(g);
+  const float g_inv = fast ? __frcp_rn(g) : 0.f;
   for (int64_t v = int64_t(blockIdx.x) * kThreads + threadIdx.x; v < nvec; v += int64_t(gridDim.x) * kThreads)
-    out[v] = dequantize_vector<T>(load_codes<kEpt / 2>(packed + v * (kEpt / 2)), scales[v / kVecs], g, fast);
+    out[v] = dequantize_vector<T>(load_codes<kEpt / 2>(packed + v * (kEpt / 2)), scales[v / kVecs], g, g_inv, fast);
 }
 
 template <class F>
@@ -328,6 +329,7 @@ __global__ void __launch_bounds__(kEncodeThreads, 2) encode_pages_kernel(const _
       g = page_global_scale(block_max(m, red), d.scale_kind);
     }
     const bool fast = fast_scale<T>(g);
+    const float g_inv = is_fast_scale(g) ? __frcp_rn(g) : 0.f;  // for the residual's first-component decode
     const int32_t nblk = rows * qb;
     for (int32_t b = threadIdx.x; b < nblk; b += blockDim.x) {  // one 16-element block per thread
       uint4 v[kVecs];
@@ -342,7 +344,7 @@ __global__ void __launch_bounds__(kEncodeThreads, 2) encode_pages_kernel(const _
         if (col >= d.r_start && col < d.r_start + d.r_len) {
           float x[kBlock], dec[kBlock];
           block_to_float<T>(v, x);
-          dequantize_floats<kBlock>(codes, sc, g, fast, dec);
+          dequantize_floats<kBlock>(codes, sc, g, g_inv, is_fast_scale(g), dec);
 #pragma unroll
           for (int i = 0; i < kBlock; ++i) x[i] = x[i] - dec[i];
           uint8_t rsc;
@@ -395,6 +397,7 @@ __global__ void __launch_bounds__(kDecodeThreads, 4) decode_pages_kernel(const _
     }
     const float g = *reinterpret_cast<const float*>(section + 4 * u.plane);  // after the loads are in flight
     const bool fast = is_fast_scale(g);
+    const float g_inv = fast ? __frcp_rn(g) : 0.f;
     __syncthreads();
     const int32_t nvec = rows * qvpr;
     for (int32_t v = threadIdx.x; v < nvec; v += blockDim.x) {
@@ -404,13 +407,13 @@ __global__ void __launch_bounds__(kDecodeThreads, 4) decode_pages_kernel(const _
       const uint8_t sc = smem[st.scales + v / kVecs];
       bool nan = sc == kScaleNaN;
       float x[kEpt];
-      dequantize_floats<kEpt>(load_codes<kEpt / 2>(smem + st.codes + int64_t(v) * (kEpt / 2)), sc, g, fast, x);
+      dequantize_floats<kEpt>(load_codes<kEpt / 2>(smem + st.codes + int64_t(v) * (kEpt / 2)), sc, g, g_inv, fast, x);
       if (d.r_len && col >= d.r_start && col < d.r_start + d.r_len) {
         const int32_t rv = int32_t(row) * rvpr + (col - d.r_start) / kEpt;
         const uint8_t rsc = smem[st.rscales + rv / kVecs];
         nan |= rsc == kScaleNaN;
         float r[kEpt];
-        dequantize_floats<kEpt>(load_codes<kEpt / 2>(smem + st.rcodes + int64_t(rv) * (kEpt / 2)), rsc, g, fast, r);
+        dequantize_floats<kEpt>(load_codes<kEpt / 2>(smem + st.rcodes + int64_t(rv) * (kEpt / 2)), rsc, g, g_inv, fast, r);
 #pragma unroll
         for (int i = 0; i < kEpt; ++i) x[i] = x[i] + r[i];
       }

@@ -126,6 +126,11 @@ __device__ __forceinline__ uint4 nan_vector() {
   return make_uint4(w, w, w, w);
 }
 
+// E4M3 byte -> float by the hardware convert (exact; same value as e4m3_value).
+__device__ __forceinline__ float e4m3_value_dev(uint8_t scale) {
+  return __half2float(__half(__nv_cvt_fp8_to_halfraw(__nv_fp8_storage_t(scale), __NV_E4M3)));
+}
+
 __device__ __forceinline__ uint8_t block_scale_dev(float amax, float g) {
   if (is_nan(amax)) return kScaleNaN;
   float q = __fdiv_rn(__fmul_rn(amax, g), 6.f);
@@ -144,7 +149,7 @@ __device__ __forceinline__ uint64_t quantize_floats(const float (&x)[kEpt], floa
 #pragma unroll
   for (int i = 0; i < kEpt; ++i) amax = nan_max(amax, fabsf(x[i]));
   scale = block_scale_dev(amax, g);
-  float s = e4m3_value(scale);
+  float s = e4m3_value_dev(scale);
   uint64_t codes = 0;
 #if defined(KVOPS_HW_E2M1)
   if (scale == kScaleNaN || s == 0.f) return 0;
@@ -210,7 +215,7 @@ __device__ __forceinline__ uint64_t quantize_packed(const uint32_t (&w)[8], floa
   uint32_t am = P::bits(amax2);
   float amax = nan_max(P::lo(am), P::hi(am));
   scale = block_scale_dev(amax, g);
-  float s = e4m3_value(scale);
+  float s = e4m3_value_dev(scale);
   if (scale == kScaleNaN || s == 0.f) return 0;
   // Thresholds between E2M1 magnitudes, times s: packed products, exact in either 16-bit type.
   const typename P::T2 s2 = P::as(P::splat(s));
@@ -283,11 +288,13 @@ __device__ __forceinline__ void e2m1_lookup4(uint32_t c4, float (&f)[4]) {
   f[3] = __uint_as_float(p23 & 0xffff0000u);
 }
 
-// Decode kEpt codes to fp32 values (sign applied). fast: g is a power of two, so e2m1*(s/g) is exact.
+// Decode kEpt codes to fp32 values (sign applied). fast: g is a power of two, so e2m1 * (s * (1/g)) is exact;
+// g_inv = 1/g then (exact too), precomputed once by the caller.
 template <int kEpt>
-__device__ __forceinline__ void dequantize_floats(uint64_t codes, uint8_t scale, float g, bool fast, float (&x)[kEpt]) {
-  float s = e4m3_value(scale);
-  float sg = __fdiv_rn(s, g);
+__device__ __forceinline__ void dequantize_floats(uint64_t codes, uint8_t scale, float g, float g_inv, bool fast,
+                                                  float (&x)[kEpt]) {
+  const float s = e4m3_value_dev(scale);
+  const float sg = __fmul_rn(s, g_inv);
 #pragma unroll
   for (int q = 0; q < kEpt; q += 4) {
     float m[4];
