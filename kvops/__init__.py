@@ -1,6 +1,6 @@
 """kvops: KV-cache compression kernels for LLM inference engines, registered under torch.ops.kvops."""
 
-import torch
+import torch  # noqa: F401  (libtorch must be loaded before kvops._C)
 
 try:
     from . import _C  # noqa: F401  (registers every schema and the CPU/CUDA impls)
