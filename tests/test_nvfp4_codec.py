@@ -421,3 +421,53 @@ def test_layout_property(pools_specs):
     expect = torch.zeros_like(cold)
     ref.encode_pages(pools, specs, expect, pairs)
     assert torch.equal(cold, expect)
+
+
+# ---- every host-side check of the ops themselves (a plan or tensors the Python layer would not build) ----------
+
+PLAN = dict(q_start=0, q_len=1, r_start=2, r_len=3, plane_dim=4, kind=5, g_bits=6, section=7, plane_off=8,
+            plane_bytes=9, codes=10, rcodes=11, scales=12, rscales=13, lossless=14)  # csrc/nvfp4/codec.h
+
+
+@pytest.mark.parametrize("field, value, msg", [
+    ("r_start", 8, "residual range"),
+    ("r_len", 48, "residual range"),
+    ("kind", 7, "unknown scale kind"),
+    ("g_bits", 0, "fixed global scale"),
+    ("plane_dim", 4, "plane_dim"),
+    ("scales", 8, "overlap or are unaligned"),
+    ("lossless", 0, "overlap or are unaligned"),
+    ("plane_off", 0, "does not fit"),
+])
+def test_bad_plans_are_rejected(field, value, msg):
+    pool = _kv((4, 2, 16, 64), torch.bfloat16, "cpu", None)
+    codec = ColdPageCodec([pool], [RowSpec((0, 32), residual_range=(16, 16), global_scale=2.0, plane_dim=1)])
+    cold = poison_(codec.allocate(2))
+    saved = cold.clone()
+    plan = list(codec.plan)
+    plan[PLAN[field]] = value
+    with pytest.raises(ValueError, match=msg):
+        torch.ops.kvops.nvfp4_encode_pages([pool], cold, torch.tensor([[0, 1]], dtype=torch.int32), plan)
+    assert torch.equal(cold, saved)
+
+
+def test_bad_tensors_are_rejected():
+    pool = _kv((4, 2, 16, 64), torch.bfloat16, "cpu", None)
+    codec = ColdPageCodec([pool], [RowSpec.full(64, plane_dim=1)])
+    cold = codec.allocate(3)
+    ok = torch.tensor([[0, 1], [1, 2]], dtype=torch.int32)
+    enc = torch.ops.kvops.nvfp4_encode_pages
+    with pytest.raises(ValueError, match="pools is empty"):
+        enc([], cold, ok, [])
+    with pytest.raises(ValueError, match="rows \\(last dim\\) must be contiguous"):
+        enc([pool.transpose(2, 3)], cold, ok, codec.plan)
+    with pytest.raises(ValueError, match="page_pairs must be contiguous"):
+        enc([pool], cold, ok.t().contiguous().t(), codec.plan)
+    wide = torch.zeros(3, codec.cold_page_bytes + 8, dtype=torch.uint8)
+    with pytest.raises(ValueError, match="16-byte aligned"):
+        enc([pool], wide[:, :codec.cold_page_bytes], ok, codec.plan)
+    with pytest.raises(ValueError, match="at most 4 dims"):
+        ColdPageCodec([torch.zeros(2, 1, 1, 1, 1, 1, 64, dtype=torch.bfloat16)], [RowSpec.full(64)])
+    p, s = torch.ops.kvops.nvfp4_quantize(pool.reshape(-1, 64), None)
+    with pytest.raises(ValueError, match="multiple of 8"):
+        torch.ops.kvops.nvfp4_dequantize(p[:, :4], s[:, :1], None, torch.bfloat16)
