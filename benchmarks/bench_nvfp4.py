@@ -47,10 +47,6 @@ def _geometry(name, dtype, pages):
     raise ValueError(name)
 
 
-def _hot_bytes(pools, n):
-    return sum(p[:n].numel() * p.element_size() for p in pools)
-
-
 def bench_codec(rows, copy_gbps, quick):
     pages = 64 if quick else 256
     iters = 5 if quick else 20
@@ -59,7 +55,7 @@ def bench_codec(rows, copy_gbps, quick):
             pools, specs, shape = _geometry(geo, dtype, pages)
             codec = ColdPageCodec(pools, specs)
             n = pages
-            hot = _hot_bytes(pools, n)
+            hot = n * codec.hot_page_bytes
             blob = n * codec.cold_page_bytes
             perm = torch.randperm(pages, device="cuda")[:n]
             pairs = torch.stack([torch.arange(n, device="cuda"), perm], 1).int()

@@ -31,8 +31,8 @@ def run(layers: int = 4, pages: int = 64, dtype: torch.dtype = torch.bfloat16, d
     codec = ColdPageCodec(pools, [RowSpec.full(128, plane_dim=1)] * layers)
     n = pages // 2
     cold = codec.allocate(n)  # pinned host memory when a GPU is present
-    src = torch.randperm(pages)[:n]
-    dst = torch.tensor([p for p in range(pages) if p not in set(src.tolist())][:n])
+    order = torch.randperm(pages)
+    src, dst = order[:n], order[n:2 * n]  # offload half the pages, bring them back into the other half
     slots = torch.arange(n)
     enc_pairs = torch.stack([slots, src], 1).int().to(device)
     dec_pairs = torch.stack([dst, slots], 1).int().to(device)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from typing import Sequence
 
 import torch
@@ -27,13 +28,7 @@ class ColdPageCodec:
     @property
     def hot_page_bytes(self) -> int:
         """Bytes of one page across all pools in the hot dtype."""
-        total = 0
-        for lay in self.layouts:
-            n = 1
-            for s in lay.shape[1:]:
-                n *= s
-            total += n * torch.empty((), dtype=lay.dtype).element_size()
-        return total
+        return sum(math.prod(lay.shape[1:]) * torch.empty((), dtype=lay.dtype).element_size() for lay in self.layouts)
 
     def allocate(self, num_slots: int, device: torch.device | str = "cpu", pin_memory: bool | None = None) -> torch.Tensor:
         """Zeroed cold pages [num_slots, cold_page_bytes]; host memory is pinned when CUDA is available."""

@@ -18,7 +18,7 @@ Rows of a plane are the pool's middle dims other than the plane dim, in row-majo
 from __future__ import annotations
 
 import struct
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 
@@ -103,7 +103,7 @@ class PoolLayout:
     off_scales: int
     off_rscales: int
     off_lossless: int
-    scale_bits: int = field(default=0)
+    scale_bits: int = 0  # fp32 bits of a fixed g
 
     @property
     def section_bytes(self) -> int:
