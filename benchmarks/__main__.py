@@ -12,10 +12,10 @@ import torch
 
 import kvops  # noqa: F401
 
-from . import bench_nvfp4
+from . import bench_compaction, bench_nvfp4
 from .common import markdown_table, print_table, write_csv
 
-FAMILIES = {"nvfp4": bench_nvfp4}
+FAMILIES = {"nvfp4": bench_nvfp4, "compaction": bench_compaction}
 
 
 def main(argv=None) -> int:
@@ -39,18 +39,12 @@ def main(argv=None) -> int:
     print(header)
     all_rows, md = [], [header, ""]
     for name in args.only or FAMILIES:
-        rows, extra = FAMILIES[name].run(quick=args.quick)
+        rows, notes = FAMILIES[name].run(quick=args.quick)  # notes: markdown lines shown under the table
         print(f"\n== {name} ==")
         print_table(rows)
+        print("\n".join(notes))
         all_rows += rows
-        md += [f"### {name}", "", markdown_table(rows), ""]
-        if extra:
-            print("\nround-trip relative RMS error (dtype, scale policy, plane, error):")
-            md += ["| dtype | global scale | plane | relative RMS error |", "|---|---|---|---|"]
-            for dt, pol, plane, err in extra:
-                print(f"  {dt:16s} {pol:14s} {plane}  {err:.4f}")
-                md.append(f"| {dt} | {pol} | {plane} | {err:.4f} |")
-            md.append("")
+        md += [f"### {name}", "", markdown_table(rows), "", *notes, ""]
     if args.csv:
         write_csv(all_rows, args.csv)
     if args.md:

@@ -20,6 +20,10 @@ TORCH_LIBRARY(kvops, m) {
         "bool validate=False) -> ()");
   m.def("nvfp4_decode_pages(Tensor cold_pages, Tensor(a!)[] pools, Tensor page_pairs, int[] plan, "
         "bool validate=False) -> ()");
+  // Compaction: position destination_bases[r] + m of each (layer, plane, head) stream receives source m of the
+  // stream's move list, list row layer_row_base[l] + head_row_stride[l] * head (lists from kvops/compaction/pack.py).
+  m.def("compact_layers_(Tensor(a!)[] pools, Tensor page_table, Tensor sources, Tensor new_lengths, "
+        "Tensor destination_bases, int[] layer_row_base, int[] head_row_stride) -> ()");
 }
 
 #ifndef KVOPS_WITH_CUDA
@@ -33,7 +37,8 @@ void not_built(const c10::OperatorHandle& op, torch::jit::Stack*) {
 }  // namespace
 
 TORCH_LIBRARY_IMPL(kvops, CUDA, m) {
-  for (const char* name : {"nvfp4_quantize", "nvfp4_dequantize", "nvfp4_encode_pages", "nvfp4_decode_pages"})
+  for (const char* name : {"nvfp4_quantize", "nvfp4_dequantize", "nvfp4_encode_pages", "nvfp4_decode_pages",
+                           "compact_layers_"})
     m.impl(name, torch::CppFunction::makeFromBoxedFunction<&not_built>());
 }
 #endif

@@ -29,23 +29,6 @@ enum PlanField : int {
 constexpr int kMaxOtherDims = 3;  // pool dims between page and row, besides the plane dim
 
 // Rows are addressed by mixed radix over the pool's middle dims (plane dim excluded).
-struct FastDiv {  // n / d for 0 <= n < 2^31, d >= 1, by multiply-high (Granlund-Montgomery)
-  uint32_t d = 1, mul = 0, shift = 0;
-  FastDiv() = default;
-  explicit FastDiv(uint32_t divisor) : d(divisor) {
-    while ((1u << shift) < d) ++shift;
-    mul = uint32_t(((uint64_t(1) << 32) * ((uint64_t(1) << shift) - d)) / d + 1);
-  }
-  KVOPS_HD uint32_t div(uint32_t n) const {
-#if defined(__CUDA_ARCH__)
-    uint32_t t = __umulhi(n, mul);
-#else
-    uint32_t t = uint32_t((uint64_t(n) * mul) >> 32);
-#endif
-    return (t + n) >> shift;
-  }
-};
-
 struct PoolDesc {
   char* base;                       // pool data
   int64_t page_stride;              // bytes

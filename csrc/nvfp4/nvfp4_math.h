@@ -9,11 +9,7 @@
 #include <cstdint>
 #include <cstring>
 
-#if defined(__CUDACC__)
-#define KVOPS_HD __host__ __device__ __forceinline__
-#else
-#define KVOPS_HD inline
-#endif
+#include "../common.h"
 
 namespace kvops {
 namespace nvfp4 {

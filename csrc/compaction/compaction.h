@@ -1,0 +1,59 @@
+// In-place KV compaction (docs/compaction.md): the move plan shared by the CPU and CUDA kernels.
+//
+// A stream is one (request, layer, plane, head). Its move list is row
+// `layer_row_base[l] + head_row_stride[l] * h` of the request's lists in `sources`
+// [R, list_rows, capacity]; position destination_bases[r] + m receives source m, for
+// m < new_lengths[r] - destination_bases[r]. Lists come from kvops/compaction/pack.py.
+#pragma once
+
+#include <ATen/ATen.h>
+
+#include <cstdint>
+
+#include "../common.h"
+
+namespace kvops {
+namespace compaction {
+
+constexpr int kMaxRowBytes = 4096;  // one token row of one head: head_dim * element size
+
+// Geometry of the per-layer 5-D pool views [page, plane, head, token, dim]; strides in bytes.
+struct PoolGeometry {
+  int64_t stride_page, stride_plane, stride_head, stride_token;
+  int32_t pages, heads, page_size, row_bytes;
+  FastDiv page_div;  // by page_size
+};
+
+struct MovePlan {
+  PoolGeometry pool;
+  const int32_t* page_table;
+  int64_t page_table_stride;  // elements between requests
+  int32_t max_pages;          // page-table columns
+  const int32_t* sources;
+  const int32_t* new_lengths;
+  const int32_t* destination_bases;
+  int32_t requests, list_rows, list_capacity;
+
+  // Byte offset of cache position `pos` of request r within a (plane, head) of a layer, or -1 when
+  // the position or its page is out of range (a bad list never reaches another request's pages).
+  KVOPS_HD int64_t token_offset(const int32_t* pt_row, int32_t pos) const {
+    if (pos < 0 || pos >= int64_t(max_pages) * pool.page_size) return -1;  // < 2^31 (checked on the host)
+    const uint32_t col = pool.page_div.div(uint32_t(pos));
+    const int32_t page = pt_row[col];
+    if (page < 0 || page >= pool.pages) return -1;
+    return page * pool.stride_page + int64_t(uint32_t(pos) - col * pool.page_size) * pool.stride_token;
+  }
+  KVOPS_HD int32_t list_length(int r) const {  // clamped: the kernels never read past a list
+    const int32_t n = new_lengths[r] - destination_bases[r];
+    return n < 0 ? 0 : (n > list_capacity ? list_capacity : n);
+  }
+};
+
+// Checks every argument of kvops::compact_layers_ (shapes, dtypes, devices, strides, alignment,
+// list-row ranges) and fills the plan; raises before anything is touched.
+MovePlan check_compact_args(at::TensorList pools, const at::Tensor& page_table, const at::Tensor& sources,
+                            const at::Tensor& new_lengths, const at::Tensor& destination_bases,
+                            at::IntArrayRef layer_row_base, at::IntArrayRef head_row_stride);
+
+}  // namespace compaction
+}  // namespace kvops

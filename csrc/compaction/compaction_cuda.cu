@@ -1,0 +1,129 @@
+// CUDA backend of kvops::compact_layers_: every layer, plane and head of a batch in one launch.
+//
+// One warp owns one stream (request, layer, plane, head) and walks its move list in chunks of
+// whole token rows. Within a chunk all lanes load before any lane stores (__syncwarp), and
+// chunks go in ascending order. Because destination_bases[r] + m <= source[m] and sources
+// ascend, a store can only land on the source of an earlier token of the same stream, which has
+// been read already, so the move is safe in place without a temporary. Rows move as 16-byte
+// vectors; the page-table lookups for the next chunk are issued before this chunk's stores.
+#include <ATen/ATen.h>
+#include <c10/cuda/CUDAGuard.h>
+#include <torch/library.h>
+
+#include <algorithm>
+
+#include "../cuda_utils.cuh"
+#include "compaction.h"
+
+namespace kvops {
+namespace compaction {
+
+namespace {
+
+constexpr int kWarps = 8;             // streams per CTA
+constexpr int kVecsPerLane = 8;       // 16-byte vectors each lane holds per chunk (a 4 KiB chunk per warp)
+constexpr int kLayersPerLaunch = 512;  // layer slots in the kernel parameters (8 KiB of the 32 KiB limit)
+
+struct LayerSlot {
+  char* base;
+  int32_t row_base, head_stride;  // this layer's list row for head h: row_base + head_stride * h
+};
+
+struct CompactParams {
+  MovePlan plan;
+  int32_t layers;
+  int32_t chunk_tokens;  // token rows per chunk: min(32, 32 * kVecsPerLane / row_vecs)
+  FastDiv row_vecs;      // 16-byte vectors per token row
+  LayerSlot layer[kLayersPerLaunch];
+};
+
+// Byte offsets of the lane's token in this chunk, both -1 when it is past the list, out of range,
+// or already in place.
+__device__ __forceinline__ void resolve(const MovePlan& plan, const int32_t* list, const int32_t* pt_row, int32_t base,
+                                        int32_t n, int32_t m, int64_t& src, int64_t& dst) {
+  src = dst = -1;
+  if (m < n) {
+    src = plan.token_offset(pt_row, __ldg(list + m));
+    dst = plan.token_offset(pt_row, base + m);
+    if (src < 0 || dst < 0 || src == dst) src = dst = -1;
+  }
+}
+
+__global__ void __launch_bounds__(kWarps * 32) compact_layers_kernel(const __grid_constant__ CompactParams p) {
+  const int lane = threadIdx.x % 32;
+  const int64_t stream = int64_t(blockIdx.x) * kWarps + threadIdx.x / 32;
+  const MovePlan& plan = p.plan;
+  const int H = plan.pool.heads;
+  if (stream >= int64_t(plan.requests) * p.layers * 2 * H) return;
+  const int h = int(stream % H), plane = int(stream / H % 2);
+  const int l = int(stream / (2 * H) % p.layers), r = int(stream / (2 * H * p.layers));
+  const LayerSlot& layer = p.layer[l];
+  const int32_t* list =
+      plan.sources + (int64_t(r) * plan.list_rows + layer.row_base + layer.head_stride * h) * plan.list_capacity;
+  const int32_t* pt_row = plan.page_table + r * plan.page_table_stride;
+  char* head = layer.base + plane * plan.pool.stride_plane + h * plan.pool.stride_head;
+  const int32_t base = __ldg(plan.destination_bases + r), n = plan.list_length(r);
+  const int C = p.chunk_tokens, V = int(p.row_vecs.d);
+
+  // Vector k of a lane is token row t[k] of the chunk, byte column col[k]; the same every chunk.
+  int t[kVecsPerLane], col[kVecsPerLane];
+#pragma unroll
+  for (int k = 0; k < kVecsPerLane; ++k) {
+    const int i = lane + 32 * k;
+    t[k] = i < C * V ? int(p.row_vecs.div(uint32_t(i))) : 0;
+    col[k] = i < C * V ? (i - t[k] * V) * 16 : -1;
+  }
+  int64_t src, dst;
+  resolve(plan, list, pt_row, base, n, lane < C ? lane : n, src, dst);
+  for (int32_t start = 0; start < n; start += C) {
+    uint4 v[kVecsPerLane];
+#pragma unroll
+    for (int k = 0; k < kVecsPerLane; ++k) {
+      const int64_t s = __shfl_sync(0xffffffffu, src, t[k]);
+      if (col[k] >= 0 && s >= 0) v[k] = __ldcs(reinterpret_cast<const uint4*>(head + s + col[k]));
+    }
+    int64_t next_src, next_dst;  // the next chunk's lookups overlap this chunk's loads
+    resolve(plan, list, pt_row, base, n, lane < C ? start + C + lane : n, next_src, next_dst);
+    __syncwarp();  // every source of this chunk is read before any lane stores
+#pragma unroll
+    for (int k = 0; k < kVecsPerLane; ++k) {
+      const int64_t d = __shfl_sync(0xffffffffu, dst, t[k]);
+      if (col[k] >= 0 && d >= 0) __stcs(reinterpret_cast<uint4*>(head + d + col[k]), v[k]);
+    }
+    src = next_src;
+    dst = next_dst;
+  }
+}
+
+void compact_layers_cuda(at::TensorList pools, const at::Tensor& page_table, const at::Tensor& sources,
+                         const at::Tensor& new_lengths, const at::Tensor& destination_bases,
+                         at::IntArrayRef layer_row_base, at::IntArrayRef head_row_stride) {
+  const MovePlan plan = check_compact_args(pools, page_table, sources, new_lengths, destination_bases, layer_row_base,
+                                           head_row_stride);
+  const c10::cuda::CUDAGuard guard(pools[0].device());
+  prepare_kernel(compact_layers_kernel, "compact_layers_");
+  CompactParams p{};
+  p.plan = plan;
+  const int row_vecs = plan.pool.row_bytes / 16;
+  p.row_vecs = FastDiv(uint32_t(row_vecs));
+  p.chunk_tokens = std::min(32, 32 * kVecsPerLane / row_vecs);
+  const cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
+  const int64_t L = int64_t(pools.size());
+  for (int64_t first = 0; first < L; first += kLayersPerLaunch) {  // layers are independent
+    p.layers = int32_t(std::min<int64_t>(kLayersPerLaunch, L - first));
+    for (int i = 0; i < p.layers; ++i)
+      p.layer[i] = LayerSlot{static_cast<char*>(pools[first + i].data_ptr()), int32_t(layer_row_base[first + i]),
+                             int32_t(head_row_stride[first + i])};
+    const int64_t streams = int64_t(plan.requests) * p.layers * 2 * plan.pool.heads;
+    if (streams == 0) continue;
+    compact_layers_kernel<<<unsigned((streams + kWarps - 1) / kWarps), kWarps * 32, 0, stream>>>(p);
+    C10_CUDA_KERNEL_LAUNCH_CHECK();
+  }
+}
+
+}  // namespace
+
+TORCH_LIBRARY_IMPL(kvops, CUDA, m) { m.impl("compact_layers_", &compact_layers_cuda); }
+
+}  // namespace compaction
+}  // namespace kvops

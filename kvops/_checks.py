@@ -1,0 +1,22 @@
+"""Argument checks shared by the Python wrappers: clear ValueErrors naming the argument."""
+
+from __future__ import annotations
+
+import torch
+
+
+def check_int32(what: str, **tensors: tuple[torch.Tensor, int]) -> torch.device:
+    """Each keyword is (tensor, ndim); all must be int32 tensors on one device, which is returned."""
+    device = None
+    for name, (t, ndim) in tensors.items():
+        if not isinstance(t, torch.Tensor):
+            raise ValueError(f"{what}: {name} must be a tensor, got {type(t).__name__}")
+        if t.dtype != torch.int32:
+            raise ValueError(f"{what}: {name} must be int32, got {t.dtype}")
+        if t.dim() != ndim:
+            raise ValueError(f"{what}: {name} must be {ndim}-D, got shape {tuple(t.shape)}")
+        if device is None:
+            device = t.device
+        elif t.device != device:
+            raise ValueError(f"{what}: {name} is on {t.device}, expected {device}")
+    return device

@@ -1,0 +1,168 @@
+"""In-place KV compaction across every layer: the two-phase API an engine calls each round.
+
+``build_compaction_params`` binds the buffers once (pools, page table, decision rows, lengths) and
+allocates the move lists; ``compact(params, request_count)`` then packs the decisions the caller
+wrote into the bound rows and moves the kept tokens, two launches with fixed shapes, so a captured
+CUDA graph replays correctly with new decisions and new lengths. See docs/compaction.md.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from typing import Sequence
+
+import torch
+
+from .._checks import check_int32
+from .pack import pack_move_sources
+
+
+def compact_layers_(pools: Sequence[torch.Tensor], page_table: torch.Tensor, sources: torch.Tensor,
+                    new_lengths: torch.Tensor, destination_bases: torch.Tensor, layer_row_base: Sequence[int],
+                    head_row_stride: Sequence[int]) -> None:
+    """For every layer l, plane and head h of request r: position destination_bases[r] + m receives
+    source m of list row ``layer_row_base[l] + head_row_stride[l] * h``, m < new_lengths[r] - base."""
+    torch.ops.kvops.compact_layers_(list(pools), page_table, sources, new_lengths, destination_bases,
+                                    list(layer_row_base), list(head_row_stride))
+
+
+@torch.library.register_fake("kvops::compact_layers_")
+def _compact_layers_fake(pools, page_table, sources, new_lengths, destination_bases, layer_row_base,
+                         head_row_stride):
+    return None
+
+
+@dataclass
+class CompactionParams:
+    """Buffers bound by build_compaction_params. The caller writes kept[:R], scored_lengths[:R],
+    tail_lengths[:R] and destination_bases[:R] (and the page table) before each compact()."""
+
+    pools: list[torch.Tensor]
+    page_table: torch.Tensor         # int32 [R_max, max_pages]
+    kept: torch.Tensor               # int32 [R_max, rows, K]
+    scored_lengths: torch.Tensor     # int32 [R_max]
+    tail_lengths: torch.Tensor       # int32 [R_max]
+    destination_bases: torch.Tensor  # int32 [R_max]
+    sources: torch.Tensor            # int32 [R_max, list_rows, K + max_tail], written by the pack
+    new_lengths: torch.Tensor        # int32 [R_max], written by the pack
+    layer_row_base: tuple[int, ...]
+    head_row_stride: tuple[int, ...]
+    max_tail: int
+
+
+def stream_rows(rows: int, layers: int, heads: int, layer_windows: Sequence[int] | None = None
+                ) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """(layer_row_base, head_row_stride) for a decision with `rows` rows per request:
+    1 = union, heads = per KV head, layers * heads = per (layer, head) with row = layer * heads + head.
+    Window layers read the extra window row (index `rows`) for every head."""
+    if rows == 1:
+        base, stride = [0] * layers, 0
+    elif rows == heads:
+        base, stride = [0] * layers, 1
+    elif rows == layers * heads:
+        base, stride = [layer * heads for layer in range(layers)], 1
+    else:
+        raise ValueError(f"kept has {rows} rows per request; expected 1 (union), {heads} (one per KV head) or "
+                         f"{layers * heads} (one per layer and KV head)")
+    windows = list(layer_windows or [0] * layers)
+    return (tuple(rows if w > 0 else b for b, w in zip(base, windows)),
+            tuple(0 if w > 0 else stride for w in windows))
+
+
+def build_compaction_params(pools: Sequence[torch.Tensor], page_table: torch.Tensor, kept: torch.Tensor,
+                            scored_lengths: torch.Tensor, tail_lengths: torch.Tensor,
+                            destination_bases: torch.Tensor, *, max_tail: int,
+                            layer_windows: Sequence[int] | None = None) -> CompactionParams:
+    """Bind the buffers of a compaction and allocate its move lists (the only allocation).
+
+    pools: per-layer 5-D views [page, plane (K=0, V=1), head, token, dim] (HND as is, NHD
+    ``.transpose(2, 3)``, vLLM [2, P, T, H, D] ``.permute(1, 0, 3, 2, 4)``). page_table: int32
+    [R_max, max_pages], shared by the layers. kept: int32 [R_max, rows, K], rows 1, H or L*H.
+    max_tail: the largest tail_lengths entry compact() may see. layer_windows: per-layer sliding
+    window (0 = full attention); a window layer keeps its latest K scored tokens instead of the
+    decision, so its whole window (<= K) survives and every layer ends at the same length.
+    """
+    what = "build_compaction_params"
+    pools = list(pools)
+    if not pools or not all(isinstance(p, torch.Tensor) and p.dim() == 5 for p in pools):
+        raise ValueError(f"{what}: pools must be a non-empty list of 5-D [page, plane, head, token, dim] views")
+    device = check_int32(what, page_table=(page_table, 2), kept=(kept, 3), scored_lengths=(scored_lengths, 1),
+                         tail_lengths=(tail_lengths, 1), destination_bases=(destination_bases, 1))
+    if pools[0].device != device:
+        raise ValueError(f"{what}: kept is on {device}, the pools on {pools[0].device}")
+    if isinstance(max_tail, bool) or not isinstance(max_tail, int) or max_tail < 0:
+        raise ValueError(f"{what}: max_tail must be a non-negative int, got {max_tail!r}")
+    L, H = len(pools), pools[0].shape[2]
+    R, rows, K = kept.shape
+    for name, t in (("page_table", page_table), ("scored_lengths", scored_lengths), ("tail_lengths", tail_lengths),
+                    ("destination_bases", destination_bases)):
+        if t.shape[0] != R:
+            raise ValueError(f"{what}: {name} has {t.shape[0]} rows, kept has {R} requests")
+    windows = [0] * L if layer_windows is None else list(layer_windows)
+    if len(windows) != L or not all(isinstance(w, int) and 0 <= w for w in windows):
+        raise ValueError(f"{what}: layer_windows needs one non-negative int per layer ({L}), got {layer_windows!r}")
+    if any(w > K for w in windows):
+        raise ValueError(f"{what}: layer_windows {max(windows)} exceeds the kept count K={K}; a window layer keeps "
+                         f"its latest K tokens, so a larger window would lose tokens it attends to")
+    row_base, row_stride = stream_rows(rows, L, H, windows)
+    list_rows = rows + (1 if any(windows) else 0)
+    params = CompactionParams(
+        pools, page_table, kept, scored_lengths, tail_lengths, destination_bases,
+        sources=torch.full((R, list_rows, K + max_tail), -1, dtype=torch.int32, device=device),
+        new_lengths=torch.zeros(R, dtype=torch.int32, device=device),
+        layer_row_base=row_base, head_row_stride=row_stride, max_tail=max_tail)
+    # A dry run with no requests: the op checks the pools (geometry, dtype, strides, alignment) now, once.
+    compact_layers_(pools, page_table[:0], params.sources[:0], params.new_lengths[:0], destination_bases[:0],
+                    row_base, row_stride)
+    return params
+
+
+def compact(params: CompactionParams, request_count: int | None = None, *, validate: bool = False) -> torch.Tensor:
+    """Pack and move the first `request_count` requests of the bound buffers, in place, on the
+    current stream. Returns new_lengths[:request_count] (destination base + K + tail); contents past
+    the new length are unspecified, and the caller releases those pages.
+
+    validate=True (or KVOPS_DEBUG=1) checks the decisions and page table first; it syncs and raises
+    ValueError on a non-ascending or overtaking decision, a bad tail, or an unusable page.
+    """
+    R = params.kept.shape[0] if request_count is None else request_count
+    if not 0 <= R <= params.kept.shape[0]:
+        raise ValueError(f"compact: request_count {R} outside [0, {params.kept.shape[0]}] (the bound rows)")
+    if validate or os.environ.get("KVOPS_DEBUG") == "1":
+        check_decisions(params, R)
+    pack_move_sources(params.kept[:R], params.scored_lengths[:R], params.tail_lengths[:R],
+                      params.destination_bases[:R], params.sources[:R], params.new_lengths[:R])
+    compact_layers_(params.pools, params.page_table[:R], params.sources[:R], params.new_lengths[:R],
+                    params.destination_bases[:R], params.layer_row_base, params.head_row_stride)
+    return params.new_lengths[:R]
+
+
+def check_decisions(params: CompactionParams, R: int) -> None:
+    """The contract of compact(), checked on the device and raised on the host (one sync per check)."""
+    kept = params.kept[:R].long()
+    scored, tail = params.scored_lengths[:R].long(), params.tail_lengths[:R].long()
+    base, table = params.destination_bases[:R].long(), params.page_table[:R].long()
+    K, T, P = kept.shape[2], params.pools[0].shape[3], params.pools[0].shape[0]
+    m = torch.arange(K, device=kept.device)
+    end = scored + tail  # the cache length before the round
+
+    def fail(bad: torch.Tensor, message: str) -> None:
+        if bool(bad.any()):
+            r = int(bad.reshape(R, -1).any(1).nonzero()[0])
+            raise ValueError(f"compact: request {r}: {message} (destination base {int(base[r])}, scored length "
+                             f"{int(scored[r])}, tail {int(tail[r])})")
+
+    fail((tail < 0) | (tail > params.max_tail), f"tail length outside [0, max_tail={params.max_tail}]")
+    fail((base < 0) | (scored - K < base), f"fewer than K={K} scored tokens above the destination base")
+    fail(end > table.shape[1] * T, f"cache length exceeds the page table ({table.shape[1]} pages of {T})")
+    fail((kept[..., 1:] <= kept[..., :-1]).any(-1), "kept positions are not strictly ascending")
+    fail(((kept < base[:, None, None] + m) | (kept >= scored[:, None, None])).any(-1),
+         "a kept position is below destination_base + its ordinal (it would be overtaken) or not a scored token")
+    cols = torch.arange(table.shape[1], device=kept.device)
+    used = (cols >= base[:, None] // T) & (cols * T < end[:, None])  # pages the move reads or writes
+    fail(used & ((table < 0) | (table >= P)), f"a page-table entry the move touches is outside [0, {P})")
+    pages = table[used]
+    if pages.numel() != pages.unique().numel():
+        raise ValueError("compact: two moved positions map to the same page (requests must not share pages "
+                         "above their destination base)")

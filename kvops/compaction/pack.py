@@ -1,0 +1,93 @@
+"""pack_move_sources: decisions, tails and windows -> per-request move lists, one launch per batch.
+
+Request r gets `list_rows` lists of equal length n_r = K + tail_lengths[r], stored padded in
+``sources[r, row, :]`` (capacity K + max_tail, -1 past the end):
+
+- rows ``0 .. rows-1``: ``kept[r, row]`` (the decision), then the tail ``scored_length .. +tail``;
+- row ``rows`` (only when sources has one more row than kept): the window row, the latest K scored
+  tokens ``scored_length - K .. scored_length``, then the tail.
+
+``new_lengths[r] = destination_bases[r] + n_r``. Padding (rather than ragged offsets) keeps every
+shape static for CUDA graphs and means a bad tail can never push a list into another request's.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+import triton
+import triton.language as tl
+from torch.library import triton_op, wrap_triton
+
+from .._checks import check_int32
+
+_BLOCK = 512
+
+
+@triton.jit
+def _pack_kernel(kept, kept_stride_r, kept_stride_row, scored_lengths, tail_lengths, destination_bases,
+                 sources, new_lengths, rows, K, capacity, BLOCK: tl.constexpr):
+    r = tl.program_id(0)
+    row = tl.program_id(1)
+    list_rows = tl.num_programs(1)
+    m = tl.program_id(2) * BLOCK + tl.arange(0, BLOCK)
+    scored = tl.load(scored_lengths + r)
+    tail = tl.load(tail_lengths + r)
+    in_kept = m < K
+    if row < rows:
+        head = tl.load(kept + r.to(tl.int64) * kept_stride_r + row * kept_stride_row + m, mask=in_kept, other=-1)
+    else:  # window row: the latest K scored tokens, ascending
+        head = scored - K + m
+    src = tl.where(in_kept, head, tl.where(m < K + tail, scored + (m - K), -1))
+    tl.store(sources + (r.to(tl.int64) * list_rows + row) * capacity + m, src, mask=m < capacity)
+    if (row == 0) & (tl.program_id(2) == 0):
+        tl.store(new_lengths + r, tl.load(destination_bases + r) + K + tail)
+
+
+def _pack_torch(kept, scored_lengths, tail_lengths, destination_bases, sources, new_lengths):
+    R, rows, K = kept.shape
+    m = torch.arange(sources.shape[2], device=kept.device, dtype=torch.int32)
+    scored, tail = scored_lengths[:, None], tail_lengths[:, None]
+    tail_part = torch.where(m[K:] < K + tail, scored + m[K:] - K, -1)  # [R, capacity - K]
+    sources[:, :rows, :K] = kept
+    if sources.shape[1] > rows:
+        sources[:, rows, :K] = scored - K + m[:K]
+    sources[:, :, K:] = tail_part[:, None, :]
+    new_lengths.copy_(destination_bases + K + tail_lengths)
+
+
+@triton_op("kvops::pack_move_sources_", mutates_args={"sources", "new_lengths"})
+def _pack_op(kept: torch.Tensor, scored_lengths: torch.Tensor, tail_lengths: torch.Tensor,
+             destination_bases: torch.Tensor, sources: torch.Tensor, new_lengths: torch.Tensor) -> None:
+    R, rows, K = kept.shape
+    capacity = sources.shape[2]
+    if kept.device.type == "cpu" and os.environ.get("TRITON_INTERPRET") != "1":
+        _pack_torch(kept, scored_lengths, tail_lengths, destination_bases, sources, new_lengths)
+        return
+    grid = (R, sources.shape[1], triton.cdiv(capacity, _BLOCK))
+    wrap_triton(_pack_kernel)[grid](kept, kept.stride(0), kept.stride(1), scored_lengths, tail_lengths,
+                                    destination_bases, sources, new_lengths, rows, K, capacity, BLOCK=_BLOCK)
+
+
+def pack_move_sources(kept: torch.Tensor, scored_lengths: torch.Tensor, tail_lengths: torch.Tensor,
+                      destination_bases: torch.Tensor, sources: torch.Tensor, new_lengths: torch.Tensor) -> None:
+    """Write the move lists of a batch into ``sources`` [R, list_rows, capacity] and ``new_lengths`` [R].
+
+    kept: int32 [R, rows, K]; scored_lengths, tail_lengths, destination_bases: int32 [R].
+    list_rows is rows (no window row) or rows + 1; capacity >= K (capacity - K is the tail room).
+    """
+    what = "pack_move_sources"
+    check_int32(what, kept=(kept, 3), scored_lengths=(scored_lengths, 1), tail_lengths=(tail_lengths, 1),
+                destination_bases=(destination_bases, 1), sources=(sources, 3), new_lengths=(new_lengths, 1))
+    R, rows, K = kept.shape
+    for name, t in (("scored_lengths", scored_lengths), ("tail_lengths", tail_lengths),
+                    ("destination_bases", destination_bases), ("new_lengths", new_lengths)):
+        if t.shape[0] != R:
+            raise ValueError(f"{what}: {name} has {t.shape[0]} entries, kept has {R} requests")
+    if kept.stride(2) != 1 or not sources.is_contiguous():
+        raise ValueError(f"{what}: kept needs a contiguous last dim and sources must be contiguous")
+    if sources.shape[0] != R or sources.shape[1] not in (rows, rows + 1) or sources.shape[2] < K:
+        raise ValueError(f"{what}: sources shape {tuple(sources.shape)} cannot hold the lists of kept "
+                         f"{tuple(kept.shape)}: expected [{R}, {rows} or {rows + 1}, >= {K}]")
+    _pack_op(kept, scored_lengths, tail_lengths, destination_bases, sources, new_lengths)

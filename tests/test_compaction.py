@@ -1,0 +1,359 @@
+"""Compaction: pack + compact_layers_ against the gather/scatter reference, bit for bit."""
+
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from conftest import DEVICES, bytes_of, opcheck, poison_, requires_cuda
+from kvops.compaction import build_compaction_params, compact, pack_move_sources, stream_rows
+from kvops.compaction.reference import compact_reference
+
+LAYOUTS = ("hnd", "nhd", "vllm")
+
+
+def _pools(layout, L, P, H, T, D, dtype, device):
+    """Per-layer 5-D [page, plane, head, token, dim] views over the layout's own storage."""
+    def one():
+        if layout == "hnd":
+            return poison_(torch.empty(P, 2, H, T, D, dtype=dtype, device=device))
+        if layout == "nhd":  # FlashInfer [P, 2, T, H, D]
+            return poison_(torch.empty(P, 2, T, H, D, dtype=dtype, device=device)).transpose(2, 3)
+        return poison_(torch.empty(2, P, T, H, D, dtype=dtype, device=device)).permute(1, 0, 3, 2, 4)  # vLLM
+    return [one() for _ in range(L)]
+
+
+def _batch(R, T, K, rows, device, max_tail=5, canary_pages=3, keep_all=False, max_pages=None, total_pages=None):
+    """Random requests on disjoint random pages (plus pages nobody owns), ascending random decisions."""
+    base = torch.randint(0, 2 * T, (R,))
+    extra = torch.zeros(R, dtype=torch.long) if keep_all else torch.randint(0, 3 * T, (R,))
+    scored = base + K + extra
+    tail = torch.randint(0, max_tail + 1, (R,))
+    pages_per = ((scored + tail + T - 1) // T).tolist()
+    max_pages = max_pages or max(pages_per) + 1
+    P = total_pages or sum(pages_per) + canary_pages
+    perm = torch.randperm(P)
+    table = torch.full((R, max_pages), -1, dtype=torch.int32)
+    at = 0
+    for r, n in enumerate(pages_per):
+        table[r, :n] = perm[at:at + n].int()
+        at += n
+    kept = torch.empty(R, rows, K, dtype=torch.int32)
+    for r in range(R):
+        for q in range(rows):
+            span = int(scored[r] - base[r])
+            kept[r, q] = (torch.randperm(span)[:K].sort().values + base[r]).int()
+    to = dict(dtype=torch.int32, device=device)
+    return (P, table.to(device), kept.to(device), scored.to(**to), tail.to(**to), base.to(**to))
+
+
+def _defined_mask(table, new_lengths, P, T):
+    """[P, T] bools: False where contents are unspecified (a request's slots at or past its new length)."""
+    mask = torch.ones(P, T, dtype=torch.bool)
+    table = table.cpu()
+    for r, n in enumerate(new_lengths.tolist()):
+        for c, page in enumerate(table[r].tolist()):
+            if page >= 0:
+                slots = torch.arange(T) + c * T
+                mask[page] &= slots < n
+    return mask
+
+
+def _run_case(device, layout="hnd", dtype=torch.bfloat16, T=16, D=64, H=2, L=3, R=3, K=7, mode="union",
+              windows=None, keep_all=False, max_tail=5):
+    rows = {"union": 1, "per_head": H, "per_layer_perhead": L * H}[mode]
+    P, table, kept, scored, tail, base = _batch(R, T, K, rows, device, max_tail=max_tail, keep_all=keep_all)
+    pools = _pools(layout, L, P, H, T, D, dtype, device)
+    expect, expect_len = compact_reference(pools, table, kept, scored, tail, base, windows)
+    params = build_compaction_params(pools, table, kept, scored, tail, base, max_tail=max_tail,
+                                     layer_windows=windows)
+    new_lengths = compact(params, R, validate=True)
+    assert torch.equal(new_lengths.cpu(), expect_len.cpu())
+    mask = _defined_mask(table, new_lengths, P, T).to(device)
+    for got, want in zip(pools, expect):
+        got, want = got.view(torch.uint8), want
+        sel = mask[:, None, None, :, None].expand_as(got)
+        assert torch.equal(got[sel], want[sel])
+    return pools, params
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("mode", ["union", "per_head", "per_layer_perhead"])
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_matches_reference_modes_layouts(device, mode, layout):
+    _run_case(device, layout=layout, mode=mode, R=4, K=int(torch.randint(1, 40, ())))
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float8_e4m3fn])
+@pytest.mark.parametrize("T,D", [(16, 64), (32, 128), (64, 576), (128, 128)])
+def test_matches_reference_dtypes_geometries(device, dtype, T, D):
+    H = 1 if D == 576 else 2  # MLA: one latent head
+    _run_case(device, dtype=dtype, T=T, D=D, H=H, L=2, R=3, K=int(torch.randint(T // 2, 3 * T, ())),
+              mode="per_head", layout="nhd")
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_windows_empty_and_keep_everything(device):
+    _run_case(device, mode="per_layer_perhead", windows=[0, 6, 0], K=9)
+    _run_case(device, mode="union", windows=[4, 4, 4], K=4, layout="vllm")
+    _run_case(device, K=0)
+    _run_case(device, K=0, max_tail=0)
+    pools, params = _run_case(device, K=20, keep_all=True, mode="per_head")  # kept = every scored token
+    assert torch.equal(params.kept[:, :, 0], params.destination_bases[:, None].expand(-1, 2))
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_rebinding_rounds_reuse_buffers(device):
+    """Two rounds through one params: the caller rewrites the bound rows, compact() rereads them."""
+    T, H, L, R, K = 16, 2, 2, 3, 6
+    geometry = dict(max_pages=8, total_pages=64)  # room for any batch _batch draws at this T and K
+    P, table, kept, scored, tail, base = _batch(R, T, K, H, device, **geometry)
+    pools = _pools("hnd", L, P, H, T, 64, torch.float16, device)
+    params = build_compaction_params(pools, table, kept, scored, tail, base, max_tail=5)
+    for _ in range(2):
+        for buf, new in zip((table, kept, scored, tail, base), _batch(R, T, K, H, device, **geometry)[1:]):
+            buf.copy_(new)
+        for p in pools:
+            poison_(p)
+        expect, _ = compact_reference(pools, table, kept, scored, tail, base)
+        n = compact(params, R)
+        mask = _defined_mask(table, n, P, T).to(device)
+        for got, want in zip(pools, expect):
+            sel = mask[:, None, None, :, None].expand_as(want)
+            assert torch.equal(got.view(torch.uint8)[sel], want[sel])
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_canaries_below_base_and_unowned_pages(device):
+    T, H, L, R, K = 16, 2, 2, 4, 10
+    P, table, kept, scored, tail, base = _batch(R, T, K, 1, device, canary_pages=5)
+    pools = _pools("hnd", L, P, H, T, 128, torch.bfloat16, device)
+    before = [bytes_of(p).clone() for p in pools]
+    params = build_compaction_params(pools, table, kept, scored, tail, base, max_tail=5)
+    compact(params)
+    owned = set(table[table >= 0].tolist())
+    for got, old in zip(pools, before):
+        got, old = got.view(torch.uint8).cpu(), old.view(P, 2, H, T, -1)
+        for page in set(range(P)) - owned:
+            assert torch.equal(got[page], old[page])
+        for r in range(R):
+            for pos in range(int(base[r])):
+                page, slot = int(table[r, pos // T]), pos % T
+                assert torch.equal(got[page, :, :, slot], old[page, :, :, slot])
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_pack_lists(device):
+    R, rows, K, max_tail = 3, 2, 5, 4
+    kept = torch.randint(0, 100, (R, rows, K), dtype=torch.int32, device=device)
+    scored = torch.tensor([40, 50, 60], dtype=torch.int32, device=device)
+    tail = torch.tensor([0, 4, 2], dtype=torch.int32, device=device)
+    base = torch.tensor([1, 2, 3], dtype=torch.int32, device=device)
+    sources = torch.full((R, rows + 1, K + max_tail), 77, dtype=torch.int32, device=device)
+    new_lengths = torch.full((R,), 77, dtype=torch.int32, device=device)
+    pack_move_sources(kept, scored, tail, base, sources, new_lengths)
+    for r in range(R):
+        s, t = int(scored[r]), int(tail[r])
+        tail_part = list(range(s, s + t)) + [-1] * (max_tail - t)
+        for q in range(rows):
+            assert sources[r, q].tolist() == kept[r, q].tolist() + tail_part
+        assert sources[r, rows].tolist() == list(range(s - K, s)) + tail_part
+    assert new_lengths.tolist() == (base + K + tail).tolist()
+
+
+def test_pack_triton_interpreter_matches_torch():
+    """The Triton kernel itself, run on the CPU by the interpreter, against the torch path."""
+    code = (
+        "import torch, kvops\n"
+        "from kvops.compaction.pack import _pack_kernel, _pack_torch, pack_move_sources\n"
+        "kept = torch.randint(0, 999, (3, 4, 37), dtype=torch.int32)\n"
+        "i = lambda *v: torch.tensor(v, dtype=torch.int32)\n"
+        "args = (kept, i(900, 950, 990), i(0, 9, 3), i(5, 6, 7))\n"
+        "a = torch.full((3, 5, 37 + 600), 7, dtype=torch.int32); b = a.clone()\n"
+        "na, nb = i(0, 0, 0), i(1, 1, 1)\n"
+        "pack_move_sources(*args, a, na)\n"
+        "_pack_torch(*args, b, nb)\n"
+        "assert torch.equal(a, b) and torch.equal(na, nb), 'triton and torch packs differ'\n")
+    env = dict(os.environ, TRITON_INTERPRET="1")
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=600)
+    assert out.returncode == 0, out.stderr[-3000:]
+
+
+def test_stream_rows():
+    assert stream_rows(1, 2, 3) == ((0, 0), (0, 0))
+    assert stream_rows(3, 2, 3) == ((0, 0), (1, 1))
+    assert stream_rows(6, 2, 3) == ((0, 3), (1, 1))
+    assert stream_rows(6, 2, 3, [0, 64]) == ((0, 6), (1, 0))
+    with pytest.raises(ValueError, match="rows per request"):
+        stream_rows(4, 2, 3)
+
+
+def _small(device, dtype=torch.bfloat16, mode_rows=1, windows=None, R=3, K=6):
+    T, H, L = 16, 2, 3
+    P, table, kept, scored, tail, base = _batch(R, T, K, mode_rows, device)
+    pools = _pools("nhd", L, P, H, T, 64, dtype, device)
+    return pools, table, kept, scored, tail, base
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float8_e4m3fn])
+def test_opcheck(device, dtype):
+    pools, table, kept, scored, tail, base = _small(device, dtype, mode_rows=2)
+    params = build_compaction_params(pools, table, kept, scored, tail, base, max_tail=5, layer_windows=[0, 3, 0])
+    opcheck(torch.ops.kvops.pack_move_sources_.default,
+            (kept, scored, tail, base, params.sources, params.new_lengths))
+    opcheck(torch.ops.kvops.compact_layers_.default,
+            (params.pools, table, params.sources, params.new_lengths, base, list(params.layer_row_base),
+             list(params.head_row_stride)))
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_compile_fullgraph(device):
+    pools, table, kept, scored, tail, base = _small(device, mode_rows=2)
+    expect, expect_len = compact_reference(pools, table, kept, scored, tail, base)
+    params = build_compaction_params(pools, table, kept, scored, tail, base, max_tail=5)
+
+    def round_(params):
+        return compact(params, 3) + 1
+
+    compiled = torch.compile(round_, fullgraph=True, backend="aot_eager" if device == "cpu" else "inductor")
+    assert torch.equal(compiled(params).cpu(), expect_len.cpu() + 1)
+    mask = _defined_mask(table, expect_len, pools[0].shape[0], 16).to(device)
+    for got, want in zip(pools, expect):
+        sel = mask[:, None, None, :, None].expand_as(want)
+        assert torch.equal(got.view(torch.uint8)[sel], want[sel])
+
+
+@requires_cuda
+def test_cuda_graph_replay_fresh_decisions():
+    T, H, L, R, K = 32, 2, 3, 4, 12
+    geometry = dict(max_pages=8, total_pages=40)
+    P, table, kept, scored, tail, base = _batch(R, T, K, H, "cuda", **geometry)
+    pools = _pools("hnd", L, P, H, T, 128, torch.bfloat16, "cuda")
+    params = build_compaction_params(pools, table, kept, scored, tail, base, max_tail=5)
+    compact(params, R)  # warm up (Triton compile) outside the capture
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = compact(params, R)
+    for _ in range(3):
+        for buf, new in zip((table, kept, scored, tail, base), _batch(R, T, K, H, "cuda", **geometry)[1:]):
+            buf.copy_(new)
+        for p in pools:
+            poison_(p)
+        expect, expect_len = compact_reference(pools, table, kept, scored, tail, base)
+        graph.replay()
+        torch.cuda.synchronize()
+        assert torch.equal(out.cpu(), expect_len.cpu())
+        mask = _defined_mask(table, out, P, T).cuda()
+        for got, want in zip(pools, expect):
+            sel = mask[:, None, None, :, None].expand_as(want)
+            assert torch.equal(got.view(torch.uint8)[sel], want[sel])
+
+
+@requires_cuda
+def test_current_stream():
+    pools, table, kept, scored, tail, base = _small("cuda")
+    expect, _ = compact_reference(pools, table, kept, scored, tail, base)
+    params = build_compaction_params(pools, table, kept, scored, tail, base, max_tail=5)
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        torch.cuda._sleep(2_000_000)  # a late stream: work launched elsewhere would finish first
+        n = compact(params)
+    side.synchronize()
+    mask = _defined_mask(table, n, pools[0].shape[0], 16).cuda()
+    for got, want in zip(pools, expect):
+        sel = mask[:, None, None, :, None].expand_as(want)
+        assert torch.equal(got.view(torch.uint8)[sel], want[sel])
+
+
+def _unchanged(pools, before):
+    return all(torch.equal(bytes_of(p), b) for p, b in zip(pools, before))
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_validate_rejects_bad_decisions_before_moving(device):
+    pools, table, kept, scored, tail, base = _small(device, mode_rows=2, K=6)
+    params = build_compaction_params(pools, table, kept, scored, tail, base, max_tail=5)
+    before = [bytes_of(p).clone() for p in pools]
+    good = [t.clone() for t in (table, kept, scored, tail, base)]
+
+    def expect_error(match, mutate):
+        for buf, g in zip((table, kept, scored, tail, base), good):
+            buf.copy_(g)
+        mutate()
+        with pytest.raises(ValueError, match=match):
+            compact(params, validate=True)
+        assert _unchanged(pools, before)
+
+    expect_error("not strictly ascending", lambda: kept[1, 1, 2:4].copy_(kept[1, 1, 2:4].flip(0)))
+    expect_error("not strictly ascending", lambda: kept[0, 0, 3].copy_(kept[0, 0, 2]))
+    expect_error("overtaken", lambda: kept[2, 0, 0].copy_(base[2] - 1))
+    expect_error("overtaken", lambda: kept[2, 1].copy_(base[2] + torch.arange(6, device=device) - 1))
+    expect_error("not a scored token", lambda: kept[0, 1, -1].copy_(scored[0]))
+    expect_error("tail length", lambda: tail[1].fill_(6))
+    expect_error("tail length", lambda: tail[1].fill_(-1))
+    expect_error("fewer than K", lambda: scored[0].copy_(base[0] + 5))
+    expect_error("exceeds the page table", lambda: scored[2].fill_(table.shape[1] * 16 + 1))
+    expect_error("outside \\[0, ", lambda: table[0, (base[0] // 16).item()].fill_(10_000))
+    expect_error("same page", lambda: table[1, (base[1] // 16).item()].copy_(table[0, (base[0] // 16).item()]))
+    os.environ["KVOPS_DEBUG"] = "1"
+    try:
+        kept[0, 0, 3].copy_(kept[0, 0, 2])
+        with pytest.raises(ValueError, match="ascending"):
+            compact(params)
+    finally:
+        del os.environ["KVOPS_DEBUG"]
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_bad_arguments_raise_before_anything_moves(device):
+    pools, table, kept, scored, tail, base = _small(device, mode_rows=1)
+    before = [bytes_of(p).clone() for p in pools]
+    build = lambda **kw: build_compaction_params(**{**dict(pools=pools, page_table=table, kept=kept,  # noqa: E731
+                                                          scored_lengths=scored, tail_lengths=tail,
+                                                          destination_bases=base, max_tail=5), **kw})
+    cases = [
+        (dict(pools=[]), "pools"),
+        (dict(pools=[p[0] for p in pools]), "5-D"),
+        (dict(pools=[p.float() for p in pools]), "dtype"),
+        (dict(pools=[p[..., :60] for p in pools]), "multiple of 16 bytes"),
+        (dict(pools=[p[:, :, :, :, ::2] for p in pools]), "contiguous dim"),
+        (dict(pools=[pools[0], pools[1][:-1], pools[2]]), "differs from pools\\[0\\]"),
+        (dict(pools=[p[:, :1] for p in pools]), "plane"),
+        (dict(page_table=table.long()), "page_table must be int32"),
+        (dict(page_table=table[:, None]), "page_table must be 2-D"),
+        (dict(page_table=table[:2]), "page_table has 2 rows"),
+        (dict(page_table=table.t().contiguous().t()), "page_table columns"),
+        (dict(kept=kept[:, :, None]), "kept must be 3-D"),
+        (dict(kept=kept.float()), "kept must be int32"),
+        (dict(kept=kept.expand(-1, 5, -1)), "rows per request"),
+        (dict(scored_lengths=scored[:2]), "scored_lengths has 2"),
+        (dict(tail_lengths=tail.long()), "tail_lengths must be int32"),
+        (dict(destination_bases=base[None]), "destination_bases must be 1-D"),
+        (dict(max_tail=-1), "max_tail"),
+        (dict(max_tail=2.0), "max_tail"),
+        (dict(layer_windows=[0, 1]), "one non-negative int per layer"),
+        (dict(layer_windows=[0, 7, 0]), "exceeds the kept count"),
+    ]
+    if device == "cuda":
+        cases.append((dict(page_table=table.cpu()), "page_table is on cpu"))
+        cases.append((dict(pools=[pools[0], pools[1].cpu(), pools[2]]), "differs from pools\\[0\\]"))
+    for kwargs, match in cases:
+        with pytest.raises(ValueError, match=match):
+            build(**kwargs)
+    params = build()
+    with pytest.raises(ValueError, match="request_count"):
+        compact(params, 4)
+    unaligned = torch.empty(pools[0].numel() + 4, dtype=pools[0].dtype, device=device)[4:].view(pools[0].shape)
+    with pytest.raises(ValueError, match="16-byte aligned"):
+        build(pools=[unaligned] * 3)
+    with pytest.raises(ValueError, match="reads list rows"):
+        torch.ops.kvops.compact_layers_(pools, table, params.sources, params.new_lengths, base, [0, 0, 1], [0, 0, 0])
+    with pytest.raises(ValueError, match="sources shape"):
+        pack_move_sources(kept, scored, tail, base, params.sources[:, :, :3].contiguous(), params.new_lengths)
+    assert _unchanged(pools, before)
