@@ -5,9 +5,10 @@ prompt, 16368 scored, a 16-token tail), keeping 2048 + 16 per request in union m
 random order. 128 requests of 36 layers do not fit in 141 GB, so that case runs 8 layers.
 
 Rows (bytes counted: every moved token row read once and written once, all layers, K and V):
-  compact        pack + move, vs the device copy bandwidth; baseline: per layer, a torch
+  compact        pack + move, eager, vs the device copy bandwidth; baseline: per layer, a torch
                  index_select of the kept rows into a temporary, then index_copy_ back.
-  pack           the Triton pack alone (its bytes: the move lists written).
+  compact_graph  the same round replayed from a CUDA graph (how an engine runs it: no launch overhead).
+  pack_graph     the Triton pack alone, replayed from a CUDA graph (its bytes: the move lists written).
 The notes give torch.cuda.max_memory_allocated above the resident pools for both.
 """
 
@@ -63,6 +64,15 @@ def _baseline(pools, params):
     return run
 
 
+def _graphed(fn):
+    fn()  # warm up (Triton compiles) before the capture
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        fn()
+    return graph.replay
+
+
 def _peak_extra(fn) -> int:
     torch.cuda.synchronize()
     before = torch.cuda.memory_allocated()
@@ -100,11 +110,14 @@ def run(quick: bool = False) -> tuple[list[Row], list[str]]:
                         del baseline
                     rows.append(Row.make(FAMILY, "compact", shape, dtype, us, moved, copy_gbps,
                                          "torch gather+scatter" if mode == "union" else "", base_us))
+                    graph_us = time_us(_graphed(lambda: compact(params)), iters=iters)
+                    rows.append(Row.make(FAMILY, "compact_graph", shape, dtype, graph_us, moved, copy_gbps))
                     sources, new_lengths = params.sources, params.new_lengths
-                    pack_us = time_us(lambda: pack_move_sources(params.kept, params.scored_lengths, params.tail_lengths,
-                                                                params.destination_bases, sources, new_lengths),
-                                      iters=iters)
-                    rows.append(Row.make(FAMILY, "pack", shape, "int32", pack_us, sources.numel() * 4, copy_gbps))
+                    pack_us = time_us(_graphed(lambda: pack_move_sources(
+                        params.kept, params.scored_lengths, params.tail_lengths, params.destination_bases, sources,
+                        new_lengths)), iters=iters)
+                    rows.append(Row.make(FAMILY, "pack_graph", shape, "int32", pack_us, sources.numel() * 4,
+                                         copy_gbps))
                     notes.append(f"| {shape} {str(dtype)[6:]} | {ours_extra / 2**20:.1f} MiB | "
                                  f"{base_extra / 2**20:.1f} MiB | {sources.numel() * 4 / 2**20:.1f} MiB |")
                     del pools, params

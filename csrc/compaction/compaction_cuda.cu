@@ -21,7 +21,10 @@ namespace compaction {
 namespace {
 
 constexpr int kWarps = 8;             // streams per CTA
-constexpr int kVecsPerLane = 8;       // 16-byte vectors each lane holds per chunk (a 4 KiB chunk per warp)
+constexpr int kVecsPerLane = 8;       // 16-byte vectors a lane holds per chunk: a 4 KiB chunk per warp
+// Three CTAs per SM (80 registers) moved 90% of copy bandwidth on the H200; two (96 registers) gave
+// 64% and four (64 registers, spilling) 78%: the loads in flight per SM are what matter.
+constexpr int kMinBlocks = 3;
 constexpr int kLayersPerLaunch = 512;  // layer slots in the kernel parameters (8 KiB of the 32 KiB limit)
 
 struct LayerSlot {
@@ -49,7 +52,7 @@ __device__ __forceinline__ void resolve(const MovePlan& plan, const int32_t* lis
   }
 }
 
-__global__ void __launch_bounds__(kWarps * 32) compact_layers_kernel(const __grid_constant__ CompactParams p) {
+__global__ void __launch_bounds__(kWarps * 32, kMinBlocks) compact_layers_kernel(const __grid_constant__ CompactParams p) {
   const int lane = threadIdx.x % 32;
   const int64_t stream = int64_t(blockIdx.x) * kWarps + threadIdx.x / 32;
   const MovePlan& plan = p.plan;
@@ -65,30 +68,24 @@ __global__ void __launch_bounds__(kWarps * 32) compact_layers_kernel(const __gri
   const int32_t base = __ldg(plan.destination_bases + r), n = plan.list_length(r);
   const int C = p.chunk_tokens, V = int(p.row_vecs.d);
 
-  // Vector k of a lane is token row t[k] of the chunk, byte column col[k]; the same every chunk.
-  int t[kVecsPerLane], col[kVecsPerLane];
-#pragma unroll
-  for (int k = 0; k < kVecsPerLane; ++k) {
-    const int i = lane + 32 * k;
-    t[k] = i < C * V ? int(p.row_vecs.div(uint32_t(i))) : 0;
-    col[k] = i < C * V ? (i - t[k] * V) * 16 : -1;
-  }
   int64_t src, dst;
   resolve(plan, list, pt_row, base, n, lane < C ? lane : n, src, dst);
   for (int32_t start = 0; start < n; start += C) {
     uint4 v[kVecsPerLane];
 #pragma unroll
-    for (int k = 0; k < kVecsPerLane; ++k) {
-      const int64_t s = __shfl_sync(0xffffffffu, src, t[k]);
-      if (col[k] >= 0 && s >= 0) v[k] = __ldcs(reinterpret_cast<const uint4*>(head + s + col[k]));
+    for (int k = 0; k < kVecsPerLane; ++k) {  // vector k of a lane: token row t of the chunk, 16-byte column i - t * V
+      const int i = lane + 32 * k, t = int(p.row_vecs.div(uint32_t(i)));
+      const int64_t s = __shfl_sync(0xffffffffu, src, t < 32 ? t : 0);
+      if (i < C * V && s >= 0) v[k] = __ldcs(reinterpret_cast<const uint4*>(head + s + (i - t * V) * 16));
     }
     int64_t next_src, next_dst;  // the next chunk's lookups overlap this chunk's loads
     resolve(plan, list, pt_row, base, n, lane < C ? start + C + lane : n, next_src, next_dst);
     __syncwarp();  // every source of this chunk is read before any lane stores
 #pragma unroll
     for (int k = 0; k < kVecsPerLane; ++k) {
-      const int64_t d = __shfl_sync(0xffffffffu, dst, t[k]);
-      if (col[k] >= 0 && d >= 0) __stcs(reinterpret_cast<uint4*>(head + d + col[k]), v[k]);
+      const int i = lane + 32 * k, t = int(p.row_vecs.div(uint32_t(i)));
+      const int64_t d = __shfl_sync(0xffffffffu, dst, t < 32 ? t : 0);
+      if (i < C * V && d >= 0) __stcs(reinterpret_cast<uint4*>(head + d + (i - t * V) * 16), v[k]);
     }
     src = next_src;
     dst = next_dst;

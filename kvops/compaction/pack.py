@@ -66,8 +66,10 @@ def _pack_op(kept: torch.Tensor, scored_lengths: torch.Tensor, tail_lengths: tor
         _pack_torch(kept, scored_lengths, tail_lengths, destination_bases, sources, new_lengths)
         return
     grid = (R, sources.shape[1], max(1, triton.cdiv(capacity, _BLOCK)))  # >= 1: new_lengths even when K + max_tail == 0
-    wrap_triton(_pack_kernel)[grid](kept, kept.stride(0), kept.stride(1), scored_lengths, tail_lengths,
-                                    destination_bases, sources, new_lengths, rows, K, capacity, BLOCK=_BLOCK)
+    # The interpreter (tests, CPU) launches directly: older torch's wrap_triton rejects interpreted kernels.
+    launch = _pack_kernel if kept.device.type == "cpu" else wrap_triton(_pack_kernel)
+    launch[grid](kept, kept.stride(0), kept.stride(1), scored_lengths, tail_lengths,
+                 destination_bases, sources, new_lengths, rows, K, capacity, BLOCK=_BLOCK)
 
 
 def pack_move_sources(kept: torch.Tensor, scored_lengths: torch.Tensor, tail_lengths: torch.Tensor,
