@@ -5,9 +5,9 @@ from __future__ import annotations
 import torch
 
 
-def check_int32(what: str, **tensors: tuple[torch.Tensor, int]) -> torch.device:
-    """Each keyword is (tensor, ndim); all must be int32 tensors on one device, which is returned."""
-    device = None
+def check_int32(what: str, device: torch.device | None = None, **tensors: tuple[torch.Tensor, int]) -> torch.device:
+    """Each keyword is (tensor, ndim); all must be int32 tensors on one device (`device` when given,
+    else the first tensor's), which is returned."""
     for name, (t, ndim) in tensors.items():
         if not isinstance(t, torch.Tensor):
             raise ValueError(f"{what}: {name} must be a tensor, got {type(t).__name__}")
@@ -18,5 +18,5 @@ def check_int32(what: str, **tensors: tuple[torch.Tensor, int]) -> torch.device:
         if device is None:
             device = t.device
         elif t.device != device:
-            raise ValueError(f"{what}: {name} is on {t.device}, expected {device}")
+            raise ValueError(f"{what}: {name} is on {t.device}, expected {device} (where the pools and indices live)")
     return device

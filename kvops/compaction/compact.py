@@ -87,10 +87,8 @@ def build_compaction_params(pools: Sequence[torch.Tensor], page_table: torch.Ten
     pools = list(pools)
     if not pools or not all(isinstance(p, torch.Tensor) and p.dim() == 5 for p in pools):
         raise ValueError(f"{what}: pools must be a non-empty list of 5-D [page, plane, head, token, dim] views")
-    device = check_int32(what, page_table=(page_table, 2), kept=(kept, 3), scored_lengths=(scored_lengths, 1),
+    device = check_int32(what, pools[0].device, page_table=(page_table, 2), kept=(kept, 3), scored_lengths=(scored_lengths, 1),
                          tail_lengths=(tail_lengths, 1), destination_bases=(destination_bases, 1))
-    if pools[0].device != device:
-        raise ValueError(f"{what}: kept is on {device}, the pools on {pools[0].device}")
     if isinstance(max_tail, bool) or not isinstance(max_tail, int) or max_tail < 0:
         raise ValueError(f"{what}: max_tail must be a non-negative int, got {max_tail!r}")
     L, H = len(pools), pools[0].shape[2]
