@@ -1,0 +1,139 @@
+"""TriAttention calibration: offline per-head query statistics, validated against the model at load.
+
+Two file formats (both read with ``torch.load(weights_only=True)``):
+
+- official (WeianMao/triattention): ``{"metadata": {"head_dim", "sampled_heads", ...}, "stats":
+  {"layer{LL:02d}_head{HH:02d}": {"q_mean_real", "q_mean_imag", "q_abs_mean"}}}``, f32 tensors of F;
+- flat: ``{"E_q": complex64 [L, Hq, F], "E_q_norm": f32 [L, Hq, F], "omega": f32 [F],
+  "freq_scale_sq": f32 [F]}``.
+
+``F = rotary_dim / 2``; frequency f pairs dims f and f + F ("half" RoPE). Nothing is fitted at run time.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, replace
+from typing import Any, Mapping
+
+import torch
+
+from .rope import head_dim_of, rope_parameters, rotary_dim
+
+
+@dataclass(frozen=True)
+class Calibration:
+    q_mean: torch.Tensor         # complex64 [L, Hq, F]: E[q_f] of the pre-RoPE query
+    q_abs_mean: torch.Tensor     # float32 [L, Hq, F]: E|q_f|
+    omega: torch.Tensor          # float32 [F]: RoPE inverse frequencies
+    freq_scale_sq: torch.Tensor  # float32 [F]: squared attention scaling of each frequency
+    num_kv_heads: int
+    head_dim: int
+
+    @property
+    def num_layers(self) -> int:
+        return self.q_mean.shape[0]
+
+    @property
+    def num_query_heads(self) -> int:
+        return self.q_mean.shape[1]
+
+    @property
+    def num_freqs(self) -> int:
+        return self.q_mean.shape[2]
+
+    @property
+    def group_size(self) -> int:
+        return self.num_query_heads // self.num_kv_heads
+
+    def to(self, device: torch.device | str) -> "Calibration":
+        return replace(self, q_mean=self.q_mean.to(device), q_abs_mean=self.q_abs_mean.to(device),
+                       omega=self.omega.to(device), freq_scale_sq=self.freq_scale_sq.to(device))
+
+
+def _geometry(config: Mapping[str, Any]) -> tuple[int, int, int, int, int]:
+    try:
+        L, Hq = int(config["num_hidden_layers"]), int(config["num_attention_heads"])
+    except KeyError as e:
+        raise ValueError(f"load_calibration: model_config needs {e.args[0]!r}") from e
+    Hkv = int(config.get("num_key_value_heads") or Hq)
+    D = head_dim_of(config)
+    if Hq % Hkv:
+        raise ValueError(f"load_calibration: num_attention_heads {Hq} is not a multiple of num_key_value_heads {Hkv}")
+    return L, Hq, Hkv, D, rotary_dim(config) // 2
+
+
+def _tensor(value: Any, what: str, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+    if not isinstance(value, torch.Tensor):
+        raise ValueError(f"load_calibration: {what} must be a tensor, got {type(value).__name__}")
+    if tuple(value.shape) != shape:
+        raise ValueError(f"load_calibration: {what} has shape {tuple(value.shape)}, the model needs {shape}")
+    if not torch.isfinite(torch.view_as_real(value) if value.is_complex() else value).all():
+        raise ValueError(f"load_calibration: {what} holds NaN or Inf")
+    return value.to(dtype)
+
+
+def _official(data: Mapping[str, Any], L: int, Hq: int, D: int, F: int) -> tuple[torch.Tensor, torch.Tensor]:
+    meta, stats = data.get("metadata") or {}, data["stats"]
+    if not isinstance(stats, Mapping):
+        raise ValueError("load_calibration: 'stats' must be a dict of per-head statistics")
+    for key, want in (("head_dim", D), ("num_layers", L), ("num_attention_heads", Hq)):
+        if key in meta and int(meta[key]) != want:
+            raise ValueError(f"load_calibration: the file's metadata {key}={meta[key]} does not match the model ({want})")
+    expected = {f"layer{layer:02d}_head{head:02d}" for layer in range(L) for head in range(Hq)}
+    extra = sorted(set(stats) - expected)
+    if extra:
+        raise ValueError(f"load_calibration: statistics for heads the model does not have: {extra[:4]} "
+                         f"(model: {L} layers x {Hq} query heads)")
+    q_mean = torch.empty(L, Hq, F, dtype=torch.complex64)
+    q_abs = torch.empty(L, Hq, F, dtype=torch.float32)
+    for layer in range(L):
+        for head in range(Hq):
+            key = f"layer{layer:02d}_head{head:02d}"
+            if key not in stats:
+                raise ValueError(f"load_calibration: head {key} is missing from the calibration file")
+            s = stats[key]
+            real = _tensor(s.get("q_mean_real"), f"{key}.q_mean_real", (F,), torch.float32)
+            imag = _tensor(s.get("q_mean_imag"), f"{key}.q_mean_imag", (F,), torch.float32)
+            q_mean[layer, head] = torch.complex(real, imag)
+            q_abs[layer, head] = _tensor(s.get("q_abs_mean"), f"{key}.q_abs_mean", (F,), torch.float32)
+    return q_mean, q_abs
+
+
+def load_calibration(source: str | os.PathLike | Mapping[str, Any], model_config: Mapping[str, Any], *,
+                     omega: torch.Tensor | None = None, freq_scale_sq: torch.Tensor | None = None) -> Calibration:
+    """Load and validate calibration statistics for a model.
+
+    source: a path (loaded with ``torch.load(weights_only=True)``) or the loaded dict. model_config: a Hugging
+    Face-style config dict (num_hidden_layers, num_attention_heads, num_key_value_heads, head_dim or
+    hidden_size, rope_theta, partial_rotary_factor, rope_scaling). omega / freq_scale_sq, when given, take
+    precedence over the file's (flat format) and over the config's RoPE.
+    """
+    L, Hq, Hkv, D, F = _geometry(model_config)
+    if isinstance(source, (str, os.PathLike)):
+        try:
+            data = torch.load(source, map_location="cpu", weights_only=True)
+        except FileNotFoundError as e:
+            raise ValueError(f"load_calibration: no calibration file at {os.fspath(source)!r}") from e
+        except Exception as e:  # corrupt, truncated, or not a weights-only pickle
+            raise ValueError(f"load_calibration: cannot read {os.fspath(source)!r} as a calibration file: {e}") from e
+    else:
+        data = source
+    if not isinstance(data, Mapping):
+        raise ValueError(f"load_calibration: expected a dict, got {type(data).__name__}")
+    if "stats" in data:
+        q_mean, q_abs = _official(data, L, Hq, D, F)
+    elif "E_q" in data:
+        q_mean = _tensor(data["E_q"], "E_q", (L, Hq, F), torch.complex64)
+        q_abs = _tensor(data.get("E_q_norm"), "E_q_norm", (L, Hq, F), torch.float32)
+        omega = data.get("omega") if omega is None else omega
+        freq_scale_sq = data.get("freq_scale_sq") if freq_scale_sq is None else freq_scale_sq
+    else:
+        raise ValueError("load_calibration: unknown format (expected 'stats' (official) or 'E_q' (flat))")
+    if omega is None or freq_scale_sq is None:
+        rope_omega, rope_fss = rope_parameters(model_config)
+        omega = rope_omega if omega is None else omega
+        freq_scale_sq = rope_fss if freq_scale_sq is None else freq_scale_sq
+    omega = _tensor(omega, "omega", (F,), torch.float32)
+    freq_scale_sq = _tensor(freq_scale_sq, "freq_scale_sq", (F,), torch.float32)
+    return Calibration(q_mean, q_abs, omega, freq_scale_sq, Hkv, D)

@@ -1,0 +1,168 @@
+"""TriAttention calibration loading, RoPE parameters, and the float64 reference's own sanity."""
+
+import math
+import os
+import pickle
+
+import pytest
+import torch
+
+from kvops.triattention.calibration import load_calibration
+from kvops.triattention.reference import mean_phase_reference, normalize_reference, reduce_reference, topk_reference
+from kvops.triattention.rope import rope_parameters
+
+DATA = os.path.join(os.path.dirname(__file__), "..", "..", "shared", "data", "triattention")
+QWEN3_8B = dict(num_hidden_layers=36, num_attention_heads=32, num_key_value_heads=8, head_dim=128, rope_theta=1e6)
+GPT_OSS_120B = dict(num_hidden_layers=36, num_attention_heads=64, num_key_value_heads=8, head_dim=64,
+                    rope_theta=150000, rope_scaling={"rope_type": "yarn", "factor": 32.0, "beta_fast": 32.0,
+                                                     "beta_slow": 1.0, "original_max_position_embeddings": 4096,
+                                                     "truncate": False})
+REAL = [("qwen3_8b_aime25.pt", QWEN3_8B), ("gpt_oss_120b.pt", GPT_OSS_120B)]
+needs_data = pytest.mark.skipif(not os.path.isdir(DATA), reason="../shared/data/triattention not present")
+
+
+@needs_data
+@pytest.mark.parametrize("name,config", REAL)
+def test_real_files_load_and_match_the_file(name, config):
+    path = os.path.join(DATA, name)
+    cal = load_calibration(path, config)
+    L, Hq, D = config["num_hidden_layers"], config["num_attention_heads"], config["head_dim"]
+    assert (cal.num_layers, cal.num_query_heads, cal.num_freqs, cal.num_kv_heads) == (L, Hq, D // 2, 8)
+    raw = torch.load(path, weights_only=True)["stats"]
+    for layer, head in [(0, 0), (L - 1, Hq - 1), (int(torch.randint(L, ())), int(torch.randint(Hq, ())))]:
+        s = raw[f"layer{layer:02d}_head{head:02d}"]
+        assert torch.equal(cal.q_mean[layer, head].real, s["q_mean_real"])
+        assert torch.equal(cal.q_mean[layer, head].imag, s["q_mean_imag"])
+        assert torch.equal(cal.q_abs_mean[layer, head], s["q_abs_mean"])
+    omega, fss = rope_parameters(config)
+    assert torch.equal(cal.omega, omega) and torch.equal(cal.freq_scale_sq, fss)
+
+
+def _official(L=2, Hq=4, F=8):
+    stats = {f"layer{layer:02d}_head{head:02d}": {"q_mean_real": torch.randn(F), "q_mean_imag": torch.randn(F),
+                                                  "q_abs_mean": torch.rand(F) + 1}
+             for layer in range(L) for head in range(Hq)}
+    return {"metadata": {"head_dim": 2 * F, "sampled_heads": [[i, j] for i in range(L) for j in range(Hq)]},
+            "stats": stats}
+
+
+CONFIG = dict(num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=16, rope_theta=10000.0)
+
+
+def test_flat_format_round_trip(tmp_path):
+    cal = load_calibration(_official(), CONFIG)
+    flat = {"E_q": cal.q_mean, "E_q_norm": cal.q_abs_mean, "omega": cal.omega * 0.5,
+            "freq_scale_sq": cal.freq_scale_sq * 2}
+    torch.save(flat, tmp_path / "flat.pt")
+    again = load_calibration(tmp_path / "flat.pt", CONFIG)
+    assert torch.equal(again.q_mean, cal.q_mean) and torch.equal(again.q_abs_mean, cal.q_abs_mean)
+    assert torch.equal(again.omega, cal.omega * 0.5)  # the file's RoPE wins over the config's
+    explicit = load_calibration(flat, CONFIG, omega=cal.omega)
+    assert torch.equal(explicit.omega, cal.omega)
+
+
+def test_bad_calibrations_raise_clearly(tmp_path):
+    def broken(mutate):
+        data = _official()
+        mutate(data)
+        return data
+
+    s = "layer01_head03"
+    cases = [
+        (broken(lambda d: d["stats"].pop(s)), "layer01_head03 is missing"),
+        (broken(lambda d: d["stats"][s].update(q_abs_mean=torch.rand(7))), "q_abs_mean has shape"),
+        (broken(lambda d: d["stats"][s]["q_mean_real"].__setitem__(2, float("nan"))), "NaN or Inf"),
+        (broken(lambda d: d["stats"][s].pop("q_mean_imag")), "q_mean_imag must be a tensor"),
+        (broken(lambda d: d["metadata"].update(head_dim=32)), "head_dim=32 does not match"),
+        ({"E_q": torch.zeros(2, 4, 8, dtype=torch.complex64)}, "E_q_norm must be a tensor"),
+        ({"E_q": torch.zeros(3, 4, 8, dtype=torch.complex64)}, "E_q has shape"),
+        ({"weights": 1}, "unknown format"),
+        ([1, 2], "expected a dict"),
+    ]
+    for data, match in cases:
+        with pytest.raises(ValueError, match=match):
+            load_calibration(data, CONFIG)
+    with pytest.raises(ValueError, match="does not have"):
+        load_calibration(_official(L=3), CONFIG)   # a layer the model lacks
+    with pytest.raises(ValueError, match="missing"):
+        load_calibration(_official(Hq=3), CONFIG)  # a head missing
+    with pytest.raises(ValueError, match="multiple of num_key_value_heads"):
+        load_calibration(_official(), {**CONFIG, "num_key_value_heads": 3})
+    with pytest.raises(ValueError, match="num_hidden_layers"):
+        load_calibration(_official(), {k: v for k, v in CONFIG.items() if k != "num_hidden_layers"})
+    with pytest.raises(ValueError, match="no calibration file"):
+        load_calibration(tmp_path / "absent.pt", CONFIG)
+    (tmp_path / "corrupt.pt").write_bytes(os.urandom(200))
+    with pytest.raises(ValueError, match="cannot read"):
+        load_calibration(tmp_path / "corrupt.pt", CONFIG)
+    with open(tmp_path / "code.pt", "wb") as f:  # not weights-only: must be refused, not executed
+        pickle.dump({"stats": os.getcwd}, f, protocol=2)
+    with pytest.raises(ValueError, match="cannot read"):
+        load_calibration(tmp_path / "code.pt", CONFIG)
+
+
+def test_rope_default_and_errors():
+    omega, fss = rope_parameters(dict(head_dim=128, rope_theta=1e6))
+    expect = torch.tensor([1e6 ** (-2 * i / 128) for i in range(64)], dtype=torch.float64)
+    assert torch.allclose(omega.double(), expect, rtol=2e-7, atol=0) and torch.equal(fss, torch.ones(64))
+    half, _ = rope_parameters(dict(head_dim=128, rope_theta=1e6, partial_rotary_factor=0.5))
+    assert half.shape == (32,)
+    with pytest.raises(ValueError, match="not supported"):
+        rope_parameters(dict(head_dim=64, rope_theta=1e4, rope_scaling={"rope_type": "longrope"}))
+    with pytest.raises(ValueError, match="rope_theta"):
+        rope_parameters(dict(head_dim=64))
+    with pytest.raises(ValueError, match="needs 'low_freq_factor'"):
+        rope_parameters(dict(head_dim=64, rope_theta=1e4, rope_scaling={"rope_type": "llama3", "factor": 8.0}))
+
+
+ROPE_CASES = [
+    dict(rope_theta=1e6, head_dim=128, rope_scaling={"rope_type": "linear", "factor": 4.0}),
+    dict(rope_theta=5e5, head_dim=128, rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+                                                     "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}),
+    GPT_OSS_120B,
+    dict(rope_theta=1e4, head_dim=128, partial_rotary_factor=0.5,
+         rope_scaling={"rope_type": "yarn", "factor": 32.0, "mscale": 1.0, "mscale_all_dim": 0.707,
+                       "original_max_position_embeddings": 4096}),
+]
+
+
+@pytest.mark.parametrize("config", ROPE_CASES)
+def test_rope_matches_transformers(config):
+    transformers = pytest.importorskip("transformers")
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+    base = dict(hidden_size=4096, num_attention_heads=32, max_position_embeddings=131072)
+    kwargs = {k: v for k, v in {**base, **config}.items() if k not in ("num_hidden_layers", "num_key_value_heads")}
+    hf = transformers.LlamaConfig(**kwargs)
+    inv_freq, attention = ROPE_INIT_FUNCTIONS[config["rope_scaling"]["rope_type"]](hf, "cpu")
+    omega, fss = rope_parameters({**base, **config})
+    assert torch.equal(omega, inv_freq.float())
+    assert math.isclose(float(fss[0]), attention ** 2, rel_tol=1e-6)
+
+
+def test_reference_pieces():
+    p = torch.tensor([0, 5, 2 ** 24 - 70000])
+    omega = torch.rand(8)
+    C, S = mean_phase_reference(p, omega)
+    o = torch.tensor([2.0 ** i for i in range(17)], dtype=torch.float64)
+    for r in range(3):
+        angle = (float(p[r]) + o)[:, None] * omega.double()
+        assert torch.allclose(C[r], angle.cos().mean(0)) and torch.allclose(S[r], angle.sin().mean(0))
+    z = normalize_reference(torch.randn(2, 3, 50, dtype=torch.float64) * 5 + 2)
+    assert torch.allclose(z.mean(-1), torch.zeros(2, 3, dtype=torch.float64), atol=1e-12)
+    assert torch.allclose(z.std(-1, correction=0), torch.ones(2, 3, dtype=torch.float64))
+    assert torch.equal(normalize_reference(torch.full((1, 1, 4), 3.0)), torch.zeros(1, 1, 4))  # std 0: no NaN
+    g = torch.randn(3, 4, 10, dtype=torch.float64)  # L=3, Hq=4, Hkv=2
+    assert torch.equal(reduce_reference(g, "union", 2), g.amax((0, 1))[None])
+    assert torch.equal(reduce_reference(g, "per_layer_perhead", 2)[3], g[1, 2:].amax(0))
+    assert torch.allclose(reduce_reference(g, "per_head", 2)[0], g[:, :2].amax(1).mean(0))
+    scores = torch.randn(4, 100)
+    lengths = torch.tensor([100, 50, 3, 0])
+    got = topk_reference(scores, lengths, 10)
+    for row in range(2):
+        n = int(lengths[row])
+        assert torch.equal(got[row].long(), scores[row, :n].topk(10).indices.sort().values)
+    assert got[2].tolist() == [0, 1, 2] + [-1] * 7 and got[3].tolist() == [-1] * 10
+    ties = torch.tensor([[1.0, 2.0, 2.0, float("nan"), 2.0, -float("inf"), 2.0]])
+    assert topk_reference(ties, torch.tensor([7]), 3).tolist() == [[1, 2, 4]]
+    assert topk_reference(ties, torch.tensor([7]), 7).tolist() == [[0, 1, 2, 3, 4, 5, 6]]
