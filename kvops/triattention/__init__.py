@@ -1,10 +1,8 @@
-"""TriAttention selection (docs/triattention.md): calibration, mean-phase scoring, top-k keep sets.
-
-This session's part: calibration loading and validation, RoPE parameters, and the float64 reference of the
-scoring semantics. The GPU scorer (CuTe DSL) and the radix top-k are open work (issue #4).
-"""
+"""TriAttention selection (docs/triattention.md): calibration, mean-phase coefficients, and the float64
+reference of the scoring semantics. The GPU scorer (CuTe DSL) and the radix top-k are tracked in issue #4."""
 
 from .calibration import Calibration, load_calibration
+from .phase import mean_phase
 from .rope import rope_parameters
 
-__all__ = ["Calibration", "load_calibration", "rope_parameters"]
+__all__ = ["Calibration", "load_calibration", "mean_phase", "rope_parameters"]

@@ -1,0 +1,83 @@
+"""Mean-phase coefficients against the float64 reference, on every path."""
+
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from conftest import DEVICES, opcheck, poison_, requires_cuda
+from kvops.triattention.phase import mean_phase
+from kvops.triattention.reference import mean_phase_reference
+from kvops.triattention.rope import rope_parameters
+
+OMEGAS = {"qwen3": rope_parameters(dict(head_dim=128, rope_theta=1e6))[0],
+          "yarn": rope_parameters(dict(head_dim=64, rope_theta=150000, rope_scaling={
+              "rope_type": "yarn", "factor": 32.0, "original_max_position_embeddings": 4096}))[0],
+          "random": torch.rand(40) * 2}
+
+
+def _starts(device, n=33):
+    far = torch.randint(2 ** 23, 2 ** 24, (n // 3,))  # up to 2^24: an fp32 angle would be noise here
+    return torch.cat([torch.tensor([0, 1, 2 ** 24 - 1]), torch.randint(0, 70000, (n - 3 - n // 3,)), far]).to(device)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("name", sorted(OMEGAS))
+def test_matches_float64_reference(device, name):
+    omega, p = OMEGAS[name].to(device), _starts(device)
+    phase = poison_(torch.empty(p.shape[0], 2, omega.shape[0], device=device))
+    mean_phase(p, omega, phase)
+    C, S = mean_phase_reference(p, omega)
+    assert (phase[:, 0].cpu().double() - C).abs().max() < 1e-5
+    assert (phase[:, 1].cpu().double() - S).abs().max() < 1e-5
+    assert torch.equal(mean_phase(p.int(), omega), phase)  # int32 starts, allocated output
+
+
+def test_triton_interpreter_matches_torch():
+    code = ("import torch, kvops\nfrom kvops.triattention.phase import mean_phase, _mean_phase_torch\n"
+            "p = torch.randint(0, 2**24, (9,)); w = torch.rand(40)\n"
+            "a = mean_phase(p, w); b = torch.empty_like(a); _mean_phase_torch(p, w, b)\n"
+            "assert (a - b).abs().max() < 1e-6, (a - b).abs().max()\n")
+    out = subprocess.run([sys.executable, "-c", code], env=dict(os.environ, TRITON_INTERPRET="1"),
+                         capture_output=True, text=True, timeout=600)
+    assert out.returncode == 0, out.stderr[-3000:]
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_opcheck_and_compile(device):
+    p, omega = _starts(device, 8), OMEGAS["random"].to(device)
+    phase = torch.empty(8, 2, omega.shape[0], device=device)
+    opcheck(torch.ops.kvops.triattention_mean_phase_.default, (p, omega, phase))
+    compiled = torch.compile(lambda p, w: mean_phase(p, w) * 2, fullgraph=True,
+                             backend="aot_eager" if device == "cpu" else "inductor")
+    assert torch.allclose(compiled(p, omega), mean_phase(p, omega) * 2)
+
+
+@requires_cuda
+def test_cuda_graph_replay_fresh_starts():
+    omega = OMEGAS["qwen3"].cuda()
+    p = _starts("cuda", 16)
+    phase = torch.empty(16, 2, 64, device="cuda")
+    mean_phase(p, omega, phase)
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        mean_phase(p, omega, phase)
+    for _ in range(2):
+        p.copy_(_starts("cuda", 16))
+        graph.replay()
+        C, _ = mean_phase_reference(p, omega)
+        assert (phase[:, 0].cpu().double() - C).abs().max() < 1e-5
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_bad_arguments(device):
+    p, omega = _starts(device, 4), OMEGAS["random"].to(device)
+    with pytest.raises(ValueError, match="round_starts"):
+        mean_phase(p.float(), omega)
+    with pytest.raises(ValueError, match="omega"):
+        mean_phase(p, omega.double())
+    with pytest.raises(ValueError, match="phase must be"):
+        mean_phase(p, omega, torch.empty(4, 2, 3, device=device))
