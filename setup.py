@@ -44,7 +44,7 @@ setup(
     description="KV-cache compression kernels for LLM inference engines (torch.ops.kvops)",
     packages=find_packages(include=["kvops", "kvops.*"]),
     python_requires=">=3.10",
-    install_requires=["torch", "numpy"],
+    install_requires=["torch", "numpy", "nvidia-cutlass-dsl"],
     extras_require={"dev": ["pytest", "hypothesis", "ninja"]},
     ext_modules=[_extension()],
     cmdclass={"build_ext": BuildExtension.with_options(use_ninja=True)},

@@ -1,0 +1,99 @@
+"""kvops.topk: per-row top-k over rows of ragged lengths, ascending indices, lowest index wins ties.
+
+GPU: the CuTe DSL radix select in topk_cute.py, compiled once per device (shapes are dynamic) and launched on
+the current stream. CPU: the same semantics with torch sorts. Semantics (both): for row r, the indices of the
+k largest of scores[r, :lengths[r]] in ascending order; ties go to the lowest index; NaN ranks below -inf;
+-0.0 equals +0.0; a row shorter than k is padded with -1.
+"""
+
+from __future__ import annotations
+
+import threading
+
+import torch
+
+_compiled: dict[int, object] = {}
+_lock = threading.Lock()
+
+
+def _compile(device: torch.device):
+    """The compiled CuTe kernel for this device; compiling inside a CUDA-graph capture is refused."""
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    fn = _compiled.get(index)
+    if fn is not None:
+        return fn
+    if torch.cuda.is_current_stream_capturing():
+        raise RuntimeError("kvops.topk: the CuTe kernel is not compiled yet and a CUDA graph is being captured; "
+                           "call kvops.topk once before capturing (warm-up)")
+    with _lock:
+        if index not in _compiled:
+            import cutlass
+            import cutlass.cute as cute
+            from cuda.bindings import driver
+            from cutlass.cute.runtime import from_dlpack
+
+            from .topk_cute import topk_launch
+
+            dummy = [torch.zeros(s, dtype=torch.int32, device=device) for s in ((2, 8), (2,), (2, 4))]
+            args = [from_dlpack(t).mark_layout_dynamic() for t in dummy]
+            _compiled[index] = cute.compile(topk_launch, *args, cutlass.Int32(4),
+                                            driver.CUstream(torch.cuda.current_stream(device).cuda_stream))
+    return _compiled[index]
+
+
+@torch.library.custom_op("kvops::topk_", mutates_args={"out"})
+def _topk_op(scores: torch.Tensor, lengths: torch.Tensor, k: int, out: torch.Tensor) -> None:
+    rows, N = scores.shape
+    n = lengths.clamp(0, N).long()
+    col = torch.arange(N, device=scores.device)
+    category = torch.where(col[None] >= n[:, None], 2, torch.isnan(scores).long())  # 0 value, 1 NaN, 2 past end
+    value = torch.where(scores == 0, 0.0, scores).nan_to_num(nan=0.0)  # -0 == +0
+    order = value.sort(dim=1, descending=True, stable=True).indices
+    order = order.gather(1, category.gather(1, order).sort(dim=1, stable=True).indices)
+    top = order[:, :k]
+    picked = torch.where(category.gather(1, top) == 2, N, top)
+    picked = torch.nn.functional.pad(picked, (0, k - picked.shape[1]), value=N).sort(dim=1).values  # k > N
+    out.copy_(torch.where(picked == N, -1, picked).to(torch.int32))
+
+
+@_topk_op.register_kernel("cuda")
+def _topk_cuda(scores, lengths, k, out):
+    from cuda.bindings import driver
+    from cutlass import Int32
+    from cutlass.cute.runtime import from_dlpack
+
+    fn = _compile(scores.device)
+    args = [from_dlpack(t).mark_layout_dynamic() for t in (scores.view(torch.int32), lengths, out)]
+    fn(*args, Int32(k), driver.CUstream(torch.cuda.current_stream(scores.device).cuda_stream))
+
+
+@_topk_op.register_fake
+def _topk_fake(scores, lengths, k, out):
+    return None
+
+
+def topk(scores: torch.Tensor, lengths: torch.Tensor, k: int, out: torch.Tensor | None = None) -> torch.Tensor:
+    """int32 [rows, k]: per row, the ascending indices of the k largest of scores[row, :lengths[row]].
+
+    scores: float32 [rows, N] with a contiguous last dim; lengths: int32 [rows] on the same device (read on the
+    device, clamped to [0, N]); k >= 0. Pass `out` to write into a bound buffer (graph-capturable once warm).
+    """
+    what = "topk"
+    if not isinstance(scores, torch.Tensor) or scores.dtype != torch.float32 or scores.dim() != 2:
+        raise ValueError(f"{what}: scores must be a 2-D float32 tensor, got "
+                         f"{getattr(scores, 'dtype', type(scores).__name__)} {tuple(getattr(scores, 'shape', ()))}")
+    if scores.stride(1) != 1 and scores.shape[1] > 1:
+        raise ValueError(f"{what}: scores needs a contiguous last dim, got strides {scores.stride()}")
+    if lengths.dtype != torch.int32 or tuple(lengths.shape) != (scores.shape[0],) or lengths.device != scores.device:
+        raise ValueError(f"{what}: lengths must be int32 [{scores.shape[0]}] on {scores.device}, got {lengths.dtype} "
+                         f"{tuple(lengths.shape)} on {lengths.device}")
+    if isinstance(k, bool) or not isinstance(k, int) or k < 0:
+        raise ValueError(f"{what}: k must be a non-negative int, got {k!r}")
+    shape = (scores.shape[0], k)
+    if out is None:
+        out = torch.empty(shape, dtype=torch.int32, device=scores.device)
+    elif out.dtype != torch.int32 or tuple(out.shape) != shape or not out.is_contiguous() or out.device != scores.device:
+        raise ValueError(f"{what}: out must be a contiguous int32 {list(shape)} tensor on {scores.device}")
+    if k and scores.shape[0]:
+        _topk_op(scores, lengths, k, out)
+    return out

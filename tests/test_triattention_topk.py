@@ -1,0 +1,111 @@
+"""kvops.topk against the reference (value order, lowest index on ties, NaN last, ascending output)."""
+
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from conftest import DEVICES, opcheck, poison_, requires_cuda
+from kvops.triattention.reference import topk_reference
+from kvops.triattention.topk import topk
+
+
+def _tie_heavy(rows, N, device):
+    s = torch.randint(-4, 5, (rows, N)).float() * 0.5
+    s[torch.rand(rows, N) < 0.04] = float("nan")
+    s[torch.rand(rows, N) < 0.04] = -float("inf")
+    s[torch.rand(rows, N) < 0.04] = float("inf")
+    s[torch.rand(rows, N) < 0.04] = -0.0
+    return s.to(device)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("N,k", [(1, 1), (7, 3), (300, 64), (1000, 1000), (2500, 700), (513, 2000)])
+def test_matches_reference_tie_heavy(device, N, k):
+    rows = 6
+    scores = _tie_heavy(rows, N, device)
+    lengths = torch.randint(0, N + 1, (rows,), dtype=torch.int32)
+    lengths[0], lengths[1] = 0, min(1, N)
+    lengths = lengths.to(device)
+    out = poison_(torch.empty(rows, k, dtype=torch.int32, device=device))
+    topk(scores, lengths, k, out)
+    assert torch.equal(out.cpu(), topk_reference(scores.cpu(), lengths.cpu(), k))
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_matches_torch_topk_on_distinct_values(device):
+    rows, N, k = 4, 40_000, 2048
+    scores = torch.randn(rows, N, device=device)
+    lengths = torch.tensor([N, N - 1, 30_000, 2049], dtype=torch.int32, device=device)
+    got = topk(scores, lengths, k)
+    for r in range(rows):
+        n = int(lengths[r])
+        assert torch.equal(got[r].long(), scores[r, :n].topk(k).indices.sort().values)
+
+
+@requires_cuda
+@pytest.mark.parametrize("N,k", [(16_384, 2048), (131_072, 8192), (262_144, 8192)])
+def test_large_rows_cuda(N, k):
+    scores = torch.randn(3, N, device="cuda")
+    scores[1] = scores[1].round()  # many ties
+    lengths = torch.tensor([N, N // 2 + 3, k - 5], dtype=torch.int32, device="cuda")
+    got = topk(scores, lengths, k).cpu()
+    cpu = topk(scores.cpu(), lengths.cpu(), k)
+    assert torch.equal(got, cpu)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_opcheck_and_compile(device):
+    scores, lengths = _tie_heavy(3, 200, device), torch.tensor([200, 50, 0], dtype=torch.int32, device=device)
+    out = torch.empty(3, 16, dtype=torch.int32, device=device)
+    opcheck(torch.ops.kvops.topk_.default, (scores, lengths, 16, out))
+    compiled = torch.compile(lambda s, n: topk(s, n, 16) + 1, fullgraph=True,
+                             backend="aot_eager" if device == "cpu" else "inductor")
+    assert torch.equal(compiled(scores, lengths), topk(scores, lengths, 16) + 1)
+
+
+@requires_cuda
+def test_cuda_graph_replay_fresh_data():
+    scores = torch.randn(8, 5000, device="cuda")
+    lengths = torch.full((8,), 5000, dtype=torch.int32, device="cuda")
+    out = torch.empty(8, 300, dtype=torch.int32, device="cuda")
+    topk(scores, lengths, 300, out)  # warm-up: compiles the CuTe kernel outside the capture
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        topk(scores, lengths, 300, out)
+    for _ in range(2):
+        scores.copy_(_tie_heavy(8, 5000, "cuda"))
+        lengths.copy_(torch.randint(0, 5001, (8,), dtype=torch.int32))
+        graph.replay()
+        torch.cuda.synchronize()
+        assert torch.equal(out.cpu(), topk_reference(scores.cpu(), lengths.cpu(), 300))
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_bad_arguments(device):
+    s, n = torch.randn(2, 10, device=device), torch.tensor([10, 5], dtype=torch.int32, device=device)
+    for args, match in [((s.double(), n, 3), "float32"), ((s[0], n, 3), "2-D"), ((s.t(), n[:1].expand(10), 3), "last dim"),
+                        ((s, n.long(), 3), "lengths"), ((s, n[:1], 3), "lengths"), ((s, n, -1), "non-negative"),
+                        ((s, n, 2.0), "non-negative")]:
+        with pytest.raises(ValueError, match=match):
+            topk(*args)
+    with pytest.raises(ValueError, match="out must be"):
+        topk(s, n, 3, torch.empty(2, 4, dtype=torch.int32, device=device))
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the GPU tests run the kernel itself")
+def test_cute_kernel_compiles_without_a_gpu():
+    """CI has no GPU: still compile the CuTe kernel for sm_90a, so an API break fails CI."""
+    pytest.importorskip("cutlass")
+    code = ("import torch, cutlass, cutlass.cute as cute\n"
+            "from cutlass.cute.runtime import from_dlpack\n"
+            "from cuda.bindings import driver\n"
+            "from kvops.triattention.topk_cute import topk_launch\n"
+            "t = [from_dlpack(torch.zeros(s, dtype=torch.int32)).mark_layout_dynamic() for s in ((2, 8), (2,), (2, 4))]\n"
+            "cute.compile(topk_launch, *t, cutlass.Int32(4), driver.CUstream(0))\n")
+    out = subprocess.run([sys.executable, "-c", code], env=dict(os.environ, CUTE_DSL_ARCH="sm_90a"),
+                         capture_output=True, text=True, timeout=600)
+    assert out.returncode == 0, out.stderr[-3000:]
