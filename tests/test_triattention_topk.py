@@ -104,7 +104,7 @@ def test_cute_kernel_compiles_without_a_gpu():
             "from cutlass.cute.runtime import from_dlpack\n"
             "from cuda.bindings import driver\n"
             "from kvops.triattention.topk_cute import topk_launch\n"
-            "t = [from_dlpack(torch.zeros(s, dtype=torch.int32)).mark_layout_dynamic() for s in ((2, 8), (2,), (2, 4))]\n"
+            "t = [from_dlpack(torch.zeros(s, dtype=torch.int32)).mark_layout_dynamic(leading_dim=len(s) - 1) for s in ((2, 8), (2,), (2, 4))]\n"
             "cute.compile(topk_launch, *t, cutlass.Int32(4), driver.CUstream(0))\n")
     out = subprocess.run([sys.executable, "-c", code], env=dict(os.environ, CUTE_DSL_ARCH="sm_90a"),
                          capture_output=True, text=True, timeout=600)

@@ -35,7 +35,7 @@ def _compile(device: torch.device):
             from .topk_cute import topk_launch
 
             dummy = [torch.zeros(s, dtype=torch.int32, device=device) for s in ((2, 8), (2,), (2, 4))]
-            args = [from_dlpack(t).mark_layout_dynamic() for t in dummy]
+            args = [from_dlpack(t).mark_layout_dynamic(leading_dim=t.dim() - 1) for t in dummy]
             _compiled[index] = cute.compile(topk_launch, *args, cutlass.Int32(4),
                                             driver.CUstream(torch.cuda.current_stream(device).cuda_stream))
     return _compiled[index]
@@ -63,7 +63,8 @@ def _topk_cuda(scores, lengths, k, out):
     from cutlass.cute.runtime import from_dlpack
 
     fn = _compile(scores.device)
-    args = [from_dlpack(t).mark_layout_dynamic() for t in (scores.view(torch.int32), lengths, out)]
+    tensors = (scores.view(torch.int32), lengths, out)  # the kernel reads the fp32 bit patterns
+    args = [from_dlpack(t).mark_layout_dynamic(leading_dim=t.dim() - 1) for t in tensors]
     fn(*args, Int32(k), driver.CUstream(torch.cuda.current_stream(scores.device).cuda_stream))
 
 

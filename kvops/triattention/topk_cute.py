@@ -1,10 +1,12 @@
 """Radix top-k over rows of ragged lengths, in CuTe DSL (one CTA per row).
 
-Keys are the fp32 bit patterns made signed-orderable (NaN lowest, -0 == +0). Eight 4-bit radix passes find
-the k-th largest key T: each warp counts its candidates per digit with ballots, the CTA sums the 16-bin
-histograms in shared memory and every thread walks them from the top to pick T's digit. A last pass, in index
-order, keeps every key > T and the first (k - #greater) keys == T (ties go to the lowest index), writing their
-indices in ascending order through a block-wide exclusive scan. Lengths are read on the device.
+Keys are the fp32 bit patterns made order-preserving as unsigned ints (NaN lowest, -0 == +0). The k-th
+largest key T is found in three radix passes of 11, 11 and 10 bits with shared-memory histograms: the first
+pass reads the row, then the keys that share T's top 11 bits (a few percent of a row of scores) are copied to
+shared memory and the next two passes histogram only them. A last pass in index order keeps every key > T and
+the first (k - #greater) keys == T (lowest index wins ties) and writes their indices in ascending order through
+a block-wide exclusive scan. Lengths are read on the device; rows longer than k keep k, shorter rows keep all
+and pad with -1.
 """
 
 from __future__ import annotations
@@ -12,22 +14,39 @@ from __future__ import annotations
 import cutlass
 import cutlass.cute as cute
 from cutlass import Int32
+from cutlass._mlir.dialects import llvm
+from cutlass.cutlass_dsl import dsl_user_op
 
 THREADS = 512
 WARPS = THREADS // 32
-BINS = 16
-PASSES = 8
-INT_MIN = -(2 ** 31)
+PER_THREAD = 4          # consecutive elements per thread and sweep step (independent loads in flight)
+HIST = 2048             # bins of the widest digit
+DIGITS = ((21, 11), (10, 11), (0, 10))  # (shift, bits) per radix pass, most significant first
+CANDIDATES = 32768      # keys kept in shared memory after the first pass (128 KiB); more: passes read the row
+SIGN = -(2 ** 31)
+
+
+@dsl_user_op
+def _smem_add(ptr: cute.Pointer, value: Int32, *, loc=None, ip=None) -> Int32:
+    """atomicAdd on shared memory (the llvm dialect op, which every CuTe DSL version shares)."""
+    return Int32(llvm.atomicrmw(llvm.AtomicBinOp.add, ptr.llvm_ptr, Int32(value).ir_value(loc=loc, ip=ip),
+                                llvm.AtomicOrdering.monotonic, loc=loc, ip=ip))
 
 
 @cute.jit
-def _order_key(bits: Int32) -> Int32:
-    key = bits ^ ((bits >> 31) & 0x7FFFFFFF)  # negative floats: flip the magnitude so order is signed order
+def _ukey(bits: Int32) -> Int32:
+    """Order-preserving key as unsigned bits (held in an Int32): larger float -> larger unsigned key."""
+    key = bits ^ ((bits >> 31) & 0x7FFFFFFF)  # signed order: negative floats get their magnitude flipped
     if key == -1:  # -0.0 ranks with +0.0
         key = Int32(0)
     if (bits & 0x7FFFFFFF) > 0x7F800000:  # NaN ranks below -inf
-        key = Int32(INT_MIN)
-    return key
+        key = Int32(SIGN)
+    return key ^ SIGN
+
+
+@cute.jit
+def _ugt(a: Int32, b: Int32) -> cutlass.Boolean:
+    return (a ^ SIGN) > (b ^ SIGN)  # unsigned a > b
 
 
 @cute.jit
@@ -52,6 +71,37 @@ def _block_exclusive_scan(value: Int32, lane: Int32, warp: Int32, sScan: cute.Te
     return incl - value + before, total
 
 
+@cute.jit
+def _select_bin(sHist: cute.Tensor, bins: cutlass.Constexpr[int], remaining: Int32, lane: Int32, warp: Int32,
+                sPick: cute.Tensor):
+    """Warp 0 finds, from the top bin down, the bin holding the remaining-th largest key; writes
+    (bin, count of keys above it) to sPick. The caller synchronizes."""
+    if warp == 0:
+        per_lane = bins // 32
+        top = bins - 1 - lane * per_lane  # lane l owns bins top, top-1, ... (descending)
+        mine = Int32(0)
+        for j in cutlass.range_constexpr(per_lane):
+            mine = mine + sHist[top - j]
+        incl = mine
+        for step in cutlass.range_constexpr(5):
+            up = cute.arch.shuffle_sync_up(incl, 1 << step)
+            if lane >= (1 << step):
+                incl = incl + up
+        above = incl - mine
+        if above < remaining:
+            if incl >= remaining:  # exactly one lane: walk its bins
+                done = Int32(0)
+                for j in cutlass.range_constexpr(per_lane):
+                    c = sHist[top - j]
+                    if done == 0:
+                        if above + c >= remaining:
+                            sPick[0] = top - j
+                            sPick[1] = above
+                            done = Int32(1)
+                        else:
+                            above = above + c
+
+
 @cute.kernel
 def _topk_kernel(mBits: cute.Tensor, mLengths: cute.Tensor, mOut: cute.Tensor, k: Int32):
     tidx, _, _ = cute.arch.thread_idx()
@@ -59,97 +109,105 @@ def _topk_kernel(mBits: cute.Tensor, mLengths: cute.Tensor, mOut: cute.Tensor, k
     lane = cute.arch.lane_idx()
     warp = cute.arch.warp_idx()
     smem = cutlass.utils.SmemAllocator()
-    sHist = smem.allocate_tensor(Int32, cute.make_layout((BINS, WARPS)), byte_alignment=16)
-    sTotal = smem.allocate_tensor(Int32, cute.make_layout(BINS), byte_alignment=16)
+    sHist = smem.allocate_tensor(Int32, cute.make_layout(HIST), byte_alignment=16)
+    sCand = smem.allocate_tensor(Int32, cute.make_layout(CANDIDATES), byte_alignment=16)
     sScan = smem.allocate_tensor(Int32, cute.make_layout(WARPS), byte_alignment=16)
+    sPick = smem.allocate_tensor(Int32, cute.make_layout(4), byte_alignment=16)  # bin, above, candidate count
 
     n = mLengths[row]
     if n > mBits.shape[1]:
         n = Int32(mBits.shape[1])
     if n < 0:
         n = Int32(0)
+    step = THREADS * PER_THREAD
 
-    # Radix select of the k-th largest key, 4 bits per pass from the top, on unsigned-order bits.
-    prefix = Int32(0)
-    mask = Int32(0)
-    remaining = k
-    for p in cutlass.range_constexpr(PASSES):
-        shift = 28 - 4 * p
-        counts = cute.make_rmem_tensor(BINS, Int32)
-        for b in cutlass.range_constexpr(BINS):
-            counts[b] = Int32(0)
-        for base in cutlass.range(0, n, THREADS):
-            i = base + tidx
-            digit = Int32(BINS)  # no bin: past the row or outside the current prefix
-            if i < n:
-                u = _order_key(mBits[row, i]) ^ INT_MIN
-                if (u & mask) == prefix:
-                    digit = (u >> shift) & (BINS - 1)
-            for b in cutlass.range_constexpr(BINS):
-                counts[b] = counts[b] + cute.arch.popc(cute.arch.vote_ballot_sync(digit == b))
-        if lane == 0:
-            for b in cutlass.range_constexpr(BINS):
-                sHist[b, warp] = counts[b]
-        cute.arch.sync_threads()
-        if tidx < BINS:
-            total = Int32(0)
-            for w in cutlass.range_constexpr(WARPS):
-                total = total + sHist[tidx, w]
-            sTotal[tidx] = total
-        cute.arch.sync_threads()
-        chosen = Int32(0)
-        above = Int32(0)
-        done = Int32(0)
-        for j in cutlass.range_constexpr(BINS):
-            b = BINS - 1 - j
-            c = sTotal[b]
-            if done == 0:
-                if above + c >= remaining:
-                    chosen = Int32(b)
-                    done = Int32(1)
-                else:
-                    above = above + c
-        remaining = remaining - above
-        prefix = prefix | (chosen << shift)
-        mask = mask | ((BINS - 1) << shift)
-        cute.arch.sync_threads()  # sTotal is read by everyone before the next pass rewrites it
+    threshold = Int32(0)  # unsigned-order key of the k-th largest
+    need = n              # keys equal to the threshold to keep (lowest index first)
+    if n > k:
+        prefix = Int32(0)
+        mask = Int32(0)
+        remaining = k
+        count = Int32(0)
+        for p in cutlass.range_constexpr(len(DIGITS)):
+            shift, width = DIGITS[p]
+            bins = 1 << width
+            for b in cutlass.range(tidx, bins, THREADS):
+                sHist[b] = Int32(0)
+            if tidx == 0:
+                sPick[2] = Int32(0)
+            cute.arch.sync_threads()
+            use_cand = p > 0 and count <= CANDIDATES
+            if use_cand:
+                for j in cutlass.range(tidx, count, THREADS):
+                    u = sCand[j]
+                    if (u & mask) == prefix:
+                        _smem_add(sHist.iterator + ((u >> shift) & (bins - 1)), 1)
+            else:
+                for base in cutlass.range(0, n, step):
+                    for e in cutlass.range_constexpr(PER_THREAD):
+                        i = base + tidx * PER_THREAD + e
+                        if i < n:
+                            u = _ukey(mBits[row, i])
+                            if (u & mask) == prefix:
+                                _smem_add(sHist.iterator + ((u >> shift) & (bins - 1)), 1)
+            cute.arch.sync_threads()
+            _select_bin(sHist, bins, remaining, lane, warp, sPick)
+            cute.arch.sync_threads()
+            chosen = sPick[0]
+            remaining = remaining - sPick[1]
+            if p == 0:
+                count = sHist[chosen]
+            prefix = prefix | (chosen << shift)
+            mask = mask | ((bins - 1) << shift)
+            if p == 0:
+                if count <= CANDIDATES:  # keep the keys sharing the top digit for the next passes
+                    for base in cutlass.range(0, n, step):
+                        for e in cutlass.range_constexpr(PER_THREAD):
+                            i = base + tidx * PER_THREAD + e
+                            if i < n:
+                                u = _ukey(mBits[row, i])
+                                if (u & mask) == prefix:
+                                    sCand[_smem_add(sPick.iterator + 2, 1)] = u
+            cute.arch.sync_threads()
+        threshold = prefix
+        need = remaining
 
-    threshold = prefix ^ INT_MIN  # back to the signed key order
-    need = remaining              # keys equal to the threshold still to keep, lowest index first
-    if n <= k:
-        threshold = Int32(INT_MIN)
-        need = n
-
-    # Keep pass, in index order: exclusive scan of (greater, equal) packed in 16-bit halves.
+    # Keep pass in index order: exclusive scan of per-thread (greater, equal) counts packed in 16-bit halves.
     greater_base = Int32(0)
     equal_base = Int32(0)
-    for base in cutlass.range(0, n, THREADS):
-        i = base + tidx
+    for base in cutlass.range(0, n, step):
+        flags = cute.make_rmem_tensor(PER_THREAD, Int32)
         packed = Int32(0)
-        if i < n:
-            key = _order_key(mBits[row, i])
-            if key > threshold:
-                packed = Int32(1)
-            if key == threshold:
-                packed = Int32(1 << 16)
+        for e in cutlass.range_constexpr(PER_THREAD):
+            i = base + tidx * PER_THREAD + e
+            flags[e] = Int32(0)
+            if i < n:
+                u = _ukey(mBits[row, i])
+                if _ugt(u, threshold):
+                    flags[e] = Int32(1)
+                if u == threshold:
+                    flags[e] = Int32(1 << 16)
+            packed = packed + flags[e]
         before, total = _block_exclusive_scan(packed, lane, warp, sScan)
-        greater_before = greater_base + (before & 0xFFFF)
-        equal_before = equal_base + (before >> 16)
-        kept_before = greater_before + cutlass.min(equal_before, need)
-        if packed == 1:
-            mOut[row, kept_before] = i
-        if packed == (1 << 16):
-            if equal_before < need:
-                mOut[row, kept_before] = i
+        greater = greater_base + (before & 0xFFFF)
+        equal = equal_base + (before >> 16)
+        for e in cutlass.range_constexpr(PER_THREAD):
+            i = base + tidx * PER_THREAD + e
+            if flags[e] == 1:
+                mOut[row, greater + cutlass.min(equal, need)] = i
+                greater = greater + 1
+            if flags[e] == (1 << 16):
+                if equal < need:
+                    mOut[row, greater + equal] = i
+                equal = equal + 1
         greater_base = greater_base + (total & 0xFFFF)
         equal_base = equal_base + (total >> 16)
-    kept = cutlass.min(n, k)
-    for j in cutlass.range(kept + tidx, k, THREADS):
+    for j in cutlass.range(cutlass.min(n, k) + tidx, k, THREADS):
         mOut[row, j] = Int32(-1)
 
 
 @cute.jit
 def topk_launch(mBits: cute.Tensor, mLengths: cute.Tensor, mOut: cute.Tensor, k: Int32, stream):
-    smem_bytes = (BINS * WARPS + BINS + WARPS) * 4 + 64
+    smem_bytes = (HIST + CANDIDATES + WARPS + 4) * 4 + 256
     _topk_kernel(mBits, mLengths, mOut, k).launch(grid=[mBits.shape[0], 1, 1], block=[THREADS, 1, 1],
                                                   smem=smem_bytes, stream=stream)
