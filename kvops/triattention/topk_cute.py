@@ -26,6 +26,12 @@ CANDIDATES = 32768      # keys kept in shared memory after the first pass (128 K
 SIGN = -(2 ** 31)
 
 
+def _i32(value: int) -> int:
+    """A 32-bit pattern as a Python int that fits Int32 (trace-time constants must not widen to 64 bits)."""
+    value &= 0xFFFFFFFF
+    return value - (1 << 32) if value >= (1 << 31) else value
+
+
 @dsl_user_op
 def _smem_add(ptr: cute.Pointer, value: Int32, *, loc=None, ip=None) -> Int32:
     """atomicAdd on shared memory (the llvm dialect op, which every CuTe DSL version shares)."""
@@ -134,6 +140,8 @@ def _topk_kernel(mBits: cute.Tensor, mLengths: cute.Tensor, mOut: cute.Tensor, k
             for b in cutlass.range(tidx, bins, THREADS):
                 sHist[b] = Int32(0)
             if tidx == 0:
+                sPick[0] = Int32(0)
+                sPick[1] = Int32(0)
                 sPick[2] = Int32(0)
             cute.arch.sync_threads()
             use_cand = p > 0 and count <= CANDIDATES
@@ -158,7 +166,7 @@ def _topk_kernel(mBits: cute.Tensor, mLengths: cute.Tensor, mOut: cute.Tensor, k
             if p == 0:
                 count = sHist[chosen]
             prefix = prefix | (chosen << shift)
-            mask = mask | ((bins - 1) << shift)
+            mask = mask | _i32((bins - 1) << shift)
             if p == 0:
                 if count <= CANDIDATES:  # keep the keys sharing the top digit for the next passes
                     for base in cutlass.range(0, n, step):
@@ -193,12 +201,14 @@ def _topk_kernel(mBits: cute.Tensor, mLengths: cute.Tensor, mOut: cute.Tensor, k
         equal = equal_base + (before >> 16)
         for e in cutlass.range_constexpr(PER_THREAD):
             i = base + tidx * PER_THREAD + e
+            slot = greater + cutlass.min(equal, need)
             if flags[e] == 1:
-                mOut[row, greater + cutlass.min(equal, need)] = i
+                if slot < k:  # always true for a consistent threshold; never write past the row
+                    mOut[row, slot] = i
                 greater = greater + 1
             if flags[e] == (1 << 16):
-                if equal < need:
-                    mOut[row, greater + equal] = i
+                if equal < need and slot < k:
+                    mOut[row, slot] = i
                 equal = equal + 1
         greater_base = greater_base + (total & 0xFFFF)
         equal_base = equal_base + (total >> 16)
