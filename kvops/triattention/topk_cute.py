@@ -60,7 +60,7 @@ def _block_exclusive_scan(value: Int32, lane: Int32, warp: Int32, sScan: cute.Te
     """(exclusive prefix of value over the CTA in thread order, CTA total). Ends with a barrier."""
     incl = value
     for step in cutlass.range_constexpr(5):
-        up = cute.arch.shuffle_sync_up(incl, 1 << step)
+        up = cute.arch.shuffle_sync_up(incl, 1 << step, mask_and_clamp=0)  # shfl.up needs clamp 0
         if lane >= (1 << step):
             incl = incl + up
     if lane == 31:
@@ -90,7 +90,7 @@ def _select_bin(sHist: cute.Tensor, bins: cutlass.Constexpr[int], remaining: Int
             mine = mine + sHist[top - j]
         incl = mine
         for step in cutlass.range_constexpr(5):
-            up = cute.arch.shuffle_sync_up(incl, 1 << step)
+            up = cute.arch.shuffle_sync_up(incl, 1 << step, mask_and_clamp=0)  # shfl.up needs clamp 0
             if lane >= (1 << step):
                 incl = incl + up
         above = incl - mine
