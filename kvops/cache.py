@@ -1,0 +1,183 @@
+"""PagedKVCache: a small but real engine-side paged KV cache, the reference integration of kvops.
+
+GPU (or CPU) tier: per-layer pools, HND ``[P, 2, H, T, D]`` or NHD ``[P, 2, T, H, D]``, a free-page allocator
+and per-request page lists. Host tier: fixed-size cold slots written by a cold-page codec (lossless by default,
+NVFP4 when row specs are given), in pinned memory when CUDA is present. Physical compaction goes through
+kvops.compaction. Every operation checks first and then changes state, so an error leaves the cache as it
+was; free + used == total holds on both tiers (check_invariants).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Sequence
+
+import torch
+
+from .compaction import build_compaction_params, compact
+from .nvfp4 import ColdPageCodec, RowSpec
+
+
+@dataclass
+class _Request:
+    length: int = 0
+    pages: list[int] = field(default_factory=list)  # GPU pages, in token order
+    slots: list[int] | None = None                  # host slots while offloaded (pages is then empty)
+
+
+class PagedKVCache:
+    def __init__(self, num_layers: int, num_kv_heads: int, head_dim: int, page_size: int, num_pages: int, *,
+                 host_slots: int = 0, dtype: torch.dtype = torch.bfloat16, layout: str = "HND",
+                 device: torch.device | str = "cpu", codec_specs: Sequence[RowSpec] | None = None):
+        if layout not in ("HND", "NHD"):
+            raise ValueError(f"PagedKVCache: layout must be 'HND' or 'NHD', got {layout!r}")
+        for name, v in (("num_layers", num_layers), ("num_kv_heads", num_kv_heads), ("head_dim", head_dim),
+                        ("page_size", page_size), ("num_pages", num_pages)):
+            if not isinstance(v, int) or v <= 0:
+                raise ValueError(f"PagedKVCache: {name} must be a positive int, got {v!r}")
+        self.layout, self.page_size, self.num_kv_heads, self.head_dim = layout, page_size, num_kv_heads, head_dim
+        shape = (num_pages, 2, num_kv_heads, page_size, head_dim) if layout == "HND" else \
+            (num_pages, 2, page_size, num_kv_heads, head_dim)
+        self.pools = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
+        specs = list(codec_specs) if codec_specs is not None else [RowSpec.lossless(plane_dim=1)] * num_layers
+        self.codec = ColdPageCodec(self.pools, specs)
+        self.host = self.codec.allocate(host_slots)
+        self._free_pages = list(range(num_pages - 1, -1, -1))  # pop() hands out low pages first
+        self._free_slots = list(range(host_slots - 1, -1, -1))
+        self._requests: dict[object, _Request] = {}
+
+    # -- views and accounting -----------------------------------------------------------------------------
+    @property
+    def device(self) -> torch.device:
+        return self.pools[0].device
+
+    def views(self) -> list[torch.Tensor]:
+        """Per-layer 5-D [page, plane, head, token, dim] views (the compaction convention)."""
+        return self.pools if self.layout == "HND" else [p.transpose(2, 3) for p in self.pools]
+
+    @property
+    def num_free_pages(self) -> int:
+        return len(self._free_pages)
+
+    @property
+    def num_free_slots(self) -> int:
+        return len(self._free_slots)
+
+    def check_invariants(self) -> None:
+        used_pages = [p for r in self._requests.values() for p in r.pages]
+        used_slots = [s for r in self._requests.values() for s in (r.slots or [])]
+        for kind, used, free, total in (("page", used_pages, self._free_pages, self.pools[0].shape[0]),
+                                        ("slot", used_slots, self._free_slots, self.host.shape[0])):
+            both = used + free
+            assert len(both) == total and sorted(both) == list(range(total)), f"{kind} accounting broken"
+
+    def _get(self, rid) -> _Request:
+        if rid not in self._requests:
+            raise ValueError(f"PagedKVCache: unknown request {rid!r}")
+        return self._requests[rid]
+
+    def _pages_for(self, length: int) -> int:
+        return -(-length // self.page_size)
+
+    # -- lifecycle ----------------------------------------------------------------------------------------
+    def add_request(self, rid) -> None:
+        if rid in self._requests:
+            raise ValueError(f"PagedKVCache: request {rid!r} already exists")
+        self._requests[rid] = _Request()
+
+    def length(self, rid) -> int:
+        return self._get(rid).length
+
+    def append(self, rid, k: torch.Tensor, v: torch.Tensor) -> None:
+        """Append n tokens, k and v [n, H, D] in the pool dtype (prefill: many; decode: one)."""
+        req = self._get(rid)
+        if req.slots is not None:
+            raise ValueError(f"PagedKVCache: request {rid!r} is offloaded; onboard it before appending")
+        H, D = self.num_kv_heads, self.head_dim
+        if k.shape != v.shape or k.dim() != 3 or k.shape[1:] != (H, D):
+            raise ValueError(f"PagedKVCache.append: k and v must both be [n, {H}, {D}], got {tuple(k.shape)} and "
+                             f"{tuple(v.shape)}")
+        n = k.shape[0]
+        extra = self._pages_for(req.length + n) - len(req.pages)
+        if extra > len(self._free_pages):
+            raise ValueError(f"PagedKVCache.append: request {rid!r} needs {extra} more pages, {len(self._free_pages)} "
+                             f"are free")
+        req.pages += [self._free_pages.pop() for _ in range(extra)]
+        pos = torch.arange(req.length, req.length + n)
+        pages = torch.tensor(req.pages, dtype=torch.long)[pos // self.page_size].to(self.device)
+        slots = (pos % self.page_size).to(self.device)
+        for layer, view in enumerate(self.views()):
+            view[pages, 0, :, slots] = k.to(view.dtype)
+            view[pages, 1, :, slots] = v.to(view.dtype)
+        req.length += n
+
+    def read(self, rid) -> torch.Tensor:
+        """[L, 2, length, H, D]: the request's K and V, gathered (for tests and the demo)."""
+        req = self._get(rid)
+        if req.slots is not None:
+            raise ValueError(f"PagedKVCache.read: request {rid!r} is offloaded")
+        pos = torch.arange(req.length)
+        pages = torch.tensor(req.pages, dtype=torch.long)[pos // self.page_size].to(self.device)
+        slots = (pos % self.page_size).to(self.device)
+        return torch.stack([view[pages, :, :, slots].transpose(0, 1) for view in self.views()])
+
+    def finish(self, rid) -> None:
+        req = self._get(rid)
+        self._free_pages += reversed(req.pages)
+        self._free_slots += reversed(req.slots or [])
+        del self._requests[rid]
+
+    def page_table(self, rids: Sequence) -> torch.Tensor:
+        """int32 [R, max_pages] on the pool device, -1 past each request's pages."""
+        reqs = [self._get(r) for r in rids]
+        table = torch.full((len(reqs), max([len(r.pages) for r in reqs] + [1])), -1, dtype=torch.int32)
+        for i, r in enumerate(reqs):
+            table[i, :len(r.pages)] = torch.tensor(r.pages, dtype=torch.int32)
+        return table.to(self.device)
+
+    # -- compaction -----------------------------------------------------------------------------------------
+    def compact(self, rids: Sequence, kept: torch.Tensor, scored_lengths: torch.Tensor, tail_lengths: torch.Tensor,
+                destination_bases: torch.Tensor, *, max_tail: int, validate: bool = True) -> torch.Tensor:
+        """Move each request's kept tokens down in place (kvops.compaction), then release the pages past the new
+        lengths. Returns the new lengths. Validation (on by default here) raises before anything moves."""
+        reqs = [self._get(r) for r in rids]
+        if any(r.slots is not None for r in reqs):
+            raise ValueError("PagedKVCache.compact: offloaded requests cannot be compacted")
+        params = build_compaction_params(self.views(), self.page_table(rids), kept, scored_lengths, tail_lengths,
+                                         destination_bases, max_tail=max_tail)
+        new_lengths = compact(params, len(reqs), validate=validate).tolist()
+        for req, n in zip(reqs, new_lengths):
+            keep = self._pages_for(n)
+            self._free_pages += reversed(req.pages[keep:])
+            del req.pages[keep:]
+            req.length = n
+        return torch.tensor(new_lengths, dtype=torch.int32)
+
+    # -- host tier --------------------------------------------------------------------------------------------
+    def offload(self, rid) -> None:
+        """Encode the request's pages into host slots through the codec and free its GPU pages."""
+        req = self._get(rid)
+        if req.slots is not None:
+            raise ValueError(f"PagedKVCache.offload: request {rid!r} is already offloaded")
+        if len(req.pages) > len(self._free_slots):
+            raise ValueError(f"PagedKVCache.offload: {len(req.pages)} host slots needed, {len(self._free_slots)} free")
+        slots = [self._free_slots.pop() for _ in req.pages]
+        if slots:
+            pairs = torch.tensor(list(zip(slots, req.pages)), dtype=torch.int32, device=self.device)
+            self.codec.encode(self.pools, self.host, pairs)  # later writes to the freed pages queue behind it
+        self._free_pages += reversed(req.pages)
+        req.pages, req.slots = [], slots
+
+    def onboard(self, rid) -> None:
+        """Allocate GPU pages, decode the request's host slots into them and free the slots."""
+        req = self._get(rid)
+        if req.slots is None:
+            raise ValueError(f"PagedKVCache.onboard: request {rid!r} is not offloaded")
+        if len(req.slots) > len(self._free_pages):
+            raise ValueError(f"PagedKVCache.onboard: {len(req.slots)} pages needed, {len(self._free_pages)} free")
+        pages = [self._free_pages.pop() for _ in req.slots]
+        if pages:
+            pairs = torch.tensor(list(zip(pages, req.slots)), dtype=torch.int32, device=self.device)
+            self.codec.decode(self.host, self.pools, pairs)
+        self._free_slots += reversed(req.slots)
+        req.pages, req.slots = pages, None

@@ -1,0 +1,152 @@
+"""Compression configs: one method per config, validated at construction, round-tripping through dict/JSON.
+
+An engine reads the block from its own config file (``config_from_dict``); the admission contract
+(``changes_physical_kv_length``, ``supports_block_reuse``, ``supports_speculative_decoding``) tells it what the
+method does to its cache before anything runs.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+from dataclasses import dataclass
+from typing import Any, ClassVar, Mapping
+
+import torch
+
+from .nvfp4.layout import DEFAULT_SCALE, RowSpec, _check_spec
+
+EVICTION_MODES = ("union", "per_head", "per_layer_perhead")
+
+
+@dataclass(frozen=True)
+class KvCacheCompressionConfig:
+    """Base of every method config. Subclasses set `algorithm` and the admission contract."""
+
+    algorithm: ClassVar[str] = ""
+    changes_physical_kv_length: ClassVar[bool] = False
+
+    def supports_block_reuse(self) -> bool:
+        return True
+
+    def supports_speculative_decoding(self) -> bool:
+        return True
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"algorithm": self.algorithm, **dataclasses.asdict(self)}
+
+    def to_json(self) -> str:
+        return json.dumps(self.to_dict(), sort_keys=True)
+
+
+@dataclass(frozen=True)
+class NVFP4ColdPageConfig(KvCacheCompressionConfig):
+    """Cold pages in NVFP4 (kvops.nvfp4): rows of `row_size` elements, RoPE dims at `rope_range` (start,
+    length) kept lossless (`skip_rope_quantization`) or carrying a 2FP4 residual on their first `residual_dim`
+    dims, one global scale policy. The hot KV length is unchanged; only pages leaving the GPU shrink."""
+
+    algorithm: ClassVar[str] = "nvfp4_cold_page"
+    row_size: int = 128
+    rope_range: tuple[int, int] | None = None
+    skip_rope_quantization: bool = False
+    residual_dim: int = 0
+    global_scale: str | float = DEFAULT_SCALE
+    plane_dim: int | None = 1
+
+    def __post_init__(self):
+        if self.rope_range is not None:
+            object.__setattr__(self, "rope_range", tuple(self.rope_range))
+        self.row_spec()  # raises ValueError naming the field
+
+    def row_spec(self) -> RowSpec:
+        def bad(field, msg):
+            raise ValueError(f"NVFP4ColdPageConfig.{field}: {msg}")
+
+        if not isinstance(self.row_size, int) or self.row_size <= 0 or self.row_size % 16:
+            bad("row_size", f"must be a positive multiple of 16, got {self.row_size!r}")
+        if not isinstance(self.residual_dim, int) or self.residual_dim < 0 or self.residual_dim % 16:
+            bad("residual_dim", f"must be a non-negative multiple of 16, got {self.residual_dim!r}")
+        rope = self.rope_range
+        if self.residual_dim and (not rope or self.residual_dim > rope[1]):
+            bad("residual_dim", f"{self.residual_dim} needs RoPE dims at least that long (rope_range={rope})")
+        try:
+            spec = RowSpec.for_rope(self.row_size, rope, skip_rope_quantization=self.skip_rope_quantization,
+                                    rope_residual=bool(self.residual_dim), global_scale=self.global_scale,
+                                    plane_dim=self.plane_dim)
+            if self.residual_dim:
+                spec = dataclasses.replace(spec, residual_range=(rope[0], self.residual_dim))
+            shape = (1, 2, self.row_size) if self.plane_dim is not None else (1, self.row_size)
+            _check_spec(0, shape, torch.bfloat16, spec)
+        except ValueError as e:
+            bad("rope_range" if "rope" in str(e) or "range" in str(e) else "global_scale", str(e))
+        return spec
+
+
+@dataclass(frozen=True)
+class TriAttentionConfig(KvCacheCompressionConfig):
+    """TriAttention eviction (kvops.triattention): every `beta` generated tokens past `budget`, keep the
+    `budget` best-scored generated tokens per row of `eviction_mode`, then compact the cache in place."""
+
+    algorithm: ClassVar[str] = "triattention"
+    changes_physical_kv_length: ClassVar[bool] = True
+    budget: int = 2048
+    beta: int = 128
+    eviction_mode: str = "union"
+    normalize_scores: bool = True
+    calibration_path: str | None = None
+
+    def __post_init__(self):
+        for name in ("budget", "beta"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+                raise ValueError(f"TriAttentionConfig.{name}: must be a positive int, got {value!r}")
+        if self.eviction_mode not in EVICTION_MODES:
+            raise ValueError(f"TriAttentionConfig.eviction_mode: {self.eviction_mode!r} is not one of {EVICTION_MODES}")
+        if not isinstance(self.normalize_scores, bool):
+            raise ValueError(f"TriAttentionConfig.normalize_scores: must be a bool, got {self.normalize_scores!r}")
+        if self.calibration_path is None:
+            raise ValueError("TriAttentionConfig.calibration_path: a calibration file is required")
+        if not os.path.isfile(self.calibration_path):
+            raise ValueError(f"TriAttentionConfig.calibration_path: no file at {self.calibration_path!r}")
+        try:
+            data = torch.load(self.calibration_path, map_location="cpu", weights_only=True)
+        except Exception as e:
+            raise ValueError(f"TriAttentionConfig.calibration_path: {self.calibration_path!r} is not a readable "
+                             f"calibration file: {e}") from e
+        if not isinstance(data, Mapping) or not ("stats" in data or "E_q" in data):
+            raise ValueError(f"TriAttentionConfig.calibration_path: {self.calibration_path!r} holds no calibration "
+                             "statistics ('stats' or 'E_q')")
+
+    def supports_block_reuse(self) -> bool:
+        return False  # compaction rewrites pages that a prefix cache could share
+
+    def supports_speculative_decoding(self) -> bool:
+        return False  # a round may move tokens that draft verification still refers to
+
+    def load_calibration(self, model_config: Mapping[str, Any]):
+        """The validated calibration for this model (raises on a geometry mismatch)."""
+        from .triattention import load_calibration
+        return load_calibration(self.calibration_path, model_config)
+
+
+CONFIGS = {cls.algorithm: cls for cls in (NVFP4ColdPageConfig, TriAttentionConfig)}
+
+
+def config_from_dict(data: Mapping[str, Any]) -> KvCacheCompressionConfig:
+    """The config a dict describes (its "algorithm" picks the class); unknown fields raise."""
+    if not isinstance(data, Mapping) or "algorithm" not in data:
+        raise ValueError("config_from_dict: expected a dict with an 'algorithm' field")
+    algorithm = data["algorithm"]
+    if algorithm not in CONFIGS:
+        raise ValueError(f"config_from_dict: algorithm {algorithm!r} is not one of {sorted(CONFIGS)}")
+    cls = CONFIGS[algorithm]
+    fields = {f.name for f in dataclasses.fields(cls)}
+    unknown = sorted(set(data) - fields - {"algorithm"})
+    if unknown:
+        raise ValueError(f"config_from_dict: {cls.__name__} has no field(s) {unknown}")
+    return cls(**{k: v for k, v in data.items() if k != "algorithm"})
+
+
+def config_from_json(text: str) -> KvCacheCompressionConfig:
+    return config_from_dict(json.loads(text))

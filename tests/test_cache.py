@@ -1,0 +1,127 @@
+"""PagedKVCache: accounting under random churn (hypothesis), round trips through the host tier, compaction,
+and errors that leave the state unchanged."""
+
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from conftest import DEVICES
+from kvops.cache import PagedKVCache
+from kvops.nvfp4 import ColdPageCodec, RowSpec
+
+L, H, D, T = 2, 2, 32, 8
+
+
+def _kv(n, device):
+    return (torch.randn(n, H, D, device=device).bfloat16(), torch.randn(n, H, D, device=device).bfloat16())
+
+
+def _expect_unchanged(cache, fn, match):
+    state = (list(cache._free_pages), list(cache._free_slots),
+             {r: (q.length, list(q.pages), q.slots and list(q.slots)) for r, q in cache._requests.items()})
+    with pytest.raises(ValueError, match=match):
+        fn()
+    after = (list(cache._free_pages), list(cache._free_slots),
+             {r: (q.length, list(q.pages), q.slots and list(q.slots)) for r, q in cache._requests.items()})
+    assert after == state
+
+
+OPS = st.lists(st.tuples(st.sampled_from(["add", "append", "compress", "offload", "onboard", "finish"]),
+                         st.integers(0, 3), st.integers(1, 20)), min_size=1, max_size=40)
+
+
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(ops=OPS, layout=st.sampled_from(["HND", "NHD"]))
+def test_random_churn_keeps_accounting_and_contents(ops, layout):
+    cache = PagedKVCache(L, H, D, T, num_pages=12, host_slots=10, layout=layout)
+    shadow: dict[int, torch.Tensor] = {}  # rid -> [L, 2, length, H, D] expected contents
+    for op, rid, n in ops:
+        live = rid in shadow
+        offloaded = live and cache._requests[rid].slots is not None
+        try:
+            if op == "add":
+                cache.add_request(rid)
+                shadow[rid] = torch.zeros(L, 2, 0, H, D, dtype=torch.bfloat16)
+            elif op == "append":
+                k, v = _kv(n, "cpu")
+                cache.append(rid, k, v)
+                new = torch.stack([k, v])[None].expand(L, -1, -1, -1, -1)
+                shadow[rid] = torch.cat([shadow[rid], new], 2)
+            elif op == "compress" and live and not offloaded and cache.length(rid) > n // 4 + 2:
+                length = cache.length(rid)
+                keep = max(1, min(n // 4 + 1, length - 2))
+                tail = 1
+                scored = length - tail
+                kept = torch.randperm(scored)[:keep].sort().values.int().view(1, 1, keep)
+                cache.compact([rid], kept, torch.tensor([scored], dtype=torch.int32),
+                              torch.tensor([tail], dtype=torch.int32), torch.tensor([0], dtype=torch.int32),
+                              max_tail=tail)
+                order = torch.cat([kept.view(-1).long(), torch.arange(scored, length)])
+                shadow[rid] = shadow[rid][:, :, order]
+            elif op == "offload":
+                cache.offload(rid)
+            elif op == "onboard":
+                cache.onboard(rid)
+            elif op == "finish":
+                cache.finish(rid)
+                del shadow[rid]
+        except ValueError:
+            pass  # refused: unknown request, full pool or tier, wrong state; the state must be unchanged
+        cache.check_invariants()
+        for r, want in shadow.items():
+            if cache._requests[r].slots is None:
+                assert torch.equal(cache.read(r), want)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_nvfp4_host_tier_round_trip_equals_codec_decode(device):
+    specs = [RowSpec.full(D, plane_dim=1)] * L
+    cache = PagedKVCache(L, H, D, T, num_pages=8, host_slots=8, device=device, codec_specs=specs)
+    cache.add_request("r")
+    cache.append("r", *_kv(29, device))
+    pages = list(cache._requests["r"].pages)
+    codec = ColdPageCodec(cache.pools, specs)
+    blob = codec.allocate(len(pages), device=device)
+    codec.encode(cache.pools, blob, torch.tensor([[i, p] for i, p in enumerate(pages)], dtype=torch.int32,
+                                                  device=device))
+    decoded = [torch.zeros_like(p) for p in cache.pools]
+    codec.decode(blob, decoded, torch.tensor([[p, i] for i, p in enumerate(pages)], dtype=torch.int32,
+                                             device=device))
+    cache.offload("r")
+    assert cache.num_free_pages == 8 and cache.num_free_slots == 8 - len(pages)
+    cache.onboard("r")
+    new_pages = cache._requests["r"].pages
+    for got, want in zip(cache.pools, decoded):
+        assert torch.equal(got[new_pages], want[pages])
+    assert cache.codec.cold_page_bytes * 3 < cache.codec.hot_page_bytes  # NVFP4 (3.46x here: small pages)
+
+
+def test_errors_leave_state_unchanged():
+    cache = PagedKVCache(L, H, D, T, num_pages=4, host_slots=2)
+    cache.add_request("a")
+    cache.append("a", *_kv(20, "cpu"))  # 3 pages
+    _expect_unchanged(cache, lambda: cache.append("zzz", *_kv(1, "cpu")), "unknown request")
+    _expect_unchanged(cache, lambda: cache.append("a", *_kv(20, "cpu")), "more pages")
+    _expect_unchanged(cache, lambda: cache.append("a", torch.zeros(1, H, D + 1), torch.zeros(1, H, D + 1)), "must both")
+    _expect_unchanged(cache, lambda: cache.add_request("a"), "already exists")
+    _expect_unchanged(cache, lambda: cache.offload("a"), "host slots needed")
+    _expect_unchanged(cache, lambda: cache.onboard("a"), "not offloaded")
+    cache.add_request("b")
+    cache.append("b", *_kv(8, "cpu"))  # the last page
+    cache.finish("a")
+    cache.add_request("c")
+    cache.append("c", *_kv(9, "cpu"))  # 2 pages
+    cache.offload("b")
+    _expect_unchanged(cache, lambda: cache.offload("b"), "already offloaded")
+    _expect_unchanged(cache, lambda: cache.append("b", *_kv(1, "cpu")), "offloaded")
+    cache.add_request("d")
+    cache.append("d", *_kv(16, "cpu"))  # the 2 remaining pages: the pool is full
+    _expect_unchanged(cache, lambda: cache.onboard("b"), "pages needed")
+    cache.finish("c")
+    _expect_unchanged(cache, lambda: cache.finish("c"), "unknown request")  # double free
+    with pytest.raises(ValueError, match="layout"):
+        PagedKVCache(L, H, D, T, 4, layout="XYZ")
+    with pytest.raises(ValueError, match="num_pages"):
+        PagedKVCache(L, H, D, T, 0)
+    cache.check_invariants()

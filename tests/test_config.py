@@ -1,0 +1,75 @@
+"""Method configs: validation naming the field, the admission contract, dict/JSON round trips."""
+
+import os
+
+import pytest
+import torch
+
+from kvops.config import NVFP4ColdPageConfig, TriAttentionConfig, config_from_dict, config_from_json
+
+QWEN = os.path.join(os.path.dirname(__file__), "..", "..", "shared", "data", "triattention", "qwen3_8b_aime25.pt")
+
+
+@pytest.fixture
+def calibration(tmp_path):
+    stats = {f"layer{l:02d}_head{h:02d}": {"q_mean_real": torch.randn(8), "q_mean_imag": torch.randn(8),
+                                          "q_abs_mean": torch.rand(8) + 1} for l in range(2) for h in range(4)}
+    path = tmp_path / "cal.pt"
+    torch.save({"metadata": {"head_dim": 16}, "stats": stats}, path)
+    return str(path)
+
+
+def test_round_trips_and_contract(calibration):
+    configs = [NVFP4ColdPageConfig(), NVFP4ColdPageConfig(row_size=576, rope_range=(512, 64),
+                                                          skip_rope_quantization=True, plane_dim=None),
+               NVFP4ColdPageConfig(row_size=128, rope_range=(0, 64), residual_dim=32, global_scale="identity"),
+               TriAttentionConfig(budget=512, beta=64, eviction_mode="per_layer_perhead", calibration_path=calibration)]
+    for c in configs:
+        assert config_from_json(c.to_json()) == c and config_from_dict(c.to_dict()) == c
+    nv, tri = configs[0], configs[-1]
+    assert not nv.changes_physical_kv_length and nv.supports_block_reuse() and nv.supports_speculative_decoding()
+    assert tri.changes_physical_kv_length and not tri.supports_block_reuse()
+    assert not tri.supports_speculative_decoding()
+    assert configs[1].row_spec().quantized_range == (0, 512)
+    assert configs[2].row_spec().residual_range == (0, 32)
+    cal = tri.load_calibration(dict(num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+                                    rope_theta=1e4))
+    assert cal.q_mean.shape == (2, 4, 8)
+    with pytest.raises(ValueError, match="does not have|missing"):
+        tri.load_calibration(dict(num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+                                  rope_theta=1e4))
+
+
+@pytest.mark.skipif(not os.path.isfile(QWEN), reason="real calibration data not present")
+def test_real_calibration_file():
+    tri = TriAttentionConfig(calibration_path=QWEN)
+    assert tri.load_calibration(dict(num_hidden_layers=36, num_attention_heads=32, num_key_value_heads=8,
+                                     head_dim=128, rope_theta=1e6)).num_layers == 36
+
+
+def test_invalid_values_name_the_field(tmp_path, calibration):
+    (tmp_path / "junk.pt").write_bytes(os.urandom(64))
+    torch.save({"weights": torch.zeros(3)}, tmp_path / "other.pt")
+    cases = [
+        (lambda: TriAttentionConfig(budget=0, calibration_path=calibration), "budget"),
+        (lambda: TriAttentionConfig(budget=True, calibration_path=calibration), "budget"),
+        (lambda: TriAttentionConfig(beta=-3, calibration_path=calibration), "beta"),
+        (lambda: TriAttentionConfig(eviction_mode="per_token", calibration_path=calibration), "eviction_mode"),
+        (lambda: TriAttentionConfig(normalize_scores=1, calibration_path=calibration), "normalize_scores"),
+        (lambda: TriAttentionConfig(), "calibration_path"),
+        (lambda: TriAttentionConfig(calibration_path=str(tmp_path / "absent.pt")), "calibration_path: no file"),
+        (lambda: TriAttentionConfig(calibration_path=str(tmp_path / "junk.pt")), "not a readable"),
+        (lambda: TriAttentionConfig(calibration_path=str(tmp_path / "other.pt")), "no calibration statistics"),
+        (lambda: NVFP4ColdPageConfig(row_size=100), "row_size"),
+        (lambda: NVFP4ColdPageConfig(residual_dim=8, rope_range=(0, 64)), "residual_dim"),
+        (lambda: NVFP4ColdPageConfig(residual_dim=32), "residual_dim"),
+        (lambda: NVFP4ColdPageConfig(rope_range=(32, 32), skip_rope_quantization=True), "rope_range"),
+        (lambda: NVFP4ColdPageConfig(rope_range=(0, 256)), "rope_range"),
+        (lambda: NVFP4ColdPageConfig(global_scale="per_token"), "global_scale"),
+        (lambda: config_from_dict({"algorithm": "h2o"}), "algorithm"),
+        (lambda: config_from_dict({"budget": 3}), "algorithm"),
+        (lambda: config_from_dict({"algorithm": "triattention", "budgett": 3}), "no field"),
+    ]
+    for make, match in cases:
+        with pytest.raises(ValueError, match=match):
+            make()
