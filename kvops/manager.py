@@ -1,0 +1,151 @@
+"""Compression managers: one method per instance, driven by the engine's lifecycle hooks.
+
+An engine calls, for each request and step, in this order:
+
+1. ``on_request_init(request)`` when a request is admitted, before its prefill is scheduled;
+2. ``on_context_step_end(requests)`` after a prefill (context) step has written those requests' KV;
+3. ``on_generation_step_begin(batch)`` before a decode step is launched;
+4. ``on_generation_step_end(batch)`` after a decode step's tokens are confirmed (accepted) and their KV written;
+5. ``on_request_finish(request)`` when the request leaves, before its pages are released.
+
+The rule: a manager may refuse, defer or do nothing at any hook before it changes anything physical; once it
+has moved bytes it either completes the change (cache contents, lengths and freed pages all updated) or raises,
+never leaving a half-updated state visible to the engine. Every hook is a no-op by default.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Mapping, Sequence
+
+import torch
+
+from .config import KvCacheCompressionConfig, NVFP4ColdPageConfig, TriAttentionConfig
+from .triattention import TriAttentionSelector
+
+SUPPORTED_ARCHS = ((9, 0), (10, 0))  # sm_90a and sm_100a are the archs kvops builds kernels for
+
+
+@dataclass
+class Request:
+    """What a manager needs to know of a request: its id and its prompt length (the prompt is never evicted)."""
+
+    id: Any
+    prompt_length: int
+
+
+class KVCacheCompressionManager:
+    def __init__(self, config: KvCacheCompressionConfig, kv_cache, model_config: Mapping[str, Any]):
+        self.config, self.kv_cache, self.model_config = config, kv_cache, model_config
+
+    def on_request_init(self, request: Request) -> None:
+        pass
+
+    def on_context_step_end(self, requests: Sequence[Request]) -> None:
+        pass
+
+    def on_generation_step_begin(self, batch: Sequence[Any]) -> None:
+        pass
+
+    def on_generation_step_end(self, batch: Sequence[tuple[Any, int]]) -> None:
+        pass
+
+    def on_request_finish(self, request: Request) -> None:
+        pass
+
+
+class TriAttentionManager(KVCacheCompressionManager):
+    """Every `beta` confirmed generated tokens, once a request's decode length exceeds `budget`, keeps its
+    `budget` best decode tokens (kvops.triattention) and compacts the cache in place (kvops.compaction). It
+    keeps each request's logical position, so RoPE positions stay right after eviction."""
+
+    def __init__(self, config: TriAttentionConfig, kv_cache, model_config: Mapping[str, Any]):
+        super().__init__(config, kv_cache, model_config)
+        calibration = config.load_calibration(model_config)
+        # A round scores at most budget + 2*beta decode tokens (a round is due after beta more, and a step may
+        # confirm several); anything newer is the protected tail, which stays within beta while no step confirms
+        # more than beta + 1 tokens.
+        self.max_tail = config.beta
+        self.selector = TriAttentionSelector(calibration, config.budget, config.eviction_mode,
+                                             config.normalize_scores, max_decode=config.budget + 2 * config.beta)
+        self.prompt_length: dict[Any, int] = {}
+        self.since_round: dict[Any, int] = {}
+        self.num_compressed_tokens: dict[Any, int] = {}
+        self.rounds = 0
+
+    def on_request_init(self, request: Request) -> None:
+        self.prompt_length[request.id] = request.prompt_length
+        self.since_round[request.id] = 0
+        self.num_compressed_tokens[request.id] = 0
+
+    def on_request_finish(self, request: Request) -> None:
+        for table in (self.prompt_length, self.since_round, self.num_compressed_tokens):
+            table.pop(request.id, None)
+
+    def logical_position(self, rid) -> int:
+        """The next token's absolute position: the cache length plus every token evicted so far."""
+        return self.kv_cache.length(rid) + self.num_compressed_tokens[rid]
+
+    def due(self, batch: Sequence[tuple[Any, int]]) -> list:
+        """Requests due for a round after this step: at most one round per step, however many tokens it
+        confirmed."""
+        due = []
+        for rid, confirmed in batch:
+            self.since_round[rid] += confirmed
+            decode = self.kv_cache.length(rid) - self.prompt_length[rid]
+            if decode > self.config.budget and self.since_round[rid] >= self.config.beta:
+                due.append(rid)
+        return due
+
+    def on_generation_step_end(self, batch: Sequence[tuple[Any, int]]) -> None:
+        rids = self.due(batch)
+        if not rids:
+            return
+        cache, device = self.kv_cache, self.kv_cache.device
+        lengths = [cache.length(r) for r in rids]
+        prompts = [self.prompt_length[r] for r in rids]
+        tails = [max(0, n - p - self.selector.max_decode) for n, p in zip(lengths, prompts)]
+        if max(tails) > self.max_tail:  # refuse before anything moves
+            raise RuntimeError(f"TriAttentionManager: a step confirmed more than beta={self.config.beta} tokens past "
+                               f"a due round ({max(tails)} unscored); call on_generation_step_end every step")
+        scored = [n - t for n, t in zip(lengths, tails)]
+        positions = [self.logical_position(r) for r in rids]
+        as_tensor = lambda v, dtype=torch.int32: torch.tensor(v, dtype=dtype, device=device)  # noqa: E731
+        kept = self.selector.select(cache.views(), cache.page_table(rids), as_tensor(scored), as_tensor(prompts),
+                                    as_tensor(positions, torch.int64))
+        cache.compact(rids, kept, as_tensor(scored), as_tensor(tails), as_tensor(prompts), max_tail=self.max_tail,
+                      validate=False)
+        for rid, before in zip(rids, lengths):
+            self.num_compressed_tokens[rid] += before - cache.length(rid)
+            self.since_round[rid] = 0
+        self.rounds += 1
+
+
+class NVFP4ColdPageManager(KVCacheCompressionManager):
+    """Storage-bound: the physical KV length never changes; pages leaving the GPU go through the NVFP4 codec of
+    the cache's host tier (configure the cache with ``codec_specs=[config.row_spec()] * num_layers``)."""
+
+
+MANAGERS = {TriAttentionConfig: TriAttentionManager, NVFP4ColdPageConfig: NVFP4ColdPageManager}
+
+
+def create_compression_manager(config: KvCacheCompressionConfig, kv_cache, model_config: Mapping[str, Any]
+                               ) -> KVCacheCompressionManager:
+    """The manager for `config` on `kv_cache`, after admission checks that raise a clear error: one method per
+    instance, a method/cache combination the method supports, and kernels for the cache's GPU."""
+    if isinstance(config, (list, tuple)):
+        raise ValueError(f"create_compression_manager: one method per manager instance, got {len(config)} configs")
+    if type(config) not in MANAGERS:
+        raise ValueError(f"create_compression_manager: unsupported config {type(config).__name__}")
+    if getattr(kv_cache, "block_reuse", False) and not config.supports_block_reuse():
+        raise ValueError(f"create_compression_manager: {config.algorithm} does not support a cache with block "
+                         "reuse (prefix sharing): it rewrites pages in place")
+    if getattr(kv_cache, "speculative_decoding", False) and not config.supports_speculative_decoding():
+        raise ValueError(f"create_compression_manager: {config.algorithm} does not support speculative decoding")
+    device = torch.device(kv_cache.device)
+    if device.type == "cuda":
+        arch = torch.cuda.get_device_capability(device)
+        if arch not in SUPPORTED_ARCHS:
+            raise RuntimeError(f"create_compression_manager: no kvops kernels for sm_{arch[0]}{arch[1]} "
+                               f"(built for {', '.join(f'sm_{a}{b}a' for a, b in SUPPORTED_ARCHS)})")
+    return MANAGERS[type(config)](config, kv_cache, model_config)

@@ -1,0 +1,97 @@
+"""Managers on the reference cache: admission, due rounds, logical positions, and the round's effect."""
+
+import pytest
+import torch
+
+from kvops.cache import PagedKVCache
+from kvops.config import NVFP4ColdPageConfig, TriAttentionConfig
+from kvops.manager import (KVCacheCompressionManager, NVFP4ColdPageManager, Request, TriAttentionManager,
+                           create_compression_manager)
+from kvops.triattention.reference import select_reference
+
+MODEL = dict(num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=32, rope_theta=1e4)
+
+
+@pytest.fixture
+def calibration(tmp_path):
+    path = tmp_path / "cal.pt"
+    torch.save({"E_q": torch.randn(2, 4, 16, dtype=torch.complex64), "E_q_norm": torch.rand(2, 4, 16) + 1}, path)
+    return str(path)
+
+
+def _cache():
+    return PagedKVCache(2, 2, 32, 8, num_pages=64, host_slots=8)
+
+
+def _kv(n):
+    return torch.randn(n, 2, 32).bfloat16(), torch.randn(n, 2, 32).bfloat16()
+
+
+def test_rounds_follow_budget_and_beta_and_match_the_reference(calibration):
+    config = TriAttentionConfig(budget=12, beta=5, eviction_mode="per_head", calibration_path=calibration)
+    cache = _cache()
+    manager = create_compression_manager(config, cache, MODEL)
+    assert isinstance(manager, TriAttentionManager)
+    for rid, prompt in (("a", 7), ("b", 20)):
+        cache.add_request(rid)
+        manager.on_request_init(Request(rid, prompt))
+        cache.append(rid, *_kv(prompt))
+    manager.on_context_step_end([Request("a", 7), Request("b", 20)])
+    rounds = []
+    for step in range(40):
+        manager.on_generation_step_begin(["a", "b"])
+        n_b = 6 if step % 4 == 0 else 1  # b sometimes confirms several tokens in one step (up to beta + 1)
+        cache.append("a", *_kv(1))
+        cache.append("b", *_kv(n_b))
+        due = [r for r in ("a", "b") if cache.length(r) - manager.prompt_length[r] > 12
+               and manager.since_round[r] + (1 if r == "a" else n_b) >= 5]
+        before = {r: (cache.read(r), cache.length(r), manager.logical_position(r)) for r in due}
+        if due:  # what the round must keep, from the float64 reference on the same pages
+            expect = {}
+            for r in due:
+                length, start = before[r][1], before[r][2]
+                prompt = manager.prompt_length[r]
+                tail = max(0, length - prompt - 22)  # beyond budget + 2 beta: the unscored, protected tail
+                kept, _ = select_reference([v.cpu() for v in cache.views()], cache.page_table([r]).cpu(),
+                                           torch.tensor([length - tail]), torch.tensor([prompt]),
+                                           torch.tensor([start]), manager.selector.calibration, 12, "per_head")
+                expect[r] = (kept[0], torch.arange(length - tail, length))
+        manager.on_generation_step_end([("a", 1), ("b", n_b)])
+        for r in due:
+            data, length, start = before[r]
+            prompt = manager.prompt_length[r]
+            kept, tail = expect[r]
+            assert cache.length(r) == prompt + 12 + len(tail)
+            assert manager.logical_position(r) == start  # evicted tokens still count for positions
+            for head in range(2):
+                order = torch.cat([torch.arange(prompt), kept[head].long(), tail])
+                assert torch.equal(cache.read(r)[:, :, :, head], data[:, :, order, head])
+            rounds.append((step, r))
+        cache.check_invariants()
+    assert {r for _, r in rounds} == {"a", "b"} and manager.rounds == len({s for s, _ in rounds})
+    manager.on_request_finish(Request("a", 7))
+    assert "a" not in manager.prompt_length
+
+
+def test_admission(calibration):
+    cache = _cache()
+    tri = TriAttentionConfig(calibration_path=calibration)
+    with pytest.raises(ValueError, match="one method per manager"):
+        create_compression_manager([tri, NVFP4ColdPageConfig()], cache, MODEL)
+    cache.block_reuse = True
+    with pytest.raises(ValueError, match="block reuse"):
+        create_compression_manager(tri, cache, MODEL)
+    assert isinstance(create_compression_manager(NVFP4ColdPageConfig(row_size=32), cache, MODEL),
+                      NVFP4ColdPageManager)
+    cache.block_reuse, cache.speculative_decoding = False, True
+    with pytest.raises(ValueError, match="speculative decoding"):
+        create_compression_manager(tri, cache, MODEL)
+    cache.speculative_decoding = False
+    with pytest.raises(ValueError, match="the model needs"):  # geometry mismatch
+        create_compression_manager(tri, cache, {**MODEL, "num_hidden_layers": 3})
+    base = KVCacheCompressionManager(tri, cache, MODEL)  # every hook is a no-op
+    for hook in (base.on_request_init, base.on_request_finish):
+        hook(Request("x", 1))
+    base.on_context_step_end([])
+    base.on_generation_step_begin([])
+    base.on_generation_step_end([])
