@@ -156,28 +156,27 @@ class PagedKVCache:
     # -- host tier --------------------------------------------------------------------------------------------
     def offload(self, rid) -> None:
         """Encode the request's pages into host slots through the codec and free its GPU pages."""
-        req = self._get(rid)
-        if req.slots is not None:
-            raise ValueError(f"PagedKVCache.offload: request {rid!r} is already offloaded")
-        if len(req.pages) > len(self._free_slots):
-            raise ValueError(f"PagedKVCache.offload: {len(req.pages)} host slots needed, {len(self._free_slots)} free")
-        slots = [self._free_slots.pop() for _ in req.pages]
-        if slots:
-            pairs = torch.tensor(list(zip(slots, req.pages)), dtype=torch.int32, device=self.device)
-            self.codec.encode(self.pools, self.host, pairs)  # later writes to the freed pages queue behind it
-        self._free_pages += reversed(req.pages)
-        req.pages, req.slots = [], slots
+        self._migrate(rid, to_host=True)
 
     def onboard(self, rid) -> None:
         """Allocate GPU pages, decode the request's host slots into them and free the slots."""
+        self._migrate(rid, to_host=False)
+
+    def _migrate(self, rid, to_host: bool) -> None:
         req = self._get(rid)
-        if req.slots is None:
-            raise ValueError(f"PagedKVCache.onboard: request {rid!r} is not offloaded")
-        if len(req.slots) > len(self._free_pages):
-            raise ValueError(f"PagedKVCache.onboard: {len(req.slots)} pages needed, {len(self._free_pages)} free")
-        pages = [self._free_pages.pop() for _ in req.slots]
-        if pages:
-            pairs = torch.tensor(list(zip(pages, req.slots)), dtype=torch.int32, device=self.device)
-            self.codec.decode(self.host, self.pools, pairs)
-        self._free_slots += reversed(req.slots)
-        req.pages, req.slots = pages, None
+        what = "offload" if to_host else "onboard"
+        if (req.slots is None) != to_host:
+            raise ValueError(f"PagedKVCache.{what}: request {rid!r} is {'already' if to_host else 'not'} offloaded")
+        sources, source_free = (req.pages, self._free_pages) if to_host else (req.slots, self._free_slots)
+        target_free, target = (self._free_slots, "host slots") if to_host else (self._free_pages, "pages")
+        if len(sources) > len(target_free):
+            raise ValueError(f"PagedKVCache.{what}: {len(sources)} {target} needed, {len(target_free)} free")
+        targets = [target_free.pop() for _ in sources]
+        if targets:  # pairs are (destination, source); later writes to freed pages queue behind the copy
+            pairs = torch.tensor(list(zip(targets, sources)), dtype=torch.int32, device=self.device)
+            if to_host:
+                self.codec.encode(self.pools, self.host, pairs)
+            else:
+                self.codec.decode(self.host, self.pools, pairs)
+        source_free += reversed(sources)
+        req.pages, req.slots = ([], targets) if to_host else (targets, None)
