@@ -9,7 +9,7 @@ except ImportError as e:  # pragma: no cover
         "kvops._C is not built; install with `pip install --no-build-isolation -e .` (see README.md)"
     ) from e
 
-from . import cache, compaction, config, nvfp4, triattention  # noqa: E402
+from . import cache, codecs, compaction, config, nvfp4, triattention  # noqa: E402
 
-__all__ = ["cache", "compaction", "config", "nvfp4", "triattention"]
+__all__ = ["cache", "codecs", "compaction", "config", "nvfp4", "triattention"]
 __version__ = "0.1.0"

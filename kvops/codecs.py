@@ -1,0 +1,105 @@
+"""The cold-page codec interface an engine's page migration calls, and its two implementations.
+
+An engine describes each layer group's pools once (``configure``); afterwards it asks for the fixed cold-page
+size, which groups may share one call, where the page indices must live, and encodes or decodes batches of
+(cold slot, page) pairs on a stream. ``NVFP4ColdPageCodec`` compresses (kvops.nvfp4); ``LosslessColdPageCodec``
+concatenates the rows bit-exactly with the same kernels, so the cold-page machinery can be tested without
+compression.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from dataclasses import dataclass
+from typing import Sequence
+
+import torch
+
+from .config import NVFP4ColdPageConfig
+from .nvfp4 import ColdPageCodec, RowSpec
+
+
+@dataclass(frozen=True)
+class PoolDesc:
+    """One layer group's pools: the tensors of a page (dim 0 is the page, the last dim the row) and the dim
+    holding K/V (None when K and V are separate pools or there is one plane)."""
+
+    layer_group: int
+    pools: tuple[torch.Tensor, ...]
+    plane_dim: int | None = 1
+
+
+class ColdPageCodecBase:
+    """configure -> cold_page_bytes / batching_layer_group_id / page_index_location -> encode / decode."""
+
+    def __init__(self):
+        self._codecs: dict[int, ColdPageCodec] = {}
+        self._pools: dict[int, tuple[torch.Tensor, ...]] = {}
+        self._batch_ids: dict[int, int] = {}
+
+    def row_spec(self, desc: PoolDesc) -> RowSpec:
+        raise NotImplementedError
+
+    def configure(self, pool_descs: Sequence[PoolDesc]) -> bool:
+        """Plan every layer group; False (and nothing configured) when a group's layout cannot be expressed."""
+        codecs, signatures = {}, {}
+        for desc in pool_descs:
+            try:
+                codecs[desc.layer_group] = ColdPageCodec(desc.pools, [self.row_spec(desc)] * len(desc.pools))
+            except ValueError:
+                return False
+            # Groups batch together only when everything the kernel reads from them is identical.
+            signatures[desc.layer_group] = tuple((tuple(p.shape), tuple(p.stride()), p.dtype, p.device)
+                                                 for p in desc.pools) + (self.row_spec(desc),)
+        first: dict[tuple, int] = {}
+        self._batch_ids = {g: first.setdefault(sig, g) for g, sig in signatures.items()}
+        self._codecs = codecs
+        self._pools = {d.layer_group: tuple(d.pools) for d in pool_descs}
+        return True
+
+    def _codec(self, layer_group: int) -> ColdPageCodec:
+        if layer_group not in self._codecs:
+            raise ValueError(f"{type(self).__name__}: layer group {layer_group} is not configured")
+        return self._codecs[layer_group]
+
+    def cold_page_bytes(self, layer_group: int) -> int:
+        return self._codec(layer_group).cold_page_bytes
+
+    def batching_layer_group_id(self, layer_group: int) -> int:
+        """Groups with the same id have provably identical layouts (shapes, strides, dtypes, row specs)."""
+        self._codec(layer_group)
+        return self._batch_ids[layer_group]
+
+    def page_index_location(self, layer_group: int) -> str:
+        """'device' or 'host': the kernels take page pairs from either; device pairs avoid a copy per call."""
+        self._codec(layer_group)
+        return "device" if self._pools[layer_group][0].is_cuda else "host"
+
+    @staticmethod
+    def _on(stream):
+        return torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext()
+
+    def encode(self, layer_group: int, dst_base: torch.Tensor, page_pairs: torch.Tensor, stream=None) -> None:
+        """Encode pages into cold slots: page_pairs int32 [N, 2] of (slot in dst_base, page)."""
+        with self._on(stream):
+            self._codec(layer_group).encode(self._pools[layer_group], dst_base, page_pairs)
+
+    def decode(self, layer_group: int, src_base: torch.Tensor, page_pairs: torch.Tensor, stream=None) -> None:
+        """Decode cold slots into pages: page_pairs int32 [N, 2] of (page, slot in src_base)."""
+        with self._on(stream):
+            self._codec(layer_group).decode(src_base, self._pools[layer_group], page_pairs)
+
+
+class LosslessColdPageCodec(ColdPageCodecBase):
+    def row_spec(self, desc: PoolDesc) -> RowSpec:
+        return RowSpec.lossless(plane_dim=desc.plane_dim)
+
+
+class NVFP4ColdPageCodec(ColdPageCodecBase):
+    def __init__(self, config: NVFP4ColdPageConfig):
+        super().__init__()
+        self.config = config
+
+    def row_spec(self, desc: PoolDesc) -> RowSpec:
+        spec = self.config.row_spec()
+        return RowSpec(spec.quantized_range, spec.residual_range, spec.global_scale, desc.plane_dim)
