@@ -1,18 +1,49 @@
-"""python -m kvops <command>: `demo` runs the NVFP4 cold-page round trip (kvops/demo.py)."""
+"""python -m kvops <command>: `demo` runs the long-decoding workload of kvops/demo.py."""
 
 import sys
+
+
+def info() -> int:
+    """Versions, the GPU and its arch, and which kernel families can run on it."""
+    import importlib.metadata as md
+
+    import torch
+
+    import kvops
+
+    def version(name):
+        try:
+            return md.version(name)
+        except md.PackageNotFoundError:
+            return "not installed"
+
+    print(f"kvops {kvops.__version__}, torch {torch.__version__} (CUDA {torch.version.cuda}), "
+          f"triton {version('triton')}, nvidia-cutlass-dsl {version('nvidia-cutlass-dsl')}")
+    if not torch.cuda.is_available():
+        print("GPU: none; every op runs on the CPU (C++ kernels and torch)")
+        return 0
+    major, minor = torch.cuda.get_device_capability()
+    print(f"GPU: {torch.cuda.get_device_name()} (sm_{major}{minor})")
+    supported = (major, minor) in ((9, 0), (10, 0))
+    print(f"  NVFP4 codec, compaction (native CUDA): {'yes' if supported else 'no kernel for this arch'} "
+          "(a build without nvcc raises a clear error on first use)")
+    print("  mean phase (Triton): yes; top-k (CuTe DSL): " + ("yes" if supported else "not built for this arch"))
+    return 0
 
 
 def main(argv=None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     if not argv or argv[0] in ("-h", "--help"):
-        print("usage: kvops demo [--layers N] [--pages N] [--dtype D] [--device cpu|cuda]")
+        print("usage: kvops demo [--preset tiny|gpu] [--device cpu|cuda] [--dtype D] [--json FILE]\n"
+              "       kvops info")
         return 0 if argv else 2
     if argv[0] == "demo":
         from .demo import main as demo
 
         return demo(argv[1:])
-    print(f"kvops: unknown command {argv[0]!r}; try `kvops demo`", file=sys.stderr)
+    if argv[0] == "info":
+        return info()
+    print(f"kvops: unknown command {argv[0]!r}; try `kvops demo` or `kvops info`", file=sys.stderr)
     return 2
 
 

@@ -1,73 +1,149 @@
-"""The main job: an NVFP4 cold-page round trip on a synthetic paged KV cache.
+"""The main job: a long-decoding workload on the reference paged cache with TriAttention eviction and NVFP4
+cold pages.
 
-Builds Qwen3-8B-like HND pools (a few layers, 8 KV heads, head_dim 128, 32 tokens/page) with realistic
-magnitudes, offloads pages through the codec into cold slots (pinned host memory on a GPU machine), brings
-them back into other pages, and prints the bytes saved and the round-trip error. GPU if present, else CPU.
+Qwen3-8B geometry (36 layers, 32 query / 8 KV heads, head_dim 128) with the real Qwen3-8B calibration from
+../shared/data/triattention/ (synthetic statistics, said so, when the file is absent). Prefill, decode steps with
+TriAttention rounds (selection + in-place compaction), then the finished requests' pages go to the host tier
+through NVFP4 and come back. Presets: `tiny` (the CPU default) and `gpu` (the CUDA default).
 """
 
 from __future__ import annotations
 
+import json
+import os
 import time
 
 import torch
 
-from .nvfp4 import ColdPageCodec, RowSpec
+from .cache import PagedKVCache
+from .config import NVFP4ColdPageConfig, TriAttentionConfig
+from .manager import Request, create_compression_manager
+
+QWEN3_8B = dict(num_hidden_layers=36, num_attention_heads=32, num_key_value_heads=8, head_dim=128, rope_theta=1e6)
+CALIBRATION = os.path.join(os.path.dirname(__file__), "..", "..", "shared", "data", "triattention",
+                           "qwen3_8b_aime25.pt")
+PRESETS = {  # requests, prompt, decode steps, budget, beta, page size
+    "tiny": dict(requests=2, prompt=48, steps=80, budget=32, beta=16, page_size=16),
+    "gpu": dict(requests=8, prompt=1024, steps=1536, budget=1024, beta=128, page_size=32),
+}
 
 
-def synthetic_pools(layers: int, pages: int, dtype: torch.dtype, device: str) -> list[torch.Tensor]:
-    pools = []
-    for _ in range(layers):
-        x = torch.randn(pages, 2, 8, 32, 128, device=device)
-        x = x.sign() * torch.exp(torch.randn_like(x) * 0.7)  # heavy-tailed magnitudes
-        x[:, 1] *= 0.02                                        # small V
-        x[:, 0, ..., :8] *= 8.0                                # K outlier channels
-        pools.append(x.to(dtype))
-    return pools
+def _calibration_path(tmp_dir: str) -> tuple[str, str]:
+    if os.path.isfile(CALIBRATION):
+        return CALIBRATION, "real Qwen3-8B statistics"
+    L, Hq, F = 36, 32, 64
+    path = os.path.join(tmp_dir, "synthetic_calibration.pt")
+    torch.save({"E_q": torch.randn(L, Hq, F, dtype=torch.complex64), "E_q_norm": torch.rand(L, Hq, F) + 1}, path)
+    return path, "SYNTHETIC statistics (../shared/data/triattention/qwen3_8b_aime25.pt not found)"
 
 
-def run(layers: int = 4, pages: int = 64, dtype: torch.dtype = torch.bfloat16, device: str | None = None) -> dict:
+def _kv(n: int, device: str, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    k = torch.randn(n, 8, 128, device=device)
+    k = k.sign() * torch.exp(torch.randn_like(k) * 0.7)  # heavy-tailed K with outlier channels, small V
+    k[..., :8] *= 8
+    return k.to(dtype), (torch.randn(n, 8, 128, device=device) * 0.05).to(dtype)
+
+
+def run(preset: str = "tiny", device: str | None = None, dtype: torch.dtype = torch.bfloat16, log=print) -> dict:
+    import tempfile
+
     device = device or ("cuda" if torch.cuda.is_available() else "cpu")
-    pools = synthetic_pools(layers, pages, dtype, device)
-    codec = ColdPageCodec(pools, [RowSpec.full(128, plane_dim=1)] * layers)
-    n = pages // 2
-    cold = codec.allocate(n)  # pinned host memory when a GPU is present
-    order = torch.randperm(pages)
-    src, dst = order[:n], order[n:2 * n]  # offload half the pages, bring them back into the other half
-    slots = torch.arange(n)
-    enc_pairs = torch.stack([slots, src], 1).int().to(device)
-    dec_pairs = torch.stack([dst, slots], 1).int().to(device)
+    p = PRESETS[preset]
     sync = torch.cuda.synchronize if device == "cuda" else (lambda: None)
+    with tempfile.TemporaryDirectory() as tmp:
+        cal_path, cal_note = _calibration_path(tmp)
+        tri = TriAttentionConfig(budget=p["budget"], beta=p["beta"], calibration_path=cal_path)
+        nvfp4 = NVFP4ColdPageConfig(row_size=128)
+        max_len = p["prompt"] + tri.budget + 2 * tri.beta + 16
+        pages_per = -(-max_len // p["page_size"])
+        cache = PagedKVCache(36, 8, 128, p["page_size"], num_pages=p["requests"] * pages_per + 4,
+                             host_slots=p["requests"] * pages_per, dtype=dtype, device=device,
+                             codec_specs=[nvfp4.row_spec()] * 36)
+        manager = create_compression_manager(tri, cache, QWEN3_8B)
+    log(f"kvops demo ({preset}) on {device}: Qwen3-8B geometry, {p['requests']} requests, prompt {p['prompt']}, "
+        f"{p['steps']} decode steps, budget {tri.budget}, beta {tri.beta}; calibration: {cal_note}")
+    rids = list(range(p["requests"]))
+    for rid in rids:
+        cache.add_request(rid)
+        manager.on_request_init(Request(rid, p["prompt"]))
+        cache.append(rid, *_kv(p["prompt"], device, dtype))
+    manager.on_context_step_end([Request(r, p["prompt"]) for r in rids])
+    token_bytes = 36 * 2 * 8 * 128 * torch.empty((), dtype=dtype).element_size()
+    generated, round_seconds = 0, []
+    for step in range(p["steps"]):
+        manager.on_generation_step_begin(rids)
+        for rid in rids:
+            cache.append(rid, *_kv(1, device, dtype))
+        generated += len(rids)
+        rounds = manager.rounds
+        sync()
+        t0 = time.perf_counter()
+        manager.on_generation_step_end([(rid, 1) for rid in rids])
+        sync()
+        if manager.rounds > rounds:
+            round_seconds.append(time.perf_counter() - t0)
+            log(f"  step {step + 1}: eviction round {manager.rounds}, lengths {[cache.length(r) for r in rids]}")
+    kv_without = sum(p["prompt"] for _ in rids) * token_bytes + generated * token_bytes
+    kv_with = sum(cache.length(r) for r in rids) * token_bytes
+    snapshot = {r: cache.read(r).double() for r in rids}
     sync()
     t0 = time.perf_counter()
-    codec.encode(pools, cold, enc_pairs)   # offload: pages -> cold slots
-    codec.decode(cold, pools, dec_pairs)   # onboard: cold slots -> other pages, back to the hot dtype
+    for rid in rids:
+        cache.offload(rid)
     sync()
-    dt = time.perf_counter() - t0
-    errs = {}
+    offload_s = time.perf_counter() - t0
+    t0 = time.perf_counter()
+    for rid in rids:
+        cache.onboard(rid)
+    sync()
+    onboard_s = time.perf_counter() - t0
+    err = {}
     for plane, name in ((0, "K"), (1, "V")):
-        a = torch.cat([p[src.to(device), plane] for p in pools]).double()
-        b = torch.cat([p[dst.to(device), plane] for p in pools]).double()
-        errs[name] = ((a - b).pow(2).mean().sqrt() / a.pow(2).mean().sqrt()).item()
-    return {"device": device, "dtype": str(dtype).replace("torch.", ""), "layers": layers, "pages": n,
-            "hot_page_bytes": codec.hot_page_bytes, "cold_page_bytes": codec.cold_page_bytes,
-            "seconds": dt, "rel_rms": errs, "cold_on": str(cold.device) + (" (pinned)" if cold.is_pinned() else "")}
+        a = torch.cat([snapshot[r][:, plane].flatten() for r in rids])
+        b = torch.cat([cache.read(r).double()[:, plane].flatten() for r in rids])
+        err[name] = float((a - b).pow(2).mean().sqrt() / a.pow(2).mean().sqrt())
+    pages = sum(-(-cache.length(r) // p["page_size"]) for r in rids)
+    cache.check_invariants()
+    return {
+        "preset": preset, "device": device, "dtype": str(dtype).replace("torch.", ""), "calibration": cal_note,
+        "kv_bytes_without_eviction": kv_without, "kv_bytes_with_eviction": kv_with,
+        "eviction_rounds": manager.rounds,
+        "pages_freed_by_eviction": len(rids) * -(-(p["prompt"] + p["steps"]) // p["page_size"]) - pages,
+        "hot_page_bytes": cache.codec.hot_page_bytes, "cold_page_bytes": cache.codec.cold_page_bytes,
+        "offloaded_pages": pages, "codec_rel_rms_error": err,
+        "ms_per_eviction_round": 1e3 * sum(round_seconds) / max(1, len(round_seconds)),
+        "ms_offload": 1e3 * offload_s, "ms_onboard": 1e3 * onboard_s,
+        "kernel_path": ("CUDA: kvops CUDA kernels, Triton, CuTe DSL top-k" if device == "cuda"
+                        else "CPU: kvops C++ kernels and torch"),
+    }
 
 
 def main(argv: list[str] | None = None) -> int:
     import argparse
 
     ap = argparse.ArgumentParser(prog="kvops demo", description=__doc__)
-    ap.add_argument("--layers", type=int, default=4)
-    ap.add_argument("--pages", type=int, default=64)
-    ap.add_argument("--dtype", choices=["bfloat16", "float16", "float8_e4m3fn"], default="bfloat16")
+    ap.add_argument("--preset", choices=sorted(PRESETS), default=None, help="tiny (CPU default) or gpu")
     ap.add_argument("--device", choices=["cpu", "cuda"], default=None)
+    ap.add_argument("--dtype", choices=["bfloat16", "float16", "float8_e4m3fn"], default="bfloat16")
+    ap.add_argument("--json", help="also write the summary to this file")
     a = ap.parse_args(argv)
-    r = run(a.layers, a.pages, getattr(torch, a.dtype), a.device)
+    device = a.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    r = run(a.preset or ("gpu" if device == "cuda" else "tiny"), device, getattr(torch, a.dtype))
     hot, cold = r["hot_page_bytes"], r["cold_page_bytes"]
-    print(f"kvops NVFP4 cold-page round trip on {r['device']}: {r['layers']} layers x {r['pages']} pages, {r['dtype']}, "
-          f"cold pages on {r['cold_on']}")
-    print(f"  page: {hot} hot bytes -> {cold} cold bytes ({hot / cold:.2f}x smaller, "
-          f"{100 * (1 - cold / hot):.1f}% saved; {r['pages'] * (hot - cold) / 2**20:.1f} MiB saved in all)")
-    print(f"  round-trip relative RMS error: K {r['rel_rms']['K']:.4f}, V {r['rel_rms']['V']:.4f}")
-    print(f"  encode + decode of {r['pages']} pages: {1e3 * r['seconds']:.2f} ms")
+    rows = [
+        ("KV bytes without eviction", f"{r['kv_bytes_without_eviction'] / 2**20:.1f} MiB"),
+        ("KV bytes with TriAttention", f"{r['kv_bytes_with_eviction'] / 2**20:.1f} MiB "
+                                       f"({r['eviction_rounds']} rounds)"),
+        ("pages freed by eviction", str(r["pages_freed_by_eviction"])),
+        ("cold page vs raw page", f"{cold} vs {hot} bytes ({hot / cold:.2f}x smaller)"),
+        ("codec error (relative RMS)", f"K {r['codec_rel_rms_error']['K']:.4f}, V {r['codec_rel_rms_error']['V']:.4f}"),
+        ("time per eviction round", f"{r['ms_per_eviction_round']:.1f} ms"),
+        ("offload / onboard", f"{r['ms_offload']:.1f} / {r['ms_onboard']:.1f} ms for {r['offloaded_pages']} pages"),
+        ("kernel path", r["kernel_path"]),
+    ]
+    width = max(len(k) for k, _ in rows)
+    print("\n".join(f"  {k:<{width}}  {v}" for k, v in rows))
+    if a.json:
+        with open(a.json, "w") as f:
+            json.dump(r, f, indent=2)
     return 0

@@ -1,0 +1,32 @@
+"""The main job runs end to end (tiny preset on the CPU; the GPU preset on the device)."""
+
+import json
+
+import torch
+
+from conftest import requires_cuda
+from kvops.__main__ import main
+from kvops.demo import run
+
+
+def _check(r):
+    assert r["eviction_rounds"] >= 1 and r["pages_freed_by_eviction"] > 0
+    assert r["kv_bytes_with_eviction"] < r["kv_bytes_without_eviction"]
+    assert r["cold_page_bytes"] * 3.5 < r["hot_page_bytes"]
+    assert 0 < r["codec_rel_rms_error"]["K"] < 0.15 and 0 < r["codec_rel_rms_error"]["V"] < 0.15
+
+
+def test_tiny_preset_on_cpu(tmp_path):
+    assert main(["demo", "--device", "cpu", "--json", str(tmp_path / "demo.json")]) == 0
+    _check(json.loads((tmp_path / "demo.json").read_text()))
+
+
+@requires_cuda
+def test_gpu_preset():
+    _check(run("gpu", "cuda", torch.bfloat16, log=lambda *a: None))
+
+
+def test_info_and_usage(capsys):
+    assert main(["info"]) == 0
+    assert "torch" in capsys.readouterr().out
+    assert main([]) == 2 and main(["nope"]) == 2
