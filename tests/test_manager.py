@@ -95,3 +95,36 @@ def test_admission(calibration):
     base.on_context_step_end([])
     base.on_generation_step_begin([])
     base.on_generation_step_end([])
+
+
+@pytest.mark.parametrize("device", ["cpu"] + (["cuda"] if torch.cuda.is_available() else []))
+def test_decode_step_compiles_fullgraph(calibration, device):
+    """The ops a round launches (selection, then in-place compaction) in one fullgraph-compiled step."""
+    from kvops.compaction import build_compaction_params, compact
+    from kvops.triattention import TriAttentionSelector
+
+    config = TriAttentionConfig(budget=10, beta=4, calibration_path=calibration)
+    selector = TriAttentionSelector(config.load_calibration(MODEL), 10, "union", max_decode=30)
+    caches = [PagedKVCache(2, 2, 32, 8, num_pages=16, device=device) for _ in range(2)]
+    for rid, n in (("a", 30), ("b", 25)):
+        k, v = _kv(n)
+        for cache in caches:
+            cache.add_request(rid)
+            cache.append(rid, k.to(device), v.to(device))
+    i32 = lambda v: torch.tensor(v, dtype=torch.int32, device=device)  # noqa: E731
+    N, P, starts = i32([30, 25]), i32([4, 9]), torch.tensor([100, 40], device=device)
+
+    def step(params, N, P, starts):
+        params.kept.copy_(selector.select(params.pools, params.page_table, N, P, starts))
+        return compact(params, 2)
+
+    outs = []
+    for cache, fn in zip(caches, (step, torch.compile(step, fullgraph=True,
+                                                      backend="aot_eager" if device == "cpu" else "inductor"))):
+        params = build_compaction_params(cache.views(), cache.page_table(["a", "b"]),
+                                         torch.zeros(2, 1, 10, dtype=torch.int32, device=device), N, i32([0, 0]), P,
+                                         max_tail=0)
+        outs.append((fn(params, N, P, starts).cpu(), [p.clone() for p in cache.pools]))
+    assert torch.equal(outs[0][0], outs[1][0]) and outs[0][0].tolist() == [14, 19]
+    for a, b in zip(outs[0][1], outs[1][1]):
+        assert torch.equal(a, b)
