@@ -1,4 +1,6 @@
 import os
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -48,3 +50,11 @@ def opcheck(op, args):
             continue
         after = [bytes_of(t) for t in (a if isinstance(a, (list, tuple)) else [a]) if isinstance(t, torch.Tensor)]
         assert all(torch.equal(x, y) for x, y in zip(before[i], after)), f"argument {i} mutated but not declared"
+
+
+def run_python(code: str, **env: str) -> None:
+    """Run code in a fresh interpreter (for settings read at import time, e.g. TRITON_INTERPRET) and fail with
+    its stderr."""
+    out = subprocess.run([sys.executable, "-c", code], env={**os.environ, **env}, capture_output=True, text=True,
+                         timeout=600)
+    assert out.returncode == 0, out.stderr[-3000:]

@@ -1,13 +1,11 @@
 """Compaction: pack + compact_layers_ against the gather/scatter reference, bit for bit."""
 
 import os
-import subprocess
-import sys
 
 import pytest
 import torch
 
-from conftest import DEVICES, bytes_of, opcheck, poison_, requires_cuda
+from conftest import DEVICES, bytes_of, opcheck, poison_, requires_cuda, run_python
 from kvops.compaction import build_compaction_params, compact, pack_move_sources, stream_rows
 from kvops.compaction.reference import compact_reference
 
@@ -177,9 +175,7 @@ def test_pack_triton_interpreter_matches_torch():
         "pack_move_sources(*args, a, na)\n"
         "_pack_torch(*args, b, nb)\n"
         "assert torch.equal(a, b) and torch.equal(na, nb), 'triton and torch packs differ'\n")
-    env = dict(os.environ, TRITON_INTERPRET="1")
-    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=600)
-    assert out.returncode == 0, out.stderr[-3000:]
+    run_python(code, TRITON_INTERPRET="1")
 
 
 def test_stream_rows():

@@ -1,13 +1,9 @@
 """Mean-phase coefficients against the float64 reference, on every path."""
 
-import os
-import subprocess
-import sys
-
 import pytest
 import torch
 
-from conftest import DEVICES, opcheck, poison_, requires_cuda
+from conftest import DEVICES, opcheck, poison_, requires_cuda, run_python
 from kvops.triattention.phase import mean_phase
 from kvops.triattention.reference import mean_phase_reference
 from kvops.triattention.rope import rope_parameters
@@ -40,9 +36,7 @@ def test_triton_interpreter_matches_torch():
             "p = torch.randint(0, 2**24, (9,)); w = torch.rand(40)\n"
             "a = mean_phase(p, w); b = torch.empty_like(a); _mean_phase_torch(p, w, b)\n"
             "assert (a - b).abs().max() < 1e-6, (a - b).abs().max()\n")
-    out = subprocess.run([sys.executable, "-c", code], env=dict(os.environ, TRITON_INTERPRET="1"),
-                         capture_output=True, text=True, timeout=600)
-    assert out.returncode == 0, out.stderr[-3000:]
+    run_python(code, TRITON_INTERPRET="1")
 
 
 @pytest.mark.parametrize("device", DEVICES)

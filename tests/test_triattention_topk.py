@@ -1,13 +1,9 @@
 """kvops.topk against the reference (value order, lowest index on ties, NaN last, ascending output)."""
 
-import os
-import subprocess
-import sys
-
 import pytest
 import torch
 
-from conftest import DEVICES, opcheck, poison_, requires_cuda
+from conftest import DEVICES, opcheck, poison_, requires_cuda, run_python
 from kvops.triattention.reference import topk_reference
 from kvops.triattention.topk import topk
 
@@ -106,6 +102,4 @@ def test_cute_kernel_compiles_without_a_gpu():
             "from kvops.triattention.topk_cute import topk_launch\n"
             "t = [from_dlpack(torch.zeros(s, dtype=torch.int32)).mark_layout_dynamic(leading_dim=len(s) - 1) for s in ((2, 8), (2,), (2, 4))]\n"
             "cute.compile(topk_launch, *t, cutlass.Int32(4), driver.CUstream(0))\n")
-    out = subprocess.run([sys.executable, "-c", code], env=dict(os.environ, CUTE_DSL_ARCH="sm_90a"),
-                         capture_output=True, text=True, timeout=600)
-    assert out.returncode == 0, out.stderr[-3000:]
+    run_python(code, CUTE_DSL_ARCH="sm_90a")

@@ -27,7 +27,7 @@ def score_rows(k_pools: Sequence[torch.Tensor], page_table: torch.Tensor, cache_
     """Row scores float32 [R, rows, max_decode] of the decode tokens (column j is cache position P + j); columns
     at or past N - P hold -inf. k_pools: per-layer [page, plane, kv_head, token, dim] views (plane 0 is K);
     phase: [R, 2, F] from mean_phase."""
-    R, T = page_table.shape[0], k_pools[0].shape[3]
+    T = k_pools[0].shape[3]
     L, Hkv, G, F = cal.num_layers, cal.num_kv_heads, cal.group_size, cal.num_freqs
     device = page_table.device
     j = torch.arange(max_decode, device=device)
