@@ -26,7 +26,7 @@ def score_rows(k_pools: Sequence[torch.Tensor], page_table: torch.Tensor, cache_
                normalize_scores: bool = True) -> torch.Tensor:
     """Row scores float32 [R, rows, max_decode] of the decode tokens (column j is cache position P + j); columns
     at or past N - P hold -inf. k_pools: per-layer [page, plane, kv_head, token, dim] views (plane 0 is K);
-    phase: [R, 2, F] from mean_phase."""
+    phase: [R, 2, F] from mean_phase; `cal` should already be on the pools' device (then the .to calls are free)."""
     T = k_pools[0].shape[3]
     L, Hkv, G, F = cal.num_layers, cal.num_kv_heads, cal.group_size, cal.num_freqs
     device = page_table.device
@@ -84,10 +84,18 @@ class TriAttentionSelector:
         if self.max_decode < budget:
             raise ValueError(f"TriAttentionSelector: max_decode {self.max_decode} is below the budget {budget}")
         self.rows = num_rows(mode, calibration.num_layers, calibration.num_kv_heads)
+        self._on_device: dict[torch.device, Calibration] = {}
+
+    def _calibration_on(self, device: torch.device) -> Calibration:
+        """The statistics on `device`, copied once (at warm-up): a host-to-device copy per round would cost a
+        transfer each time and cannot be captured in a CUDA graph."""
+        if device not in self._on_device:
+            self._on_device[device] = self.calibration.to(device)
+        return self._on_device[device]
 
     def select(self, k_pools: Sequence[torch.Tensor], page_table: torch.Tensor, cache_lengths: torch.Tensor,
                prompt_lengths: torch.Tensor, round_starts: torch.Tensor) -> torch.Tensor:
-        cal = self.calibration
+        cal = self._calibration_on(page_table.device)
         if len(k_pools) != cal.num_layers or k_pools[0].dim() != 5 or k_pools[0].shape[2] != cal.num_kv_heads:
             raise ValueError(f"TriAttentionSelector.select: expected {cal.num_layers} pools of [page, plane, "
                              f"{cal.num_kv_heads}, token, dim], got {len(k_pools)} of {tuple(k_pools[0].shape)}")
@@ -95,7 +103,7 @@ class TriAttentionSelector:
             raise ValueError(f"TriAttentionSelector.select: head_dim {k_pools[0].shape[4]} is smaller than the "
                              f"calibration's rotary dims {2 * cal.num_freqs}")
         R = page_table.shape[0]
-        phase = mean_phase(round_starts, cal.omega.to(page_table.device))
+        phase = mean_phase(round_starts, cal.omega)
         scores = score_rows(k_pools, page_table, cache_lengths, prompt_lengths, phase, cal, self.mode,
                             self.max_decode, self.normalize_scores)
         count = (cache_lengths - prompt_lengths).clamp(0, self.max_decode).to(torch.int32)
