@@ -13,14 +13,13 @@ shape static for CUDA graphs and means a bad tail can never push a list into ano
 
 from __future__ import annotations
 
-import os
-
 import torch
 import triton
 import triton.language as tl
-from torch.library import triton_op, wrap_triton
+from torch.library import triton_op
 
 from .._checks import check_int32
+from .._triton import triton_launcher
 
 _BLOCK = 512
 
@@ -62,12 +61,11 @@ def _pack_op(kept: torch.Tensor, scored_lengths: torch.Tensor, tail_lengths: tor
              destination_bases: torch.Tensor, sources: torch.Tensor, new_lengths: torch.Tensor) -> None:
     R, rows, K = kept.shape
     capacity = sources.shape[2]
-    if kept.device.type == "cpu" and os.environ.get("TRITON_INTERPRET") != "1":
+    launch = triton_launcher(_pack_kernel, kept.device)
+    if launch is None:
         _pack_torch(kept, scored_lengths, tail_lengths, destination_bases, sources, new_lengths)
         return
     grid = (R, sources.shape[1], max(1, triton.cdiv(capacity, _BLOCK)))  # >= 1: new_lengths even when K + max_tail == 0
-    # The interpreter (tests, CPU) launches directly: older torch's wrap_triton rejects interpreted kernels.
-    launch = _pack_kernel if kept.device.type == "cpu" else wrap_triton(_pack_kernel)
     launch[grid](kept, kept.stride(0), kept.stride(1), scored_lengths, tail_lengths,
                  destination_bases, sources, new_lengths, rows, K, capacity, BLOCK=_BLOCK)
 

@@ -7,13 +7,12 @@ and its cos/sin are computed in float64 (one tiny launch per round: R x 17 x F),
 
 from __future__ import annotations
 
-import os
-
 import torch
 import triton
 import triton.language as tl
-from torch.library import triton_op, wrap_triton
+from torch.library import triton_op
 
+from .._triton import triton_launcher
 from .reference import PHASE_OFFSETS
 
 _BLOCK_F = 64
@@ -48,11 +47,11 @@ def _mean_phase_torch(round_starts: torch.Tensor, omega: torch.Tensor, phase: to
 
 @triton_op("kvops::triattention_mean_phase_", mutates_args={"phase"})
 def _mean_phase_op(round_starts: torch.Tensor, omega: torch.Tensor, phase: torch.Tensor) -> None:
-    if round_starts.device.type == "cpu" and os.environ.get("TRITON_INTERPRET") != "1":
+    launch = triton_launcher(_mean_phase_kernel, round_starts.device)
+    if launch is None:
         _mean_phase_torch(round_starts, omega, phase)
         return
     F = omega.shape[0]
-    launch = _mean_phase_kernel if round_starts.device.type == "cpu" else wrap_triton(_mean_phase_kernel)
     launch[(round_starts.shape[0], triton.cdiv(F, _BLOCK_F))](round_starts, omega, phase, F,
                                                               NUM_OFFSETS=len(PHASE_OFFSETS), BLOCK_F=_BLOCK_F)
 
