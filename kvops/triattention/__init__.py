@@ -4,8 +4,7 @@ sets, and the float64 reference of the semantics. The fused CuTe DSL scorer is s
 from .calibration import Calibration, load_calibration
 from .phase import mean_phase
 from .rope import rope_parameters
-from .select import TriAttentionSelector, score_rows
+from .select import TriAttentionSelector
 from .topk import topk
 
-__all__ = ["Calibration", "TriAttentionSelector", "load_calibration", "mean_phase", "rope_parameters", "score_rows",
-           "topk"]
+__all__ = ["Calibration", "TriAttentionSelector", "load_calibration", "mean_phase", "rope_parameters", "topk"]
