@@ -1,6 +1,13 @@
-"""TriAttention selection pieces on the GPU (the scorer is not written yet).
+"""TriAttention selection on the GPU: the whole round and its pieces.
 
 Rows:
+  score       the CuTe DSL scorer: Qwen3-8B geometry (36 layers, 32/8 heads, head_dim 128, bf16, pages of 16),
+              32 requests of 16k decode tokens; bytes: K read once; limit: the device copy bandwidth (the
+              issue's "HBM bandwidth", ~4.1 TB/s); from a CUDA graph.
+  reduce_*    normalize + reduce (Triton) per mode; bytes: raw scores read + rows written.
+  round_*     TriAttentionSelector.select (mean phase + score + reduce + top-k, budget 2048) from a graph;
+              bytes: K; baseline: the eager plain-torch implementation of the same math (torch scorer and
+              reduce, torch.topk + sort), same inputs.
   topk        kvops.topk (CuTe DSL radix select) from a CUDA graph, vs torch.topk + sort of the indices (what a
               user would write for ascending keep sets), same inputs; bytes: the scores read once.
   topk_eager  the same call without a graph (includes Python and DLPack argument overhead).
@@ -11,7 +18,8 @@ from __future__ import annotations
 
 import torch
 
-from kvops.triattention import mean_phase
+from kvops.triattention import Calibration, TriAttentionSelector, mean_phase
+from kvops.triattention.score import CHUNK, _reduce_torch, _score_torch, reduce_rows, score
 from kvops.triattention.topk import topk
 
 from .common import Row, device_copy_gbps, time_us
@@ -52,4 +60,50 @@ def run(quick: bool = False) -> tuple[list[Row], list[str]]:
     us = time_us(_graphed(lambda: mean_phase(starts, omega, phase)), iters=iters)
     rows_out.append(Row.make(FAMILY, "mean_phase", "R=32 F=64", "float32", us, phase.numel() * 4, copy_gbps / 2))
     notes = ["limit for topk: the read half of the copy bandwidth (the scores are read at least once)."]
+    notes += _round(rows_out, copy_gbps, quick)
     return rows_out, notes
+
+
+def _round(rows_out: list[Row], copy_gbps: float, quick: bool) -> list[str]:
+    L, Hq, Hkv, D, T, budget = 36, 32, 8, 128, 16, 2048
+    R, n = (4, 16384) if quick else (32, 16384)
+    F, pages = D // 2, R * n // T
+    cal = Calibration(torch.randn(L, Hq, F, dtype=torch.complex64), torch.rand(L, Hq, F) + 1,
+                      1e6 ** -(torch.arange(F) / F), torch.ones(F), Hkv, D)
+    pools = [torch.randn(pages, 1, Hkv, T, D, device="cuda", dtype=torch.bfloat16) for _ in range(L)]
+    table = torch.randperm(pages, device="cuda", dtype=torch.int32).view(R, n // T)
+    P = torch.zeros(R, dtype=torch.int32, device="cuda")
+    N = torch.full((R,), n, dtype=torch.int32, device="cuda")
+    starts = torch.randint(n, 2 ** 20, (R,), device="cuda")
+    k_bytes = L * R * n * Hkv * D * 2
+    shape = f"R={R} N={n} L={L} Hq={Hq} Hkv={Hkv} D={D} page={T}"
+    weights = tuple(w.cuda() for w in cal.score_weights())
+    phase = mean_phase(starts, cal.omega.cuda())
+    us = time_us(_graphed(lambda: score(pools, table, N, P, phase, weights, n)), iters=10)
+    rows_out.append(Row.make(FAMILY, "score", shape, "bfloat16", us, k_bytes, copy_gbps))
+    raw, stats = score(pools, table, N, P, phase, weights, n)
+    for mode in ("union", "per_head", "per_layer_perhead"):
+        us = time_us(_graphed(lambda: reduce_rows(raw, stats, N, P, mode, Hkv)), iters=10)
+        out_rows = {"union": 1, "per_head": Hkv, "per_layer_perhead": L * Hkv}[mode]
+        rows_out.append(Row.make(FAMILY, f"reduce_{mode}", shape, "float32", us, raw.numel() * 4 + R * out_rows * n * 4,
+                                 copy_gbps))
+
+    def eager_torch(mode):
+        raw = torch.empty(R, L, Hq, n, device="cuda")
+        stats = torch.empty(R, L, Hq, -(-n // CHUNK), 2, device="cuda")
+        _score_torch(pools, table, P, N, phase, *weights, raw, stats)
+        rows = torch.empty(R, {"union": 1, "per_layer_perhead": L * Hkv}[mode], n, device="cuda")
+        _reduce_torch(raw, stats, P, N, rows, mode, Hkv, True)
+        return rows.view(-1, n).topk(budget, dim=1).indices.sort(dim=1)
+
+    notes = []
+    for mode in ("union", "per_layer_perhead"):
+        selector = TriAttentionSelector(cal, budget, mode, max_decode=n)
+        us = time_us(_graphed(lambda: selector.select(pools, table, N, P, starts)), iters=10)
+        base = time_us(lambda: eager_torch(mode), iters=2, warmup=1)
+        rows_out.append(Row.make(FAMILY, f"round_{mode}", shape, "bfloat16", us, k_bytes, copy_gbps,
+                                 "eager torch", base))
+        floor = k_bytes / copy_gbps / 1e3
+        notes.append(f"round_{mode}: {us / 1e3:.2f} ms = {us / floor:.2f}x the floor of reading K once at the copy "
+                     f"bandwidth ({floor / 1e3:.2f} ms); eager torch {base / 1e3:.1f} ms.")
+    return notes

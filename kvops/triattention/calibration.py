@@ -46,6 +46,13 @@ class Calibration:
     def group_size(self) -> int:
         return self.num_query_heads // self.num_kv_heads
 
+    def score_weights(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(qr, qi, e) float32 [L, Hq, F], each times freq_scale_sq: s = sum_f kr (qr C - qi S) + ki (qr S + qi C)
+        + e |k_f|, with e = E|q_f| - |E[q_f]| (docs/triattention.md)."""
+        fss = self.freq_scale_sq
+        extra = self.q_abs_mean - self.q_mean.abs()
+        return tuple((x * fss).float().contiguous() for x in (self.q_mean.real, self.q_mean.imag, extra))
+
     def to(self, device: torch.device | str) -> "Calibration":
         return replace(self, q_mean=self.q_mean.to(device), q_abs_mean=self.q_abs_mean.to(device),
                        omega=self.omega.to(device), freq_scale_sq=self.freq_scale_sq.to(device))

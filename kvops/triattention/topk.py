@@ -8,37 +8,20 @@ k largest of scores[r, :lengths[r]] in ascending order; ties go to the lowest in
 
 from __future__ import annotations
 
-import threading
-
 import torch
 
-_compiled: dict[int, object] = {}
-_lock = threading.Lock()
+from . import _cute
 
 
-def _compile(device: torch.device):
-    """The compiled CuTe kernel for this device; compiling inside a CUDA-graph capture is refused."""
-    index = device.index if device.index is not None else torch.cuda.current_device()
-    fn = _compiled.get(index)
-    if fn is not None:
-        return fn
-    if torch.cuda.is_current_stream_capturing():
-        raise RuntimeError("kvops.topk: the CuTe kernel is not compiled yet and a CUDA graph is being captured; "
-                           "call kvops.topk once before capturing (warm-up)")
-    with _lock:
-        if index not in _compiled:
-            import cutlass
-            import cutlass.cute as cute
-            from cuda.bindings import driver
-            from cutlass.cute.runtime import from_dlpack
+def compile_topk(device: torch.device | None):
+    """Compile the CuTe kernel (shapes are dynamic: one compile serves all); device None: compile only (CI)."""
+    import cutlass
+    import cutlass.cute as cute
 
-            from .topk_cute import topk_launch
+    from .topk_cute import topk_launch
 
-            dummy = [torch.zeros(s, dtype=torch.int32, device=device) for s in ((2, 8), (2,), (2, 4))]
-            args = [from_dlpack(t).mark_layout_dynamic(leading_dim=t.dim() - 1) for t in dummy]
-            _compiled[index] = cute.compile(topk_launch, *args, cutlass.Int32(4),
-                                            driver.CUstream(torch.cuda.current_stream(device).cuda_stream))
-    return _compiled[index]
+    dummy = [torch.zeros(s, dtype=torch.int32, device=device or "cpu") for s in ((2, 8), (2,), (2, 4))]
+    return cute.compile(topk_launch, *_cute.dynamic(*dummy), cutlass.Int32(4), _cute.stream(device))
 
 
 @torch.library.custom_op("kvops::topk_", mutates_args={"out"})
@@ -58,14 +41,12 @@ def _topk_op(scores: torch.Tensor, lengths: torch.Tensor, k: int, out: torch.Ten
 
 @_topk_op.register_kernel("cuda")
 def _topk_cuda(scores, lengths, k, out):
-    from cuda.bindings import driver
     from cutlass import Int32
-    from cutlass.cute.runtime import from_dlpack
 
-    fn = _compile(scores.device)
-    tensors = (scores.view(torch.int32), lengths, out)  # the kernel reads the fp32 bit patterns
-    args = [from_dlpack(t).mark_layout_dynamic(leading_dim=t.dim() - 1) for t in tensors]
-    fn(*args, Int32(k), driver.CUstream(torch.cuda.current_stream(scores.device).cuda_stream))
+    device = scores.device
+    fn = _cute.compiled("kvops.topk", ("topk", _cute.device_index(device)), lambda: compile_topk(device))
+    # the kernel reads the fp32 bit patterns
+    fn(*_cute.dynamic(scores.view(torch.int32), lengths, out), Int32(k), _cute.stream(scores.device))
 
 
 @_topk_op.register_fake

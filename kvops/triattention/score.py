@@ -1,0 +1,310 @@
+"""TriAttention scoring ops: raw scores from the paged K pools, then the normalize-and-reduce into row scores.
+
+``kvops::triattention_score_`` (GPU: the CuTe DSL kernel in score_cute.py; CPU: batched torch) reads every
+decode token's key once and writes, for each (request, layer, query head), the raw scores ``raw[R, L, Hq, n]``
+and per-CHUNK-token partial statistics ``stats[R, L, Hq, ceil(n / CHUNK), 2]`` = (chunk mean, chunk M2).
+``kvops::triattention_reduce_`` (Triton; torch on the CPU) merges the partials into each (r, l, h)'s mean and
+population std, normalizes, and reduces to the mode's rows. The union row needs every head's statistics, which
+exist only once the whole pass is done, so it is produced here and not inside the scorer (that would need a
+grid-wide barrier). Column j is cache position P + j; columns at or past N - P are -inf in the rows.
+"""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+import torch
+import triton
+import triton.language as tl
+from torch.library import triton_op
+
+from . import _cute
+from .._triton import triton_launcher
+from .reference import MODES
+
+CHUNK = 512  # decode tokens per statistics partial (and per scorer CTA)
+KV_DTYPES = (torch.bfloat16, torch.float16)
+
+
+def num_rows(mode: str, num_layers: int, num_kv_heads: int) -> int:
+    return {"union": 1, "per_head": num_kv_heads, "per_layer_perhead": num_layers * num_kv_heads}[mode]
+
+
+# ---- scorer -------------------------------------------------------------------------------------------------
+
+def _score_torch(k_pools, page_table, prompt_lengths, cache_lengths, phase, q_real, q_imag, q_extra, raw, stats):
+    R, L, Hq, n = raw.shape
+    Hkv, T = k_pools[0].shape[2], k_pools[0].shape[3]
+    G, F = Hq // Hkv, q_real.shape[-1]
+    j = torch.arange(n, device=raw.device)
+    count = (cache_lengths - prompt_lengths).clamp(0, n)
+    valid = j[None, :] < count[:, None]                                             # [R, n]
+    pos = prompt_lengths.long()[:, None] + j[None, :]
+    pages = page_table.long().gather(1, (pos // T).clamp(max=page_table.shape[1] - 1)).clamp(min=0)
+    slots = pos % T
+    C, S = phase[:, 0, None, :], phase[:, 1, None, :]                               # [R, 1, F]
+    for layer in range(L):
+        keys = k_pools[layer][pages, 0, :, slots].float()                          # [R, n, Hkv, D]
+        kr, ki = keys[..., :F], keys[..., F:2 * F]
+        qr, qi = q_real[layer][None], q_imag[layer][None]                          # [1, Hq, F]
+        a = (qr * C - qi * S).view(R, Hkv, G, F)
+        b = (qr * S + qi * C).view(R, Hkv, G, F)
+        s = (torch.einsum("rngf,rgif->rgin", kr, a) + torch.einsum("rngf,rgif->rgin", ki, b)
+             + torch.einsum("rngf,gif->rgin", torch.sqrt(kr * kr + ki * ki), q_extra[layer].view(Hkv, G, F)))
+        raw[:, layer] = torch.where(valid[:, None], s.reshape(R, Hq, n), raw[:, layer])  # like the kernel
+    # partials: chunks with no decode token keep whatever they held (the kernel does not write them)
+    nc = stats.shape[3]
+    width = (count[:, None] - torch.arange(nc, device=raw.device)[None] * CHUNK).clamp(0, CHUNK)  # [R, nc]
+    padded = torch.nn.functional.pad(raw, (0, nc * CHUNK - n)).view(R, L, Hq, nc, CHUNK)
+    live = torch.arange(CHUNK, device=raw.device) < width[:, None, None, :, None]
+    cnt = width[:, None, None, :].clamp(min=1).float()
+    mean = torch.where(live, padded, 0).sum(-1) / cnt
+    m2 = torch.where(live, (padded - mean[..., None]) ** 2, 0).sum(-1)
+    written = (width > 0)[:, None, None, :, None]
+    stats.copy_(torch.where(written, torch.stack([mean, m2], -1), stats))
+
+
+@torch.library.custom_op("kvops::triattention_score_", mutates_args={"raw", "stats"})
+def _score_op(k_pools: list[torch.Tensor], page_table: torch.Tensor,
+              prompt_lengths: torch.Tensor, cache_lengths: torch.Tensor, phase: torch.Tensor, q_real: torch.Tensor,
+              q_imag: torch.Tensor, q_extra: torch.Tensor, raw: torch.Tensor, stats: torch.Tensor) -> None:
+    _score_torch(k_pools, page_table, prompt_lengths, cache_lengths, phase, q_real, q_imag, q_extra, raw, stats)
+
+
+def compile_scorer(dtype: torch.dtype, num_freqs: int, group: int, page_size: int, device: torch.device | None):
+    """Compile the CuTe scorer for one shape class (device None: compile only, for CI without a GPU)."""
+    import cutlass
+    import cutlass.cute as cute
+    from cutlass import Int64
+
+    from .score_cute import score_launch
+
+    on = device or torch.device("cpu")
+    i32 = lambda *s: torch.zeros(s, dtype=torch.int32, device=on)  # noqa: E731
+    f32 = lambda *s: torch.zeros(s, dtype=torch.float32, device=on)  # noqa: E731
+    dummies = (torch.zeros(1, dtype=torch.int64, device=on), i32(2, 2), i32(2), i32(2), f32(2, 2, num_freqs),
+               *(f32(1, group, num_freqs) for _ in range(3)), f32(2, 1, group, 4), f32(2, 1, group, 1, 2))
+    cdtype = {torch.bfloat16: cutlass.BFloat16, torch.float16: cutlass.Float16}[dtype]
+    return cute.compile(score_launch, *_cute.dynamic(*dummies), Int64(0), Int64(0), Int64(0), cdtype, num_freqs,
+                        group, page_size, _cute.stream(device))
+
+
+@_score_op.register_kernel("cuda")
+def _score_cuda(k_pools, page_table, prompt_lengths, cache_lengths, phase, q_real, q_imag, q_extra, raw, stats):
+    from cutlass import Int64
+
+    pool = k_pools[0]
+    G, F, T = raw.shape[2] // pool.shape[2], q_real.shape[-1], pool.shape[3]
+    if any(p.data_ptr() % 16 for p in k_pools):  # addresses exist only here, at run time, not while tracing
+        raise ValueError(f"triattention score: the GPU scorer needs 16-byte aligned k_pools, got base addresses "
+                         f"{[hex(p.data_ptr()) for p in k_pools if p.data_ptr() % 16][:4]}")
+    layer_k = layer_addresses(k_pools)
+    key = ("score", _cute.device_index(pool.device), pool.dtype, F, G, T)
+    fn = _cute.compiled("kvops triattention scorer", key, lambda: compile_scorer(pool.dtype, F, G, T, pool.device))
+    if raw.shape[0] and raw.shape[3]:
+        fn(*_cute.dynamic(layer_k, page_table, prompt_lengths, cache_lengths, phase, q_real, q_imag, q_extra, raw,
+                          stats), Int64(pool.stride(0)), Int64(pool.stride(2)), Int64(pool.stride(3)),
+           _cute.stream(pool.device))
+
+
+@_score_op.register_fake
+def _score_fake(k_pools, page_table, prompt_lengths, cache_lengths, phase, q_real, q_imag, q_extra, raw, stats):
+    return None
+
+
+def check_pools(what: str, k_pools: Sequence[torch.Tensor], num_layers: int, num_kv_heads: int, num_freqs: int,
+                group: int) -> None:
+    """The layout the scorer reads: per-layer 5-D [page, plane, kv_head, token, dim] views of one dtype, shape
+    and strides, dims contiguous; on the GPU also 16-byte aligned with strides in whole lane loads."""
+    if not isinstance(k_pools, (list, tuple)) or len(k_pools) != num_layers:
+        raise ValueError(f"{what}: k_pools must be a list of {num_layers} per-layer pools, got "
+                         f"{len(k_pools) if isinstance(k_pools, (list, tuple)) else type(k_pools).__name__}")
+    first = k_pools[0]
+    if not isinstance(first, torch.Tensor) or first.dim() != 5 or first.shape[2] != num_kv_heads:
+        raise ValueError(f"{what}: k_pools must be 5-D [page, plane, {num_kv_heads}, token, dim] views, got "
+                         f"{tuple(getattr(first, 'shape', ()))}")
+    if first.dtype not in KV_DTYPES:
+        raise ValueError(f"{what}: k_pools must be bfloat16 or float16, got {first.dtype}")
+    if first.shape[4] < 2 * num_freqs or first.stride(4) != 1:
+        raise ValueError(f"{what}: k_pools need head_dim >= {2 * num_freqs} (the rotary dims) with unit dim "
+                         f"stride, got {tuple(first.shape)} strides {first.stride()}")
+    for layer, pool in enumerate(k_pools):
+        if (pool.shape, pool.stride(), pool.dtype, pool.device) != (first.shape, first.stride(), first.dtype,
+                                                                    first.device):
+            raise ValueError(f"{what}: k_pools[{layer}] differs from k_pools[0] in shape, strides, dtype or device")
+    if first.is_cuda:
+        from .score_cute import lane_split
+
+        fpl, lanes = lane_split(num_freqs, group)
+        if num_freqs % fpl or lanes & (lanes - 1) or lanes > 32:
+            raise ValueError(f"{what}: the GPU scorer needs F a multiple of {fpl} with F/{fpl} a power of two "
+                             f"<= 32, got F={num_freqs}")
+        if any(first.stride(d) % fpl for d in (0, 2, 3)):
+            raise ValueError(f"{what}: the GPU scorer needs page, head and token strides that are multiples of "
+                             f"{fpl} elements, got strides {first.stride()}")
+
+
+_addresses: dict[tuple, torch.Tensor] = {}
+
+
+def layer_addresses(k_pools: Sequence[torch.Tensor]) -> torch.Tensor:
+    """int64 [L] device tensor of the pools' base addresses, made once per set of pools (a host-to-device copy,
+    so never inside a CUDA-graph capture: warm up with the pools first)."""
+    device = k_pools[0].device
+    key = (device, *(p.data_ptr() for p in k_pools))
+    if key not in _addresses:
+        if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+            raise RuntimeError("triattention scorer: new pools during a CUDA-graph capture; score once with these "
+                               "pools before capturing (warm-up)")
+        if len(_addresses) >= 64:
+            _addresses.clear()
+        _addresses[key] = torch.tensor([p.data_ptr() for p in k_pools], dtype=torch.int64).to(device)
+    return _addresses[key]
+
+
+def score(k_pools: Sequence[torch.Tensor], page_table: torch.Tensor, cache_lengths: torch.Tensor,
+          prompt_lengths: torch.Tensor, phase: torch.Tensor, weights: tuple[torch.Tensor, torch.Tensor, torch.Tensor],
+          max_decode: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(raw float32 [R, L, Hq, max_decode], stats float32 [R, L, Hq, ceil(max_decode / CHUNK), 2]).
+
+    k_pools: per-layer [page, plane, kv_head, token, dim] views (plane 0 is K); page_table int32 [R, pages];
+    cache_lengths, prompt_lengths int32 [R]; phase float32 [R, 2, F] (mean_phase); weights: Calibration.
+    score_weights() on the pools' device. Only the first N - P columns of raw are written.
+    """
+    what = "triattention score"
+    q_real, q_imag, q_extra = weights
+    L, Hq, F = q_real.shape
+    Hkv = k_pools[0].shape[2] if k_pools and isinstance(k_pools[0], torch.Tensor) and k_pools[0].dim() == 5 else 0
+    if not Hkv or Hq % Hkv:
+        raise ValueError(f"{what}: k_pools' kv_head count must divide the calibration's {Hq} query heads")
+    check_pools(what, k_pools, L, Hkv, F, Hq // Hkv)
+    device = k_pools[0].device
+    R = page_table.shape[0] if isinstance(page_table, torch.Tensor) else -1
+    for name, t, shape in (("page_table", page_table, None), ("cache_lengths", cache_lengths, (R,)),
+                           ("prompt_lengths", prompt_lengths, (R,))):
+        if not isinstance(t, torch.Tensor) or t.dtype != torch.int32 or t.device != device or \
+                (shape is not None and tuple(t.shape) != shape) or (shape is None and t.dim() != 2):
+            raise ValueError(f"{what}: {name} must be int32 {list(shape) if shape else '[R, pages]'} on {device}, got "
+                             f"{getattr(t, 'dtype', type(t).__name__)} {tuple(getattr(t, 'shape', ()))}")
+    if not page_table.is_contiguous():
+        raise ValueError(f"{what}: page_table must be contiguous")
+    for name, t, shape in (("phase", phase, (R, 2, F)), ("weights[0]", q_real, (L, Hq, F)),
+                           ("weights[1]", q_imag, (L, Hq, F)), ("weights[2]", q_extra, (L, Hq, F))):
+        if t.dtype != torch.float32 or tuple(t.shape) != shape or t.device != device or not t.is_contiguous():
+            raise ValueError(f"{what}: {name} must be contiguous float32 {list(shape)} on {device}, got {t.dtype} "
+                             f"{tuple(t.shape)} on {t.device}")
+    if isinstance(max_decode, bool) or not isinstance(max_decode, int) or max_decode < 0:
+        raise ValueError(f"{what}: max_decode must be a non-negative int, got {max_decode!r}")
+    raw = torch.empty((R, L, Hq, max_decode), dtype=torch.float32, device=device)
+    stats = torch.empty((R, L, Hq, triton.cdiv(max_decode, CHUNK), 2), dtype=torch.float32, device=device)
+    _score_op(list(k_pools), page_table, prompt_lengths, cache_lengths, phase, q_real,
+              q_imag, q_extra, raw, stats)
+    return raw, stats
+
+
+# ---- normalize and reduce -----------------------------------------------------------------------------------
+
+def _reduce_torch(raw, stats, prompt_lengths, cache_lengths, rows, mode, num_kv_heads, normalize):
+    R, L, Hq, n = raw.shape
+    count = (cache_lengths - prompt_lengths).clamp(0, n)
+    valid = torch.arange(n, device=raw.device)[None, :] < count[:, None]             # [R, n]
+    s = torch.where(valid[:, None, None], raw, 0)
+    if normalize:
+        nc = stats.shape[3]
+        width = (count[:, None] - torch.arange(nc, device=raw.device)[None] * CHUNK).clamp(0, CHUNK).float()
+        width = width[:, None, None, :]                                              # [R, 1, 1, nc]
+        m, m2 = torch.where(width > 0, stats[..., 0], 0), torch.where(width > 0, stats[..., 1], 0)
+        total = count.clamp(min=1).float()[:, None, None]
+        mean = (m * width).sum(-1) / total
+        var = (m2 + width * (m - mean[..., None]) ** 2).sum(-1) / total
+        s = (s - mean[..., None]) / var.sqrt().clamp_min(1e-6)[..., None]
+    grouped = s.view(R, L, num_kv_heads, Hq // num_kv_heads, n).amax(3)              # [R, L, Hkv, n]
+    if mode == "union":
+        out = grouped.amax((1, 2))[:, None]
+    elif mode == "per_head":
+        out = grouped.mean(1)
+    else:
+        out = grouped.reshape(R, -1, n)
+    rows.copy_(torch.where(valid[:, None], out, -float("inf")))
+
+
+@triton.jit
+def _reduce_kernel(raw, stats, prompt_lengths, cache_lengths, rows, L, Hq, n, NC, ROWS, G: tl.constexpr,
+                   MODE: tl.constexpr, NORMALIZE: tl.constexpr, CHUNK: tl.constexpr, BLOCK_J: tl.constexpr,
+                   BLOCK_C: tl.constexpr):
+    r = tl.program_id(0)
+    row = tl.program_id(1)
+    j = tl.program_id(2) * BLOCK_J + tl.arange(0, BLOCK_J)
+    count = tl.minimum(tl.maximum(tl.load(cache_lengths + r) - tl.load(prompt_lengths + r), 0), n)
+    valid = j < count
+    c = tl.arange(0, BLOCK_C)
+    width = tl.minimum(tl.maximum(count - c * CHUNK, 0), CHUNK)
+    live_c = (c < NC) & (width > 0)
+    total = tl.maximum(count, 1).to(tl.float32)
+    if MODE == 0:    # union: every (layer, head)
+        l_lo, l_hi, h_lo, h_hi = 0, L, 0, Hq
+    elif MODE == 1:  # per_head: every layer, the heads of KV head `row`
+        l_lo, l_hi, h_lo, h_hi = 0, L, row * G, row * G + G
+    else:            # per_layer_perhead: row = layer * Hkv + g
+        l_lo = row // (Hq // G)
+        l_hi = l_lo + 1
+        h_lo = (row % (Hq // G)) * G
+        h_hi = h_lo + G
+    acc = tl.full([BLOCK_J], 0.0 if MODE == 1 else -float("inf"), tl.float32)
+    for layer in range(l_lo, l_hi):
+        best = tl.full([BLOCK_J], -float("inf"), tl.float32)
+        for h in range(h_lo, h_hi):
+            plane = (r.to(tl.int64) * L + layer) * Hq + h
+            s = tl.load(raw + plane * n + j, mask=valid, other=0.0)
+            if NORMALIZE:  # merge the chunk partials (Chan et al.): population mean and std of (r, layer, h)
+                part = stats + (plane * NC + c) * 2
+                m = tl.load(part, mask=live_c, other=0.0)
+                m2 = tl.load(part + 1, mask=live_c, other=0.0)
+                w = width.to(tl.float32)
+                mean = tl.sum(m * w, 0) / total
+                var = tl.sum(m2 + w * (m - mean) * (m - mean), 0) / total
+                s = (s - mean) / tl.maximum(tl.sqrt(var), 1e-6)
+            best = tl.maximum(best, s)
+        if MODE == 1:
+            acc += best
+        else:
+            acc = tl.maximum(acc, best)
+    if MODE == 1:
+        acc = acc / L
+    tl.store(rows + (r.to(tl.int64) * ROWS + row) * n + j, tl.where(valid, acc, -float("inf")), mask=j < n)
+
+
+@triton_op("kvops::triattention_reduce_", mutates_args={"rows"})
+def _reduce_op(raw: torch.Tensor, stats: torch.Tensor, prompt_lengths: torch.Tensor, cache_lengths: torch.Tensor,
+               rows: torch.Tensor, mode: str, num_kv_heads: int, normalize: bool) -> None:
+    launch = triton_launcher(_reduce_kernel, raw.device)
+    if launch is None:
+        _reduce_torch(raw, stats, prompt_lengths, cache_lengths, rows, mode, num_kv_heads, normalize)
+        return
+    R, L, Hq, n = raw.shape
+    block_j = 1024
+    launch[(R, rows.shape[1], triton.cdiv(n, block_j))](
+        raw, stats, prompt_lengths, cache_lengths, rows, L, Hq, n, stats.shape[3], rows.shape[1],
+        G=Hq // num_kv_heads,
+        MODE=MODES.index(mode), NORMALIZE=normalize, CHUNK=CHUNK, BLOCK_J=block_j,
+        BLOCK_C=max(triton.next_power_of_2(stats.shape[3]), 2))
+
+
+def reduce_rows(raw: torch.Tensor, stats: torch.Tensor, cache_lengths: torch.Tensor, prompt_lengths: torch.Tensor,
+                mode: str, num_kv_heads: int, normalize: bool = True) -> torch.Tensor:
+    """Row scores float32 [R, rows, n] from score()'s outputs: z = (s - mean) / max(std, 1e-6) per (r, l, h)
+    when normalizing, then union = max over (l, h); per_head = mean over l of max over the group's heads;
+    per_layer_perhead = max over the group's heads, row l * Hkv + g. Columns past N - P are -inf."""
+    what = "triattention reduce"
+    if mode not in MODES:
+        raise ValueError(f"{what}: mode must be one of {MODES}, got {mode!r}")
+    R, L, Hq, n = raw.shape
+    if isinstance(num_kv_heads, bool) or not isinstance(num_kv_heads, int) or num_kv_heads <= 0 or Hq % num_kv_heads:
+        raise ValueError(f"{what}: num_kv_heads must be a positive divisor of {Hq}, got {num_kv_heads!r}")
+    if tuple(stats.shape) != (R, L, Hq, triton.cdiv(n, CHUNK), 2):
+        raise ValueError(f"{what}: stats has shape {tuple(stats.shape)}, raw {tuple(raw.shape)} needs "
+                         f"{(R, L, Hq, triton.cdiv(n, CHUNK), 2)}")
+    rows = torch.empty((R, num_rows(mode, L, num_kv_heads), n), dtype=torch.float32, device=raw.device)
+    if R and n:
+        _reduce_op(raw, stats, prompt_lengths, cache_lengths, rows, mode, num_kv_heads, normalize)
+    return rows

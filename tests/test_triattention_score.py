@@ -1,0 +1,183 @@
+"""The TriAttention scoring ops: raw scores and chunk statistics from the paged pools (CuTe DSL on the GPU), and
+the normalize-and-reduce (Triton), each against the float64 reference."""
+
+import os
+
+import pytest
+import torch
+
+from conftest import DEVICES, bytes_of, opcheck, poison_, requires_cuda, run_python
+from kvops.triattention import load_calibration, mean_phase
+from kvops.triattention.reference import normalize_reference, raw_scores_reference, reduce_reference, gather_keys
+from kvops.triattention.score import CHUNK, reduce_rows, score
+from test_triattention_select import DATA, MODELS, _paged, _synthetic_calibration
+
+
+def _calibrations():
+    cals = [("synthetic", None)]
+    if os.path.isdir(DATA):
+        cals += [(name, MODELS[name]) for name in sorted(MODELS)]
+    return cals
+
+
+def _load(name, config):
+    return _synthetic_calibration() if config is None else load_calibration(os.path.join(DATA, name), config)
+
+
+def _run_score(cal, pools, table, N, P, starts, n):
+    device = table.device
+    weights = tuple(w.to(device) for w in cal.score_weights())
+    phase = mean_phase(starts, cal.omega.to(device))
+    R, L, Hq = table.shape[0], cal.num_layers, cal.num_query_heads
+    raw = poison_(torch.empty(R, L, Hq, n, device=device))
+    stats = poison_(torch.empty(R, L, Hq, -(-n // CHUNK), 2, device=device))
+    raw_before, stats_before = raw.clone(), stats.clone()
+    torch.ops.kvops.triattention_score_(pools, table, P, N, phase, *weights, raw, stats)
+    return raw, stats, raw_before, stats_before
+
+
+@pytest.mark.parametrize("name,config", _calibrations())
+@pytest.mark.parametrize("layout", ["HND", "NHD"])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("device", DEVICES)
+def test_raw_scores_and_chunk_stats(name, config, layout, dtype, device):
+    cal = _load(name, config)
+    # ragged: several chunks with a partial last one, a prompt, an empty request, a request shorter than a chunk
+    prompt, cache, T = [7, 0, 30, 2], [7 + CHUNK + 301, 0, 30 + 45, 2 + 2 * CHUNK], 16
+    pools, table, N, P = _paged(cal, prompt, cache, T, device, dtype)
+    if layout == "NHD":  # same logical view over [page, plane, token, head, dim] storage
+        pools = [p.transpose(2, 3).contiguous().transpose(2, 3) for p in pools]
+    starts = (N + torch.randint(0, 2 ** 22, N.shape, device=device)).long()
+    n = max(c - p for c, p in zip(cache, prompt)) + 3
+    raw, stats, raw_before, stats_before = _run_score(cal, pools, table, N, P, starts, n)
+    phase = mean_phase(starts, cal.omega.to(device)).double().cpu()
+    for r in range(len(prompt)):
+        count = cache[r] - prompt[r]
+        keys = gather_keys([p.cpu() for p in pools], table.cpu(), r, prompt[r], cache[r])
+        want = raw_scores_reference(keys, cal, phase[r, 0], phase[r, 1])           # [L, Hq, count] float64
+        got = raw[r, :, :, :count].double().cpu()
+        assert not ((got - want).abs() / want.abs().clamp_min(1.0) >= 1e-4).any()
+        assert torch.equal(bytes_of(raw[r, :, :, count:]), bytes_of(raw_before[r, :, :, count:]))  # not written
+        for c in range(stats.shape[3]):
+            part = want[..., c * CHUNK:(c + 1) * CHUNK]
+            if part.shape[-1] == 0:
+                assert torch.equal(bytes_of(stats[r, :, :, c]), bytes_of(stats_before[r, :, :, c]))
+                continue
+            mean, m2 = part.mean(-1), ((part - part.mean(-1, keepdim=True)) ** 2).sum(-1)
+            got_mean, got_m2 = stats[r, :, :, c, 0].double().cpu(), stats[r, :, :, c, 1].double().cpu()
+            assert ((got_mean - mean).abs() / mean.abs().clamp_min(1.0)).max() < 1e-4
+            assert ((got_m2 - m2).abs() / m2.clamp_min(1.0)).max() < 1e-3
+
+
+def _stats_of(raw: torch.Tensor, count: torch.Tensor) -> torch.Tensor:
+    """Chunk (mean, M2) of raw [R, L, Hq, n] in float64, written independently of the kernels."""
+    R, L, Hq, n = raw.shape
+    stats = torch.zeros(R, L, Hq, -(-n // CHUNK), 2, dtype=torch.float64)
+    for r in range(R):
+        for c in range(stats.shape[3]):
+            part = raw[r, :, :, c * CHUNK:min((c + 1) * CHUNK, int(count[r]))].double()
+            if part.shape[-1]:
+                stats[r, :, :, c, 0] = part.mean(-1)
+                stats[r, :, :, c, 1] = ((part - part.mean(-1, keepdim=True)) ** 2).sum(-1)
+    return stats.float()
+
+
+@pytest.mark.parametrize("mode", ["union", "per_head", "per_layer_perhead"])
+@pytest.mark.parametrize("normalize", [True, False])
+@pytest.mark.parametrize("device", DEVICES)
+def test_reduce_against_reference(mode, normalize, device):
+    R, L, Hkv, G, n = 3, 4, 2, 3, CHUNK + 200
+    raw = torch.randn(R, L, Hkv * G, n) * 3 + torch.randn(R, L, Hkv * G, 1) * 10
+    P = torch.tensor([5, 0, 9], dtype=torch.int32)
+    N = P + torch.tensor([n, 1, 40], dtype=torch.int32)
+    stats = _stats_of(raw, N - P)
+    rows = reduce_rows(raw.to(device), stats.to(device), N.to(device), P.to(device), mode, Hkv, normalize).cpu()
+    for r in range(R):
+        count = int(N[r] - P[r])
+        z = raw[r, :, :, :count].double()
+        want = reduce_reference(normalize_reference(z) if normalize else z, mode, Hkv)
+        assert torch.allclose(rows[r, :, :count].double(), want, rtol=1e-5, atol=1e-5)
+        assert torch.isinf(rows[r, :, count:]).all() and (rows[r, :, count:] < 0).all()
+
+
+def test_reduce_triton_kernel_in_the_interpreter():
+    """The Triton reduce itself on the CPU (TRITON_INTERPRET=1), against the op's torch path."""
+    code = ("import torch, kvops\n"
+            "from kvops.triattention.score import reduce_rows, _reduce_torch\n"
+            "raw = torch.randn(2, 3, 4, 700); stats = torch.randn(2, 3, 4, 2, 2).abs()\n"
+            "P = torch.tensor([1, 2], dtype=torch.int32); N = P + torch.tensor([700, 513], dtype=torch.int32)\n"
+            "for mode in ('union', 'per_head', 'per_layer_perhead'):\n"
+            "    got = reduce_rows(raw, stats, N, P, mode, 2)\n"
+            "    want = torch.empty_like(got); _reduce_torch(raw, stats, P, N, want, mode, 2, True)\n"
+            "    assert torch.allclose(got, want, rtol=1e-5, atol=1e-5), mode\n")
+    run_python(code, TRITON_INTERPRET="1")
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_opcheck(device):
+    cal = _synthetic_calibration()
+    pools, table, N, P = _paged(cal, [3, 0], [40, 600], 8, device)
+    weights = tuple(w.to(device) for w in cal.score_weights())
+    phase = mean_phase(N.long() + 5, cal.omega.to(device))
+    n = 610
+    raw = torch.randn(2, cal.num_layers, cal.num_query_heads, n, device=device)
+    stats = torch.randn(2, cal.num_layers, cal.num_query_heads, 2, 2, device=device)
+    opcheck(torch.ops.kvops.triattention_score_.default, (pools, table, P, N, phase, *weights, raw, stats))
+    rows = torch.empty(2, cal.num_kv_heads, n, device=device)
+    opcheck(torch.ops.kvops.triattention_reduce_.default, (raw, stats.abs(), P, N, rows, "per_head",
+                                                           cal.num_kv_heads, True))
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_bad_arguments(device):
+    cal = _synthetic_calibration()
+    pools, table, N, P = _paged(cal, [3], [40], 8, device)
+    weights = tuple(w.to(device) for w in cal.score_weights())
+    phase = mean_phase(N.long(), cal.omega.to(device))
+    ok = (pools, table, N, P, phase, weights, 40)
+
+    def bad(match, **change):
+        args = dict(zip(("k_pools", "page_table", "cache_lengths", "prompt_lengths", "phase", "weights",
+                         "max_decode"), ok), **change)
+        with pytest.raises(ValueError, match=match):
+            score(*args.values())
+
+    bad("k_pools must be a list of 3", k_pools=pools[:2])
+    bad("bfloat16 or float16", k_pools=[p.float() for p in pools])
+    bad(r"k_pools\[1\] differs", k_pools=[pools[0], pools[1][:-1], pools[2]])
+    bad("unit dim stride", k_pools=[p.transpose(3, 4) for p in pools])
+    bad("page_table must be int32", page_table=table.long())
+    bad("cache_lengths must be int32", cache_lengths=N[:0])
+    bad("phase must be contiguous float32", phase=phase[:, :, :4])
+    bad(r"weights\[2\]", weights=(weights[0], weights[1], weights[2].double()))
+    bad("max_decode", max_decode=-1)
+    with pytest.raises(ValueError, match="mode"):
+        reduce_rows(torch.zeros(1, 3, 8, 4), torch.zeros(1, 3, 8, 1, 2), N, P, "per_token", 2)
+    with pytest.raises(ValueError, match="stats"):
+        reduce_rows(torch.zeros(1, 3, 8, 4), torch.zeros(1, 3, 8, 2, 2), N, P, "union", 2)
+
+
+@requires_cuda
+def test_misaligned_pools_are_refused():
+    cal = _synthetic_calibration()
+    pools, table, N, P = _paged(cal, [3], [40], 8, "cuda")
+    flat = [torch.empty(p.numel() + 8, dtype=p.dtype, device="cuda") for p in pools]
+    shifted = [f[4:4 + p.numel()].view(p.shape) for f, p in zip(flat, pools)]  # 8 bytes off 16-byte alignment
+    weights = tuple(w.cuda() for w in cal.score_weights())
+    with pytest.raises(ValueError, match="aligned"):
+        score(shifted, table, N, P, mean_phase(N.long(), cal.omega.cuda()), weights, 40)
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the GPU tests run the kernels themselves")
+@pytest.mark.parametrize("arch", ["sm_90a", "sm_100a"])
+def test_cute_kernels_compile_without_a_gpu(arch):
+    """CI has no GPU: still compile every CuTe kernel and shape class, so an API break fails CI."""
+    pytest.importorskip("cutlass")
+    code = ("import torch\n"
+            "from kvops.triattention.score import compile_scorer\n"
+            "from kvops.triattention.topk import compile_topk\n"
+            "compile_topk(None)\n"
+            "for F, G in ((64, 4), (32, 8), (16, 4)):\n"
+            "    compile_scorer(torch.bfloat16, F, G, 16, None)\n"
+            "compile_scorer(torch.float16, 64, 4, 64, None)\n")
+    run_python(code, CUTE_DSL_ARCH=arch)
