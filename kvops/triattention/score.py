@@ -73,7 +73,6 @@ def _score_op(k_pools: list[torch.Tensor], page_table: torch.Tensor,
 
 def compile_scorer(dtype: torch.dtype, num_freqs: int, group: int, page_size: int, device: torch.device | None):
     """Compile the CuTe scorer for one shape class (device None: compile only, for CI without a GPU)."""
-    import cutlass
     import cutlass.cute as cute
     from cutlass import Int64
 
@@ -84,9 +83,8 @@ def compile_scorer(dtype: torch.dtype, num_freqs: int, group: int, page_size: in
     f32 = lambda *s: torch.zeros(s, dtype=torch.float32, device=on)  # noqa: E731
     dummies = (torch.zeros(1, dtype=torch.int64, device=on), i32(2, 2), i32(2), i32(2), f32(2, 2, num_freqs),
                *(f32(1, group, num_freqs) for _ in range(3)), f32(2, 1, group, 4), f32(2, 1, group, 1, 2))
-    cdtype = {torch.bfloat16: cutlass.BFloat16, torch.float16: cutlass.Float16}[dtype]
-    return cute.compile(score_launch, *_cute.dynamic(*dummies), Int64(0), Int64(0), Int64(0), cdtype, num_freqs,
-                        group, page_size, _cute.stream(device))
+    return cute.compile(score_launch, *_cute.dynamic(*dummies), Int64(0), Int64(0), Int64(0),
+                        KV_DTYPES.index(dtype), num_freqs, group, page_size, _cute.stream(device))
 
 
 @_score_op.register_kernel("cuda")

@@ -14,10 +14,12 @@ import cutlass
 import cutlass.cute as cute
 from cutlass import Float32, Int32, Int64
 
+from .score import CHUNK  # decode tokens per CTA, and per statistics partial
+
 THREADS = 128
 WARPS = THREADS // 32
 UNROLL = 4   # tokens per lane group whose loads are in flight together
-CHUNK = 512  # decode tokens per CTA, and per statistics partial (score.py's CHUNK is this)
+KV_TYPES = (cutlass.BFloat16, cutlass.Float16)  # passed by index: DSL 4.3.5 takes no type as a compile argument
 
 
 def lane_split(num_freqs: int, group: int) -> tuple[int, int]:
@@ -49,8 +51,9 @@ def _block_sum(value: Float32, lane: Int32, warp: Int32, sRed: cute.Tensor) -> F
 def _score_kernel(mLayerK: cute.Tensor, mTable: cute.Tensor, mPrompt: cute.Tensor, mCache: cute.Tensor,
                   mPhase: cute.Tensor, mQr: cute.Tensor, mQi: cute.Tensor, mE: cute.Tensor, mRaw: cute.Tensor,
                   mStats: cute.Tensor, page_stride: Int64, head_stride: Int64, token_stride: Int64,
-                  dtype: cutlass.Constexpr, F: cutlass.Constexpr[int], G: cutlass.Constexpr[int],
+                  kv_code: cutlass.Constexpr[int], F: cutlass.Constexpr[int], G: cutlass.Constexpr[int],
                   T: cutlass.Constexpr[int]):
+    dtype = KV_TYPES[kv_code]
     tidx, _, _ = cute.arch.thread_idx()
     chunk, lg, r = cute.arch.block_idx()
     lane = cute.arch.lane_idx()
@@ -149,10 +152,10 @@ def _score_kernel(mLayerK: cute.Tensor, mTable: cute.Tensor, mPrompt: cute.Tenso
 def score_launch(mLayerK: cute.Tensor, mTable: cute.Tensor, mPrompt: cute.Tensor, mCache: cute.Tensor,
                  mPhase: cute.Tensor, mQr: cute.Tensor, mQi: cute.Tensor, mE: cute.Tensor, mRaw: cute.Tensor,
                  mStats: cute.Tensor, page_stride: Int64, head_stride: Int64, token_stride: Int64,
-                 dtype: cutlass.Constexpr, F: cutlass.Constexpr[int], G: cutlass.Constexpr[int],
+                 kv_code: cutlass.Constexpr[int], F: cutlass.Constexpr[int], G: cutlass.Constexpr[int],
                  T: cutlass.Constexpr[int], stream):
     smem_bytes = (G * CHUNK + WARPS) * 4 + 64
     grid = [mStats.shape[3], mQr.shape[0] * (mQr.shape[1] // G), mRaw.shape[0]]
     _score_kernel(mLayerK, mTable, mPrompt, mCache, mPhase, mQr, mQi, mE, mRaw, mStats, page_stride, head_stride,
-                  token_stride, dtype, F, G, T).launch(grid=grid, block=[THREADS, 1, 1], smem=smem_bytes,
+                  token_stride, kv_code, F, G, T).launch(grid=grid, block=[THREADS, 1, 1], smem=smem_bytes,
                                                        stream=stream)
