@@ -76,15 +76,15 @@ def compile_scorer(dtype: torch.dtype, num_freqs: int, group: int, page_size: in
     import cutlass.cute as cute
     from cutlass import Int64
 
-    from .score_cute import score_launch
+    from .score_cute import Scorer
 
     on = device or torch.device("cpu")
     i32 = lambda *s: torch.zeros(s, dtype=torch.int32, device=on)  # noqa: E731
     f32 = lambda *s: torch.zeros(s, dtype=torch.float32, device=on)  # noqa: E731
     dummies = (torch.zeros(1, dtype=torch.int64, device=on), i32(2, 2), i32(2), i32(2), f32(2, 2, num_freqs),
                *(f32(1, group, num_freqs) for _ in range(3)), f32(2, 1, group, 4), f32(2, 1, group, 1, 2))
-    return cute.compile(score_launch, *_cute.dynamic(*dummies), Int64(0), Int64(0), Int64(0),
-                        KV_DTYPES.index(dtype), num_freqs, group, page_size, _cute.stream(device))
+    scorer = Scorer(KV_DTYPES.index(dtype), num_freqs, group, page_size)
+    return cute.compile(scorer, *_cute.dynamic(*dummies), Int64(0), Int64(0), Int64(0), _cute.stream(device))
 
 
 @_score_op.register_kernel("cuda")

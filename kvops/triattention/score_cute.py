@@ -29,10 +29,6 @@ def lane_split(num_freqs: int, group: int) -> tuple[int, int]:
     return fpl, num_freqs // fpl
 
 
-def _spans(num_freqs: int, group: int) -> tuple[int, ...]:
-    return tuple(1 << i for i in range(lane_split(num_freqs, group)[1].bit_length() - 1))
-
-
 @cute.jit
 def _block_sum(value: Float32, lane: Int32, warp: Int32, sRed: cute.Tensor) -> Float32:
     for step in cutlass.range_constexpr(5):
@@ -47,115 +43,120 @@ def _block_sum(value: Float32, lane: Int32, warp: Int32, sRed: cute.Tensor) -> F
     return total
 
 
-@cute.kernel
-def _score_kernel(mLayerK: cute.Tensor, mTable: cute.Tensor, mPrompt: cute.Tensor, mCache: cute.Tensor,
-                  mPhase: cute.Tensor, mQr: cute.Tensor, mQi: cute.Tensor, mE: cute.Tensor, mRaw: cute.Tensor,
-                  mStats: cute.Tensor, page_stride: Int64, head_stride: Int64, token_stride: Int64,
-                  kv_code: cutlass.Constexpr[int], F: cutlass.Constexpr[int], G: cutlass.Constexpr[int],
-                  T: cutlass.Constexpr[int]):
-    dtype = KV_TYPES[kv_code]
-    tidx, _, _ = cute.arch.thread_idx()
-    chunk, lg, r = cute.arch.block_idx()
-    lane = cute.arch.lane_idx()
-    warp = cute.arch.warp_idx()
-    FPL, LANES = lane_split(F, G)
-    TOKENS = THREADS // LANES  # tokens per CTA step
-    smem = cutlass.utils.SmemAllocator()
-    sScore = smem.allocate_tensor(Float32, cute.make_layout((G, CHUNK), stride=(CHUNK, 1)), byte_alignment=16)
-    sRed = smem.allocate_tensor(Float32, cute.make_layout(WARPS), byte_alignment=16)
-    num_kv = mQr.shape[1] // G
-    layer = lg // num_kv
-    g = lg - layer * num_kv
+class Scorer:
+    """One compiled shape class. Its constants are attributes, read as self.X where used: DSL 4.3.5 turns
+    Python ints passed as kernel arguments (and locals read inside dynamic loops) into runtime values."""
 
-    prompt = mPrompt[r]
-    count = mCache[r] - prompt
-    if count > mRaw.shape[3]:
-        count = Int32(mRaw.shape[3])
-    first = chunk * CHUNK
-    todo = count - first
-    if todo > CHUNK:
-        todo = Int32(CHUNK)
-    if todo > 0:
-        q = tidx % LANES       # this lane's frequency slice within the token
-        slot_in_step = tidx // LANES
-        f0 = q * FPL
-        ca = cute.make_rmem_tensor(G * FPL, Float32)
-        cb = cute.make_rmem_tensor(G * FPL, Float32)
-        ce = cute.make_rmem_tensor(G * FPL, Float32)
-        for i in cutlass.range_constexpr(FPL):
-            c = mPhase[r, 0, f0 + i]
-            s = mPhase[r, 1, f0 + i]
-            for h in cutlass.range_constexpr(G):
-                qr = mQr[layer, g * G + h, f0 + i]
-                qi = mQi[layer, g * G + h, f0 + i]
-                ca[h * FPL + i] = qr * c - qi * s
-                cb[h * FPL + i] = qr * s + qi * c
-                ce[h * FPL + i] = mE[layer, g * G + h, f0 + i]
+    def __init__(self, kv_code: int, num_freqs: int, group: int, page_size: int):
+        self.dtype = KV_TYPES[kv_code]
+        self.F, self.G, self.T = num_freqs, group, page_size
+        self.FPL, self.LANES = lane_split(num_freqs, group)
+        self.TOKENS = THREADS // self.LANES  # tokens per CTA step
+        self.SPANS = tuple(1 << i for i in range(self.LANES.bit_length() - 1))  # butterfly over a token's lanes
+        self.BYTES = self.dtype.width // 8
 
-        base = mLayerK[layer] + (g * head_stride + f0) * (dtype.width // 8)
-        for step in cutlass.range(0, todo, TOKENS * UNROLL):
-            kr = [cute.make_rmem_tensor(FPL, dtype) for _ in range(UNROLL)]
-            ki = [cute.make_rmem_tensor(FPL, dtype) for _ in range(UNROLL)]
-            for u in cutlass.range_constexpr(UNROLL):
-                i = step + u * TOKENS + slot_in_step
-                if i >= todo:
-                    i = Int32(0)  # past the chunk: reload its first token (cached), the score is not stored
-                pos = prompt + first + i
-                page = Int64(mTable[r, pos // T])
-                addr = base + (page * page_stride + Int64(pos % T) * token_stride) * (dtype.width // 8)
-                for half, dst in ((0, kr[u]), (F, ki[u])):
-                    src = cute.make_ptr(dtype, addr + half * (dtype.width // 8), cute.AddressSpace.gmem,
-                                        assumed_align=FPL * dtype.width // 8)
-                    cute.autovec_copy(cute.make_tensor(src, cute.make_layout(FPL)), dst)
-            for u in cutlass.range_constexpr(UNROLL):
-                xr = cute.make_rmem_tensor(FPL, Float32)
-                xi = cute.make_rmem_tensor(FPL, Float32)
-                xr.store(kr[u].load().to(Float32))
-                xi.store(ki[u].load().to(Float32))
-                acc = cute.make_rmem_tensor(G, Float32)
-                for h in cutlass.range_constexpr(G):
-                    acc[h] = Float32(0.0)
-                for f in cutlass.range_constexpr(FPL):
-                    a, b = xr[f], xi[f]
-                    mag = cute.math.sqrt(a * a + b * b, fastmath=True)
-                    for h in cutlass.range_constexpr(G):
-                        acc[h] = acc[h] + ca[h * FPL + f] * a + cb[h * FPL + f] * b + ce[h * FPL + f] * mag
-                for h in cutlass.range_constexpr(G):
-                    for span in _spans(F, G):  # butterfly over the token's lanes
-                        acc[h] = acc[h] + cute.arch.shuffle_sync_bfly(acc[h], span)
-                i = step + u * TOKENS + slot_in_step
-                for h in cutlass.range_constexpr(G):
-                    if q == h % lane_split(F, G)[1]:  # (a Python int: names read in the loop become Int32)
-                        if i < todo:
-                            sScore[h, i] = acc[h]
-        cute.arch.sync_threads()
-
-        # Chunk statistics per head (mean, then M2 about it: no cancellation), and the coalesced write-out.
-        inv = Float32(1.0) / Float32(todo)
-        for h in cutlass.range_constexpr(G):
-            part = Float32(0.0)
-            for i in cutlass.range(tidx, todo, THREADS):
-                part = part + sScore[h, i]
-            mean = _block_sum(part, lane, warp, sRed) * inv
-            part = Float32(0.0)
-            for i in cutlass.range(tidx, todo, THREADS):
-                d = sScore[h, i] - mean
-                part = part + d * d
-                mRaw[r, layer, g * G + h, first + i] = sScore[h, i]
-            m2 = _block_sum(part, lane, warp, sRed)
-            if tidx == 0:
-                mStats[r, layer, g * G + h, chunk, 0] = mean
-                mStats[r, layer, g * G + h, chunk, 1] = m2
-
-
-@cute.jit
-def score_launch(mLayerK: cute.Tensor, mTable: cute.Tensor, mPrompt: cute.Tensor, mCache: cute.Tensor,
+    @cute.jit
+    def __call__(self, mLayerK: cute.Tensor, mTable: cute.Tensor, mPrompt: cute.Tensor, mCache: cute.Tensor,
                  mPhase: cute.Tensor, mQr: cute.Tensor, mQi: cute.Tensor, mE: cute.Tensor, mRaw: cute.Tensor,
-                 mStats: cute.Tensor, page_stride: Int64, head_stride: Int64, token_stride: Int64,
-                 kv_code: cutlass.Constexpr[int], F: cutlass.Constexpr[int], G: cutlass.Constexpr[int],
-                 T: cutlass.Constexpr[int], stream):
-    smem_bytes = (G * CHUNK + WARPS) * 4 + 64
-    grid = [mStats.shape[3], mQr.shape[0] * (mQr.shape[1] // G), mRaw.shape[0]]
-    _score_kernel(mLayerK, mTable, mPrompt, mCache, mPhase, mQr, mQi, mE, mRaw, mStats, page_stride, head_stride,
-                  token_stride, kv_code, F, G, T).launch(grid=grid, block=[THREADS, 1, 1], smem=smem_bytes,
-                                                       stream=stream)
+                 mStats: cute.Tensor, page_stride: Int64, head_stride: Int64, token_stride: Int64, stream):
+        smem_bytes = (self.G * CHUNK + WARPS) * 4 + 64
+        grid = [mStats.shape[3], mQr.shape[0] * (mQr.shape[1] // self.G), mRaw.shape[0]]
+        self.kernel(mLayerK, mTable, mPrompt, mCache, mPhase, mQr, mQi, mE, mRaw, mStats, page_stride, head_stride,
+                    token_stride).launch(grid=grid, block=[THREADS, 1, 1], smem=smem_bytes, stream=stream)
+
+    @cute.kernel
+    def kernel(self, mLayerK: cute.Tensor, mTable: cute.Tensor, mPrompt: cute.Tensor, mCache: cute.Tensor,
+               mPhase: cute.Tensor, mQr: cute.Tensor, mQi: cute.Tensor, mE: cute.Tensor, mRaw: cute.Tensor,
+               mStats: cute.Tensor, page_stride: Int64, head_stride: Int64, token_stride: Int64):
+        tidx, _, _ = cute.arch.thread_idx()
+        chunk, lg, r = cute.arch.block_idx()
+        lane = cute.arch.lane_idx()
+        warp = cute.arch.warp_idx()
+        smem = cutlass.utils.SmemAllocator()
+        sScore = smem.allocate_tensor(Float32, cute.make_layout((self.G, CHUNK), stride=(CHUNK, 1)),
+                                      byte_alignment=16)
+        sRed = smem.allocate_tensor(Float32, cute.make_layout(WARPS), byte_alignment=16)
+        num_kv = mQr.shape[1] // self.G
+        layer = lg // num_kv
+        g = lg - layer * num_kv
+
+        prompt = mPrompt[r]
+        count = mCache[r] - prompt
+        if count > mRaw.shape[3]:
+            count = Int32(mRaw.shape[3])
+        first = chunk * CHUNK
+        todo = count - first
+        if todo > CHUNK:
+            todo = Int32(CHUNK)
+        if todo > 0:
+            q = tidx % self.LANES       # this lane's frequency slice within the token
+            slot_in_step = tidx // self.LANES
+            f0 = q * self.FPL
+            ca = cute.make_rmem_tensor(self.G * self.FPL, Float32)
+            cb = cute.make_rmem_tensor(self.G * self.FPL, Float32)
+            ce = cute.make_rmem_tensor(self.G * self.FPL, Float32)
+            for fi in cutlass.range_constexpr(self.FPL):
+                c = mPhase[r, 0, f0 + fi]
+                s = mPhase[r, 1, f0 + fi]
+                for h in cutlass.range_constexpr(self.G):
+                    qr = mQr[layer, g * self.G + h, f0 + fi]
+                    qi = mQi[layer, g * self.G + h, f0 + fi]
+                    ca[h * self.FPL + fi] = qr * c - qi * s
+                    cb[h * self.FPL + fi] = qr * s + qi * c
+                    ce[h * self.FPL + fi] = mE[layer, g * self.G + h, f0 + fi]
+
+            base = mLayerK[layer] + (g * head_stride + f0) * self.BYTES
+            for step in cutlass.range(0, todo, self.TOKENS * UNROLL):
+                kr = [cute.make_rmem_tensor(self.FPL, self.dtype) for _ in range(UNROLL)]
+                ki = [cute.make_rmem_tensor(self.FPL, self.dtype) for _ in range(UNROLL)]
+                for u in cutlass.range_constexpr(UNROLL):
+                    tok = step + u * self.TOKENS + slot_in_step
+                    if tok >= todo:
+                        tok = Int32(0)  # past the chunk: reload its first token (cached), the score is not stored
+                    pos = prompt + first + tok
+                    page = Int64(mTable[r, pos // self.T])
+                    addr = base + (page * page_stride + Int64(pos % self.T) * token_stride) * self.BYTES
+                    for half, dst in ((0, kr[u]), (self.F, ki[u])):
+                        src = cute.make_ptr(self.dtype, addr + half * self.BYTES, cute.AddressSpace.gmem,
+                                            assumed_align=self.FPL * self.BYTES)
+                        cute.autovec_copy(cute.make_tensor(src, cute.make_layout(self.FPL)), dst)
+                for u in cutlass.range_constexpr(UNROLL):
+                    xr = cute.make_rmem_tensor(self.FPL, Float32)
+                    xi = cute.make_rmem_tensor(self.FPL, Float32)
+                    xr.store(kr[u].load().to(Float32))
+                    xi.store(ki[u].load().to(Float32))
+                    acc = cute.make_rmem_tensor(self.G, Float32)
+                    for h in cutlass.range_constexpr(self.G):
+                        acc[h] = Float32(0.0)
+                    for f in cutlass.range_constexpr(self.FPL):
+                        a, b = xr[f], xi[f]
+                        mag = cute.math.sqrt(a * a + b * b, fastmath=True)
+                        for h in cutlass.range_constexpr(self.G):
+                            at = h * self.FPL + f
+                            acc[h] = acc[h] + ca[at] * a + cb[at] * b + ce[at] * mag
+                    for h in cutlass.range_constexpr(self.G):
+                        for span in self.SPANS:  # butterfly over the token's lanes
+                            acc[h] = acc[h] + cute.arch.shuffle_sync_bfly(acc[h], span)
+                    mine = step + u * self.TOKENS + slot_in_step
+                    for h in cutlass.range_constexpr(self.G):
+                        if q == h % self.LANES:
+                            if mine < todo:
+                                sScore[h, mine] = acc[h]
+            cute.arch.sync_threads()
+
+            # Chunk statistics per head (mean, then M2 about it: no cancellation), and the coalesced write-out.
+            inv = Float32(1.0) / Float32(todo)
+            for h in cutlass.range_constexpr(self.G):
+                part = Float32(0.0)
+                for t in cutlass.range(tidx, todo, THREADS):
+                    part = part + sScore[h, t]
+                mean = _block_sum(part, lane, warp, sRed) * inv
+                part = Float32(0.0)
+                for t in cutlass.range(tidx, todo, THREADS):
+                    v = sScore[h, t]
+                    part = part + (v - mean) * (v - mean)
+                    mRaw[r, layer, g * self.G + h, first + t] = v
+                m2 = _block_sum(part, lane, warp, sRed)
+                if tidx == 0:
+                    mStats[r, layer, g * self.G + h, chunk, 0] = mean
+                    mStats[r, layer, g * self.G + h, chunk, 1] = m2
