@@ -13,15 +13,26 @@ from kvops.triattention.score import CHUNK, reduce_rows, score
 from test_triattention_select import DATA, MODELS, _paged, _synthetic_calibration
 
 
+# Synthetic geometries cover every kernel shape class (the GPU machine has no calibration files):
+# (layers, query heads, KV heads, F) like Qwen3-8B (G=4, F=64), GPT-OSS (G=8, F=32), a small G=4 F=16, and G=3.
+SYNTHETIC_SHAPES = {"qwen-like": (2, 8, 2, 64), "oss-like": (2, 16, 2, 32), "small": (3, 8, 2, 16),
+                    "group-of-3": (2, 6, 2, 16)}
+
+
 def _calibrations():
-    cals = [("synthetic", None)]
+    cals = [(name, None) for name in SYNTHETIC_SHAPES]
     if os.path.isdir(DATA):
         cals += [(name, MODELS[name]) for name in sorted(MODELS)]
     return cals
 
 
 def _load(name, config):
-    return _synthetic_calibration() if config is None else load_calibration(os.path.join(DATA, name), config)
+    if config is not None:
+        return load_calibration(os.path.join(DATA, name), config)
+    L, Hq, Hkv, F = SYNTHETIC_SHAPES[name]
+    return load_calibration({"E_q": torch.randn(L, Hq, F, dtype=torch.complex64), "E_q_norm": torch.rand(L, Hq, F) + 1},
+                            dict(num_hidden_layers=L, num_attention_heads=Hq, num_key_value_heads=Hkv, head_dim=2 * F,
+                                 rope_theta=1e4))
 
 
 def _run_score(cal, pools, table, N, P, starts, n):

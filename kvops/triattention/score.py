@@ -227,8 +227,8 @@ def _reduce_torch(raw, stats, prompt_lengths, cache_lengths, rows, mode, num_kv_
 
 
 @triton.jit
-def _reduce_kernel(raw, stats, prompt_lengths, cache_lengths, rows, L, Hq, n, NC, ROWS, G: tl.constexpr,
-                   MODE: tl.constexpr, NORMALIZE: tl.constexpr, CHUNK: tl.constexpr, BLOCK_J: tl.constexpr,
+def _reduce_kernel(raw, stats, prompt_lengths, cache_lengths, rows, n, NC, ROWS, L: tl.constexpr, Hq: tl.constexpr,
+                   G: tl.constexpr, MODE: tl.constexpr, NORMALIZE: tl.constexpr, CHUNK: tl.constexpr, BLOCK_J: tl.constexpr,
                    BLOCK_C: tl.constexpr):
     r = tl.program_id(0)
     row = tl.program_id(1)
@@ -239,20 +239,19 @@ def _reduce_kernel(raw, stats, prompt_lengths, cache_lengths, rows, L, Hq, n, NC
     width = tl.minimum(tl.maximum(count - c * CHUNK, 0), CHUNK)
     live_c = (c < NC) & (width > 0)
     total = tl.maximum(count, 1).to(tl.float32)
-    if MODE == 0:    # union: every (layer, head)
-        l_lo, l_hi, h_lo, h_hi = 0, L, 0, Hq
-    elif MODE == 1:  # per_head: every layer, the heads of KV head `row`
-        l_lo, l_hi, h_lo, h_hi = 0, L, row * G, row * G + G
-    else:            # per_layer_perhead: row = layer * Hkv + g
+    # The (layer, head) block this row reduces. Trip counts are constexprs (Triton 3.6's interpreter cannot
+    # range() over an int argument).
+    if MODE == 2:    # per_layer_perhead: row = layer * Hkv + g
         l_lo = row // (Hq // G)
-        l_hi = l_lo + 1
         h_lo = (row % (Hq // G)) * G
-        h_hi = h_lo + G
+    else:            # union: every (layer, head); per_head: every layer, the heads of KV head `row`
+        l_lo = 0
+        h_lo = 0 if MODE == 0 else row * G
     acc = tl.full([BLOCK_J], 0.0 if MODE == 1 else -float("inf"), tl.float32)
-    for layer in range(l_lo, l_hi):
+    for dl in range(0, 1 if MODE == 2 else L):
         best = tl.full([BLOCK_J], -float("inf"), tl.float32)
-        for h in range(h_lo, h_hi):
-            plane = (r.to(tl.int64) * L + layer) * Hq + h
+        for dh in range(0, Hq if MODE == 0 else G):
+            plane = (r.to(tl.int64) * L + l_lo + dl) * Hq + h_lo + dh
             s = tl.load(raw + plane * n + j, mask=valid, other=0.0)
             if NORMALIZE:  # merge the chunk partials (Chan et al.): population mean and std of (r, layer, h)
                 part = stats + (plane * NC + c) * 2
@@ -282,7 +281,7 @@ def _reduce_op(raw: torch.Tensor, stats: torch.Tensor, prompt_lengths: torch.Ten
     R, L, Hq, n = raw.shape
     block_j = 1024
     launch[(R, rows.shape[1], triton.cdiv(n, block_j))](
-        raw, stats, prompt_lengths, cache_lengths, rows, L, Hq, n, stats.shape[3], rows.shape[1],
+        raw, stats, prompt_lengths, cache_lengths, rows, n, stats.shape[3], rows.shape[1], L=L, Hq=Hq,
         G=Hq // num_kv_heads,
         MODE=MODES.index(mode), NORMALIZE=normalize, CHUNK=CHUNK, BLOCK_J=block_j,
         BLOCK_C=max(triton.next_power_of_2(stats.shape[3]), 2))

@@ -18,7 +18,7 @@ from .score import CHUNK  # decode tokens per CTA, and per statistics partial
 
 THREADS = 128
 WARPS = THREADS // 32
-UNROLL = 4   # tokens per lane group whose loads are in flight together
+UNROLL = 8   # tokens per lane group whose loads are in flight together
 KV_TYPES = (cutlass.BFloat16, cutlass.Float16)  # passed by index: DSL 4.3.5 takes no type as a compile argument
 
 
@@ -53,13 +53,16 @@ class Scorer:
         self.FPL, self.LANES = lane_split(num_freqs, group)
         self.TOKENS = THREADS // self.LANES  # tokens per CTA step
         self.SPANS = tuple(1 << i for i in range(self.LANES.bit_length() - 1))  # butterfly over a token's lanes
+        self.G2 = 1 << (group - 1).bit_length()  # heads padded to a power of two for the reduce-scatter
+        self.HALVINGS = min(len(self.SPANS), (self.G2 - 1).bit_length())
         self.BYTES = self.dtype.width // 8
+        self.PAGES = (CHUNK + page_size - 2) // page_size + 1  # pages a chunk can touch
 
     @cute.jit
     def __call__(self, mLayerK: cute.Tensor, mTable: cute.Tensor, mPrompt: cute.Tensor, mCache: cute.Tensor,
                  mPhase: cute.Tensor, mQr: cute.Tensor, mQi: cute.Tensor, mE: cute.Tensor, mRaw: cute.Tensor,
                  mStats: cute.Tensor, page_stride: Int64, head_stride: Int64, token_stride: Int64, stream):
-        smem_bytes = (self.G * CHUNK + WARPS) * 4 + 64
+        smem_bytes = (self.G * CHUNK + WARPS + self.PAGES) * 4 + 64
         grid = [mStats.shape[3], mQr.shape[0] * (mQr.shape[1] // self.G), mRaw.shape[0]]
         self.kernel(mLayerK, mTable, mPrompt, mCache, mPhase, mQr, mQi, mE, mRaw, mStats, page_stride, head_stride,
                     token_stride).launch(grid=grid, block=[THREADS, 1, 1], smem=smem_bytes, stream=stream)
@@ -76,6 +79,7 @@ class Scorer:
         sScore = smem.allocate_tensor(Float32, cute.make_layout((self.G, CHUNK), stride=(CHUNK, 1)),
                                       byte_alignment=16)
         sRed = smem.allocate_tensor(Float32, cute.make_layout(WARPS), byte_alignment=16)
+        sPage = smem.allocate_tensor(Int32, cute.make_layout(self.PAGES), byte_alignment=16)
         num_kv = mQr.shape[1] // self.G
         layer = lg // num_kv
         g = lg - layer * num_kv
@@ -105,7 +109,19 @@ class Scorer:
                     cb[h * self.FPL + fi] = qr * s + qi * c
                     ce[h * self.FPL + fi] = mE[layer, g * self.G + h, f0 + fi]
 
+            # The chunk's page ids, staged once: K addresses then need no dependent global load per token.
+            page0 = (prompt + first) // self.T
+            for t in cutlass.range(tidx, self.PAGES, THREADS):
+                if page0 + t < mTable.shape[1]:
+                    sPage[t] = mTable[r, page0 + t]
+            cute.arch.sync_threads()
             base = mLayerK[layer] + (g * head_stride + f0) * self.BYTES
+            # after the reduce-scatter: the heads this lane holds start at first_head; one lane per group stores
+            first_head = Int32(0)
+            for k in cutlass.range_constexpr(self.HALVINGS):
+                if (q & (self.LANES >> (k + 1))) != 0:
+                    first_head = first_head + (self.G2 >> (k + 1))
+            owner = (q & ((self.LANES >> self.HALVINGS) - 1)) == 0
             for step in cutlass.range(0, todo, self.TOKENS * UNROLL):
                 kr = [cute.make_rmem_tensor(self.FPL, self.dtype) for _ in range(UNROLL)]
                 ki = [cute.make_rmem_tensor(self.FPL, self.dtype) for _ in range(UNROLL)]
@@ -114,7 +130,7 @@ class Scorer:
                     if tok >= todo:
                         tok = Int32(0)  # past the chunk: reload its first token (cached), the score is not stored
                     pos = prompt + first + tok
-                    page = Int64(mTable[r, pos // self.T])
+                    page = Int64(sPage[pos // self.T - page0])
                     addr = base + (page * page_stride + Int64(pos % self.T) * token_stride) * self.BYTES
                     for half, dst in ((0, kr[u]), (self.F, ki[u])):
                         src = cute.make_ptr(self.dtype, addr + half * self.BYTES, cute.AddressSpace.gmem,
@@ -134,14 +150,28 @@ class Scorer:
                         for h in cutlass.range_constexpr(self.G):
                             at = h * self.FPL + f
                             acc[h] = acc[h] + ca[at] * a + cb[at] * b + ce[at] * mag
-                    for h in cutlass.range_constexpr(self.G):
-                        for span in self.SPANS:  # butterfly over the token's lanes
-                            acc[h] = acc[h] + cute.arch.shuffle_sync_bfly(acc[h], span)
+                    # Reduce-scatter over the token's lanes: each exchange halves the heads a lane holds, so G
+                    # sums cost about G shuffles instead of G * log2(LANES).
+                    held = [acc[h] for h in range(self.G)] + [Float32(0.0)] * (self.G2 - self.G)
+                    for span in self.SPANS[::-1]:
+                        if cutlass.const_expr(len(held) > 1):
+                            half = len(held) // 2
+                            kept = []
+                            for j in cutlass.range_constexpr(half):
+                                send = held[half + j]
+                                keep = held[j]
+                                if (q & span) != 0:  # the upper lane of the pair keeps the upper half
+                                    send = held[j]
+                                    keep = held[half + j]
+                                kept.append(keep + cute.arch.shuffle_sync_bfly(send, span))
+                            held = kept
+                        else:
+                            held = [held[0] + cute.arch.shuffle_sync_bfly(held[0], span)]
                     mine = step + u * self.TOKENS + slot_in_step
-                    for h in cutlass.range_constexpr(self.G):
-                        if q == h % self.LANES:
-                            if mine < todo:
-                                sScore[h, mine] = acc[h]
+                    if owner and mine < todo:
+                        for j in cutlass.range_constexpr(len(held)):
+                            if first_head + j < self.G:
+                                sScore[first_head + j, mine] = held[j]
             cute.arch.sync_threads()
 
             # Chunk statistics per head (mean, then M2 about it: no cancellation), and the coalesced write-out.
