@@ -19,11 +19,14 @@ SYNTHETIC_SHAPES = {"qwen-like": (2, 8, 2, 64), "oss-like": (2, 16, 2, 32), "sma
                     "group-of-3": (2, 6, 2, 16)}
 
 
-def _calibrations():
-    cals = [(name, None) for name in SYNTHETIC_SHAPES]
+def _cases():
+    """(calibration, config, layout, dtype): every synthetic shape class in both layouts and dtypes; the real
+    calibrations (36 layers, slow on the CPU) once each."""
+    cases = [(name, None, layout, dtype) for name in SYNTHETIC_SHAPES for layout in ("HND", "NHD")
+             for dtype in (torch.bfloat16, torch.float16)]
     if os.path.isdir(DATA):
-        cals += [(name, MODELS[name]) for name in sorted(MODELS)]
-    return cals
+        cases += [(name, MODELS[name], "NHD", torch.bfloat16) for name in sorted(MODELS)]
+    return cases
 
 
 def _load(name, config):
@@ -47,14 +50,13 @@ def _run_score(cal, pools, table, N, P, starts, n):
     return raw, stats, raw_before, stats_before
 
 
-@pytest.mark.parametrize("name,config", _calibrations())
-@pytest.mark.parametrize("layout", ["HND", "NHD"])
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("name,config,layout,dtype", _cases())
 @pytest.mark.parametrize("device", DEVICES)
 def test_raw_scores_and_chunk_stats(name, config, layout, dtype, device):
     cal = _load(name, config)
     # ragged: several chunks with a partial last one, a prompt, an empty request, a request shorter than a chunk
-    prompt, cache, T = [7, 0, 30, 2], [7 + CHUNK + 301, 0, 30 + 45, 2 + 2 * CHUNK], 16
+    long = CHUNK + 301 if config is None else 301
+    prompt, cache, T = [7, 0, 30, 2], [7 + long, 0, 30 + 45, 2 + (2 * CHUNK if config is None else 200)], 16
     pools, table, N, P = _paged(cal, prompt, cache, T, device, dtype)
     if layout == "NHD":  # same logical view over [page, plane, token, head, dim] storage
         pools = [p.transpose(2, 3).contiguous().transpose(2, 3) for p in pools]
@@ -115,8 +117,9 @@ def test_reduce_triton_kernel_in_the_interpreter():
     """The Triton reduce itself on the CPU (TRITON_INTERPRET=1), against the op's torch path."""
     code = ("import torch, kvops\n"
             "from kvops.triattention.score import reduce_rows, _reduce_torch\n"
-            "raw = torch.randn(2, 3, 4, 700); stats = torch.randn(2, 3, 4, 2, 2).abs()\n"
-            "P = torch.tensor([1, 2], dtype=torch.int32); N = P + torch.tensor([700, 513], dtype=torch.int32)\n"
+            "from kvops.triattention.score import CHUNK\n"
+            "raw = torch.randn(2, 3, 4, CHUNK + 188); stats = torch.randn(2, 3, 4, 2, 2).abs()\n"
+            "P = torch.tensor([1, 2], dtype=torch.int32); N = P + torch.tensor([CHUNK + 188, CHUNK + 1], dtype=torch.int32)\n"
             "for mode in ('union', 'per_head', 'per_layer_perhead'):\n"
             "    got = reduce_rows(raw, stats, N, P, mode, 2)\n"
             "    want = torch.empty_like(got); _reduce_torch(raw, stats, P, N, want, mode, 2, True)\n"

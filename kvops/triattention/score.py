@@ -22,7 +22,7 @@ from . import _cute
 from .._triton import triton_launcher
 from .reference import MODES
 
-CHUNK = 512  # decode tokens per statistics partial (and per scorer CTA)
+CHUNK = 2048  # decode tokens per statistics partial (and per scorer CTA)
 KV_DTYPES = (torch.bfloat16, torch.float16)
 
 

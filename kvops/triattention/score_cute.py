@@ -16,28 +16,28 @@ from cutlass import Float32, Int32, Int64
 
 from .score import CHUNK  # decode tokens per CTA, and per statistics partial
 
-THREADS = 128
-WARPS = THREADS // 32
-UNROLL = 8   # tokens per lane group whose loads are in flight together
+THREADS = 64
+UNROLL = 2   # tokens per lane group per pipeline stage (the next stage's loads fly while these are scored)
+FREQS_PER_LANE = None  # None: lane_split's choice (a tuning knob for the benchmark sweep)
 KV_TYPES = (cutlass.BFloat16, cutlass.Float16)  # passed by index: DSL 4.3.5 takes no type as a compile argument
 
 
 def lane_split(num_freqs: int, group: int) -> tuple[int, int]:
     """(frequencies per lane, lanes per token): 8 frequencies (16-byte bf16 loads) while the group's coefficients
     fit in registers (G <= 4), else 4."""
-    fpl = 8 if group <= 4 else 4
+    fpl = FREQS_PER_LANE or (8 if group <= 4 else 4)
     return fpl, num_freqs // fpl
 
 
 @cute.jit
-def _block_sum(value: Float32, lane: Int32, warp: Int32, sRed: cute.Tensor) -> Float32:
+def _block_sum(value: Float32, lane: Int32, warp: Int32, sRed: cute.Tensor, warps: cutlass.Constexpr[int]) -> Float32:
     for step in cutlass.range_constexpr(5):
         value = value + cute.arch.shuffle_sync_bfly(value, 1 << step)
     if lane == 0:
         sRed[warp] = value
     cute.arch.sync_threads()
     total = Float32(0.0)
-    for w in cutlass.range_constexpr(WARPS):
+    for w in cutlass.range_constexpr(warps):
         total = total + sRed[w]
     cute.arch.sync_threads()
     return total
@@ -51,6 +51,7 @@ class Scorer:
         self.dtype = KV_TYPES[kv_code]
         self.F, self.G, self.T = num_freqs, group, page_size
         self.FPL, self.LANES = lane_split(num_freqs, group)
+        self.THREADS, self.WARPS, self.UNROLL = THREADS, THREADS // 32, UNROLL
         self.TOKENS = THREADS // self.LANES  # tokens per CTA step
         self.SPANS = tuple(1 << i for i in range(self.LANES.bit_length() - 1))  # butterfly over a token's lanes
         self.G2 = 1 << (group - 1).bit_length()  # heads padded to a power of two for the reduce-scatter
@@ -62,10 +63,24 @@ class Scorer:
     def __call__(self, mLayerK: cute.Tensor, mTable: cute.Tensor, mPrompt: cute.Tensor, mCache: cute.Tensor,
                  mPhase: cute.Tensor, mQr: cute.Tensor, mQi: cute.Tensor, mE: cute.Tensor, mRaw: cute.Tensor,
                  mStats: cute.Tensor, page_stride: Int64, head_stride: Int64, token_stride: Int64, stream):
-        smem_bytes = (self.G * CHUNK + WARPS + self.PAGES) * 4 + 64
+        smem_bytes = (self.G * CHUNK + self.WARPS + self.PAGES) * 4 + 64
         grid = [mStats.shape[3], mQr.shape[0] * (mQr.shape[1] // self.G), mRaw.shape[0]]
         self.kernel(mLayerK, mTable, mPrompt, mCache, mPhase, mQr, mQi, mE, mRaw, mStats, page_stride, head_stride,
-                    token_stride).launch(grid=grid, block=[THREADS, 1, 1], smem=smem_bytes, stream=stream)
+                    token_stride).launch(grid=grid, block=[self.THREADS, 1, 1], smem=smem_bytes, stream=stream)
+
+    def load_keys(self, dst_r, dst_i, step, sPage, page0, start, todo, slot_in_step, base, page_stride,
+                  token_stride):
+        """Issue the 2 x UNROLL vector loads of this lane's slices of tokens step + u * TOKENS + slot (plain
+        Python, traced inline: no branches). Tokens past the chunk reload its last one (cached, not stored)."""
+        for u in range(self.UNROLL):
+            tok = cutlass.min(step + u * self.TOKENS + slot_in_step, todo - 1)
+            pos = start + tok
+            page = Int64(sPage[pos // self.T - page0])
+            addr = base + (page * page_stride + Int64(pos % self.T) * token_stride) * self.BYTES
+            for half, dst in ((0, dst_r[u]), (self.F, dst_i[u])):
+                src = cute.make_ptr(self.dtype, addr + half * self.BYTES, cute.AddressSpace.gmem,
+                                    assumed_align=self.FPL * self.BYTES)
+                cute.autovec_copy(cute.make_tensor(src, cute.make_layout(self.FPL)), dst)
 
     @cute.kernel
     def kernel(self, mLayerK: cute.Tensor, mTable: cute.Tensor, mPrompt: cute.Tensor, mCache: cute.Tensor,
@@ -78,7 +93,7 @@ class Scorer:
         smem = cutlass.utils.SmemAllocator()
         sScore = smem.allocate_tensor(Float32, cute.make_layout((self.G, CHUNK), stride=(CHUNK, 1)),
                                       byte_alignment=16)
-        sRed = smem.allocate_tensor(Float32, cute.make_layout(WARPS), byte_alignment=16)
+        sRed = smem.allocate_tensor(Float32, cute.make_layout(self.WARPS), byte_alignment=16)
         sPage = smem.allocate_tensor(Int32, cute.make_layout(self.PAGES), byte_alignment=16)
         num_kv = mQr.shape[1] // self.G
         layer = lg // num_kv
@@ -111,7 +126,7 @@ class Scorer:
 
             # The chunk's page ids, staged once: K addresses then need no dependent global load per token.
             page0 = (prompt + first) // self.T
-            for t in cutlass.range(tidx, self.PAGES, THREADS):
+            for t in cutlass.range(tidx, self.PAGES, self.THREADS):
                 if page0 + t < mTable.shape[1]:
                     sPage[t] = mTable[r, page0 + t]
             cute.arch.sync_threads()
@@ -122,21 +137,16 @@ class Scorer:
                 if (q & (self.LANES >> (k + 1))) != 0:
                     first_head = first_head + (self.G2 >> (k + 1))
             owner = (q & ((self.LANES >> self.HALVINGS) - 1)) == 0
-            for step in cutlass.range(0, todo, self.TOKENS * UNROLL):
-                kr = [cute.make_rmem_tensor(self.FPL, self.dtype) for _ in range(UNROLL)]
-                ki = [cute.make_rmem_tensor(self.FPL, self.dtype) for _ in range(UNROLL)]
-                for u in cutlass.range_constexpr(UNROLL):
-                    tok = step + u * self.TOKENS + slot_in_step
-                    if tok >= todo:
-                        tok = Int32(0)  # past the chunk: reload its first token (cached), the score is not stored
-                    pos = prompt + first + tok
-                    page = Int64(sPage[pos // self.T - page0])
-                    addr = base + (page * page_stride + Int64(pos % self.T) * token_stride) * self.BYTES
-                    for half, dst in ((0, kr[u]), (self.F, ki[u])):
-                        src = cute.make_ptr(self.dtype, addr + half * self.BYTES, cute.AddressSpace.gmem,
-                                            assumed_align=self.FPL * self.BYTES)
-                        cute.autovec_copy(cute.make_tensor(src, cute.make_layout(self.FPL)), dst)
-                for u in cutlass.range_constexpr(UNROLL):
+            # Software pipeline: the next UNROLL tokens' loads are in flight while these are scored.
+            kr = [cute.make_rmem_tensor(self.FPL, self.dtype) for _ in range(self.UNROLL)]
+            ki = [cute.make_rmem_tensor(self.FPL, self.dtype) for _ in range(self.UNROLL)]
+            nr = [cute.make_rmem_tensor(self.FPL, self.dtype) for _ in range(self.UNROLL)]
+            ni = [cute.make_rmem_tensor(self.FPL, self.dtype) for _ in range(self.UNROLL)]
+            where = (sPage, page0, prompt + first, todo, slot_in_step, base, page_stride, token_stride)
+            self.load_keys(kr, ki, Int32(0), *where)
+            for step in cutlass.range(0, todo, self.TOKENS * self.UNROLL):
+                self.load_keys(nr, ni, step + self.TOKENS * self.UNROLL, *where)
+                for u in cutlass.range_constexpr(self.UNROLL):
                     xr = cute.make_rmem_tensor(self.FPL, Float32)
                     xi = cute.make_rmem_tensor(self.FPL, Float32)
                     xr.store(kr[u].load().to(Float32))
@@ -172,21 +182,24 @@ class Scorer:
                         for j in cutlass.range_constexpr(len(held)):
                             if first_head + j < self.G:
                                 sScore[first_head + j, mine] = held[j]
+                for u in cutlass.range_constexpr(self.UNROLL):
+                    kr[u].store(nr[u].load())
+                    ki[u].store(ni[u].load())
             cute.arch.sync_threads()
 
             # Chunk statistics per head (mean, then M2 about it: no cancellation), and the coalesced write-out.
             inv = Float32(1.0) / Float32(todo)
             for h in cutlass.range_constexpr(self.G):
                 part = Float32(0.0)
-                for t in cutlass.range(tidx, todo, THREADS):
+                for t in cutlass.range(tidx, todo, self.THREADS):
                     part = part + sScore[h, t]
-                mean = _block_sum(part, lane, warp, sRed) * inv
+                mean = _block_sum(part, lane, warp, sRed, self.WARPS) * inv
                 part = Float32(0.0)
-                for t in cutlass.range(tidx, todo, THREADS):
+                for t in cutlass.range(tidx, todo, self.THREADS):
                     v = sScore[h, t]
                     part = part + (v - mean) * (v - mean)
                     mRaw[r, layer, g * self.G + h, first + t] = v
-                m2 = _block_sum(part, lane, warp, sRed)
+                m2 = _block_sum(part, lane, warp, sRed, self.WARPS)
                 if tidx == 0:
                     mStats[r, layer, g * self.G + h, chunk, 0] = mean
                     mStats[r, layer, g * self.G + h, chunk, 1] = m2
