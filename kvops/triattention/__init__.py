@@ -1,5 +1,5 @@
-"""TriAttention selection (docs/triattention.md): calibration, mean-phase coefficients, row scores, top-k keep
-sets, and the float64 reference of the semantics. The fused CuTe DSL scorer is still to come (issue #4)."""
+"""TriAttention selection (docs/triattention.md): calibration, mean-phase coefficients, the scorer (CuTe DSL) and
+the normalize-and-reduce (Triton), top-k keep sets (CuTe DSL), and the float64 reference of the semantics."""
 
 from .calibration import Calibration, load_calibration
 from .phase import mean_phase
