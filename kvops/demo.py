@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import os
+import statistics
 import time
 
 import torch
@@ -111,9 +112,12 @@ def run(preset: str = "tiny", device: str | None = None, dtype: torch.dtype = to
         "pages_freed_by_eviction": len(rids) * -(-(p["prompt"] + p["steps"]) // p["page_size"]) - pages,
         "hot_page_bytes": cache.codec.hot_page_bytes, "cold_page_bytes": cache.codec.cold_page_bytes,
         "offloaded_pages": pages, "codec_rel_rms_error": err,
-        "ms_per_eviction_round": 1e3 * sum(round_seconds) / max(1, len(round_seconds)),
+        # the first round compiles the CuTe kernels (once per process); the steady state is the rest
+        "ms_first_eviction_round": 1e3 * round_seconds[0] if round_seconds else 0.0,
+        "ms_per_eviction_round": 1e3 * statistics.mean(round_seconds[1:] or round_seconds or [0.0]),
         "ms_offload": 1e3 * offload_s, "ms_onboard": 1e3 * onboard_s,
-        "kernel_path": ("CUDA: kvops CUDA kernels, Triton, CuTe DSL top-k" if device == "cuda"
+        "kernel_path": ("CUDA: NVFP4 + compaction (CUDA C++), pack + mean phase + reduce (Triton), scorer + top-k "
+                        "(CuTe DSL)" if device == "cuda"
                         else "CPU: kvops C++ kernels and torch"),
     }
 
@@ -137,7 +141,8 @@ def main(argv: list[str] | None = None) -> int:
         ("pages freed by eviction", str(r["pages_freed_by_eviction"])),
         ("cold page vs raw page", f"{cold} vs {hot} bytes ({hot / cold:.2f}x smaller)"),
         ("codec error (relative RMS)", f"K {r['codec_rel_rms_error']['K']:.4f}, V {r['codec_rel_rms_error']['V']:.4f}"),
-        ("time per eviction round", f"{r['ms_per_eviction_round']:.1f} ms"),
+        ("time per eviction round", f"{r['ms_per_eviction_round']:.1f} ms (first, with kernel compiles: "
+                                    f"{r['ms_first_eviction_round']:.1f} ms)"),
         ("offload / onboard", f"{r['ms_offload']:.1f} / {r['ms_onboard']:.1f} ms for {r['offloaded_pages']} pages"),
         ("kernel path", r["kernel_path"]),
     ]
