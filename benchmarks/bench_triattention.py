@@ -16,6 +16,8 @@ Rows:
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import torch
 
 from kvops.triattention import Calibration, TriAttentionSelector, mean_phase
@@ -64,21 +66,28 @@ def run(quick: bool = False) -> tuple[list[Row], list[str]]:
     return rows_out, notes
 
 
-def _round(rows_out: list[Row], copy_gbps: float, quick: bool) -> list[str]:
-    L, Hq, Hkv, D, T, budget = 36, 32, 8, 128, 16, 2048
-    R, n = (4, 16384) if quick else (32, 16384)
-    F, pages = D // 2, R * n // T
+def qwen3_workload(R: int, n: int, page_size: int = 16) -> SimpleNamespace:
+    """The issue's geometry on the GPU: Qwen3-8B (36 layers, 32/8 heads, head_dim 128, bf16) K pools holding R
+    requests of n decode tokens each (no prompt) on shuffled pages, synthetic statistics, random round starts."""
+    L, Hq, Hkv, D = 36, 32, 8, 128
+    F, pages = D // 2, R * n // page_size
     cal = Calibration(torch.randn(L, Hq, F, dtype=torch.complex64), torch.rand(L, Hq, F) + 1,
                       1e6 ** -(torch.arange(F) / F), torch.ones(F), Hkv, D)
-    pools = [torch.randn(pages, 1, Hkv, T, D, device="cuda", dtype=torch.bfloat16) for _ in range(L)]
-    table = torch.randperm(pages, device="cuda", dtype=torch.int32).view(R, n // T)
-    P = torch.zeros(R, dtype=torch.int32, device="cuda")
-    N = torch.full((R,), n, dtype=torch.int32, device="cuda")
     starts = torch.randint(n, 2 ** 20, (R,), device="cuda")
-    k_bytes = L * R * n * Hkv * D * 2
-    shape = f"R={R} N={n} L={L} Hq={Hq} Hkv={Hkv} D={D} page={T}"
-    weights = tuple(w.cuda() for w in cal.score_weights())
-    phase = mean_phase(starts, cal.omega.cuda())
+    return SimpleNamespace(
+        cal=cal, L=L, Hq=Hq, Hkv=Hkv, D=D, T=page_size, R=R, n=n, starts=starts, k_bytes=L * R * n * Hkv * D * 2,
+        pools=[torch.randn(pages, 1, Hkv, page_size, D, device="cuda", dtype=torch.bfloat16) for _ in range(L)],
+        table=torch.randperm(pages, device="cuda", dtype=torch.int32).view(R, n // page_size),
+        P=torch.zeros(R, dtype=torch.int32, device="cuda"), N=torch.full((R,), n, dtype=torch.int32, device="cuda"),
+        weights=tuple(w.cuda() for w in cal.score_weights()), phase=mean_phase(starts, cal.omega.cuda()),
+        shape=f"R={R} N={n} L={L} Hq={Hq} Hkv={Hkv} D={D} page={page_size}")
+
+
+def _round(rows_out: list[Row], copy_gbps: float, quick: bool) -> list[str]:
+    budget = 2048
+    w = qwen3_workload(4 if quick else 32, 16384)
+    cal, L, Hq, Hkv, R, n, pools, table, P, N = w.cal, w.L, w.Hq, w.Hkv, w.R, w.n, w.pools, w.table, w.P, w.N
+    starts, k_bytes, shape, weights, phase = w.starts, w.k_bytes, w.shape, w.weights, w.phase
     us = time_us(_graphed(lambda: score(pools, table, N, P, phase, weights, n)), iters=10)
     rows_out.append(Row.make(FAMILY, "score", shape, "bfloat16", us, k_bytes, copy_gbps))
     raw, stats = score(pools, table, N, P, phase, weights, n)

@@ -8,11 +8,9 @@ import torch
 import kvops.triattention.score as score_mod
 import kvops.triattention.score_cute as score_cute
 from kvops.triattention import _cute
-from kvops.triattention.calibration import Calibration
-from kvops.triattention.phase import mean_phase
 from kvops.triattention.score import score
 
-from .bench_triattention import _graphed
+from .bench_triattention import _graphed, qwen3_workload
 from .common import device_copy_gbps, time_us
 
 CONFIGS = [(8, 2, 64, 2048), (8, 2, 64, 512), (8, 2, 128, 2048), (8, 4, 128, 2048), (4, 4, 128, 512),
@@ -20,17 +18,8 @@ CONFIGS = [(8, 2, 64, 2048), (8, 2, 64, 512), (8, 2, 128, 2048), (8, 4, 128, 204
 
 
 def main() -> None:
-    L, Hq, Hkv, D, T, R, n = 36, 32, 8, 128, 16, 32, 16384
-    F, pages = D // 2, R * n // T
-    cal = Calibration(torch.randn(L, Hq, F, dtype=torch.complex64), torch.rand(L, Hq, F) + 1,
-                      1e6 ** -(torch.arange(F) / F), torch.ones(F), Hkv, D)
-    pools = [torch.randn(pages, 1, Hkv, T, D, device="cuda", dtype=torch.bfloat16) for _ in range(L)]
-    table = torch.randperm(pages, device="cuda", dtype=torch.int32).view(R, n // T)
-    P = torch.zeros(R, dtype=torch.int32, device="cuda")
-    N = torch.full((R,), n, dtype=torch.int32, device="cuda")
-    weights = tuple(w.cuda() for w in cal.score_weights())
-    phase = mean_phase(torch.randint(n, 2 ** 20, (R,), device="cuda"), cal.omega.cuda())
-    k_bytes = L * R * n * Hkv * D * 2
+    w = qwen3_workload(32, 16384)
+    pools, table, N, P, phase, weights, n, k_bytes = w.pools, w.table, w.N, w.P, w.phase, w.weights, w.n, w.k_bytes
     copy = device_copy_gbps()
     first = None
     for fpl, unroll, threads, chunk in CONFIGS:
@@ -45,7 +34,7 @@ def main() -> None:
         print(f"fpl={fpl} unroll={unroll} threads={threads} chunk={chunk}: {us / 1e3:.2f} ms, {k_bytes / us / 1e3:.0f} GB/s = "
               f"{100 * k_bytes / us / 1e3 / copy:.1f}% of copy {copy:.0f} GB/s; max rel diff {err:.1e}", flush=True)
     # the same, last knobs, with each request's pages in order: how much the random page order costs
-    ordered = torch.arange(pages, device="cuda", dtype=torch.int32).view(R, n // T)
+    ordered = torch.arange(table.numel(), device="cuda", dtype=torch.int32).view(table.shape)
     us = time_us(_graphed(lambda: score(pools, ordered, N, P, phase, weights, n)), iters=10)
     print(f"pages in order: {us / 1e3:.2f} ms, {100 * k_bytes / us / 1e3 / copy:.1f}% of copy", flush=True)
 
