@@ -127,13 +127,19 @@ class PagedKVCache:
         self._free_slots += reversed(req.slots or [])
         del self._requests[rid]
 
-    def page_table(self, rids: Sequence) -> torch.Tensor:
-        """int32 [R, max_pages] on the pool device, -1 past each request's pages."""
+    @property
+    def num_pages(self) -> int:
+        return self.pools[0].shape[0]
+
+    def page_table(self, rids: Sequence, width: int | None = None, device: torch.device | str | None = None
+                   ) -> torch.Tensor:
+        """int32 [R, width] (default: the longest request's pages) on `device` (default: the pools'), -1 past
+        each request's pages."""
         reqs = [self._get(r) for r in rids]
-        table = torch.full((len(reqs), max([len(r.pages) for r in reqs] + [1])), -1, dtype=torch.int32)
+        table = torch.full((len(reqs), width or max([len(r.pages) for r in reqs] + [1])), -1, dtype=torch.int32)
         for i, r in enumerate(reqs):
             table[i, :len(r.pages)] = torch.tensor(r.pages, dtype=torch.int32)
-        return table.to(self.device)
+        return table.to(self.device if device is None else device)
 
     # -- compaction -----------------------------------------------------------------------------------------
     def compact(self, rids: Sequence, kept: torch.Tensor, scored_lengths: torch.Tensor, tail_lengths: torch.Tensor,
@@ -146,12 +152,21 @@ class PagedKVCache:
         params = build_compaction_params(self.views(), self.page_table(rids), kept, scored_lengths, tail_lengths,
                                          destination_bases, max_tail=max_tail)
         new_lengths = compact(params, len(reqs), validate=validate).tolist()
+        self.shrink(rids, new_lengths)
+        return torch.tensor(new_lengths, dtype=torch.int32)
+
+    def shrink(self, rids: Sequence, new_lengths: Sequence[int]) -> None:
+        """After an in-place compaction: set the requests' new lengths and release the pages past them. The
+        caller knows the lengths (destination base + kept + tail), so nothing is read back from the device."""
+        reqs = [self._get(r) for r in rids]
+        if len(new_lengths) != len(reqs) or any(not 0 <= n <= r.length for r, n in zip(reqs, new_lengths)):
+            raise ValueError(f"PagedKVCache.shrink: new lengths {list(new_lengths)} must not exceed the current "
+                             f"{[r.length for r in reqs]}")
         for req, n in zip(reqs, new_lengths):
             keep = self._pages_for(n)
             self._free_pages += reversed(req.pages[keep:])
             del req.pages[keep:]
             req.length = n
-        return torch.tensor(new_lengths, dtype=torch.int32)
 
     # -- host tier --------------------------------------------------------------------------------------------
     def offload(self, rid) -> None:

@@ -20,6 +20,7 @@ from typing import Any, Mapping, Sequence
 
 import torch
 
+from .compaction import build_compaction_params, compact
 from .config import KvCacheCompressionConfig, NVFP4ColdPageConfig, TriAttentionConfig
 from .triattention import TriAttentionSelector
 
@@ -72,6 +73,8 @@ class TriAttentionManager(KVCacheCompressionManager):
         self.since_round: dict[Any, int] = {}
         self.num_compressed_tokens: dict[Any, int] = {}
         self.rounds = 0
+        self.cuda_graphs = True  # replay each round size from a CUDA graph on the GPU (TriAttentionRound)
+        self._round: TriAttentionRound | None = None
 
     def on_request_init(self, request: Request) -> None:
         self.prompt_length[request.id] = request.prompt_length
@@ -101,24 +104,71 @@ class TriAttentionManager(KVCacheCompressionManager):
         rids = self.due(batch)
         if not rids:
             return
-        cache, device = self.kv_cache, self.kv_cache.device
+        cache = self.kv_cache
         lengths = [cache.length(r) for r in rids]
         prompts = [self.prompt_length[r] for r in rids]
         tails = [max(0, n - p - self.selector.max_decode) for n, p in zip(lengths, prompts)]
         if max(tails) > self.max_tail:  # refuse before anything moves
             raise RuntimeError(f"TriAttentionManager: a step confirmed more than beta={self.config.beta} tokens past "
                                f"a due round ({max(tails)} unscored); call on_generation_step_end every step")
-        scored = [n - t for n, t in zip(lengths, tails)]
-        positions = [self.logical_position(r) for r in rids]
-        as_tensor = lambda v, dtype=torch.int32: torch.tensor(v, dtype=dtype, device=device)  # noqa: E731
-        kept = self.selector.select(cache.views(), cache.page_table(rids), as_tensor(scored), as_tensor(prompts),
-                                    as_tensor(positions, torch.int64))
-        cache.compact(rids, kept, as_tensor(scored), as_tensor(tails), as_tensor(prompts), max_tail=self.max_tail,
-                      validate=False)
-        for rid, before in zip(rids, lengths):
-            self.num_compressed_tokens[rid] += before - cache.length(rid)
+        width = max(-(-n // cache.page_size) for n in lengths)  # page-table columns this round needs
+        if self._round is None or not self._round.fits(len(rids), width):
+            self._round = TriAttentionRound(self.selector, cache, len(rids), width, self.max_tail, self.cuda_graphs)
+        self._round.run(cache.page_table(rids, self._round.width, device="cpu"),
+                        [n - t for n, t in zip(lengths, tails)], prompts, tails,
+                        [self.logical_position(r) for r in rids])
+        # The kept decode tokens land after the prompt, then the tail: lengths known here, nothing read back.
+        new_lengths = [p + self.config.budget + t for p, t in zip(prompts, tails)]
+        cache.shrink(rids, new_lengths)
+        for rid, before, after in zip(rids, lengths, new_lengths):
+            self.num_compressed_tokens[rid] += before - after
             self.since_round[rid] = 0
         self.rounds += 1
+
+
+class TriAttentionRound:
+    """The device half of a TriAttention round, on buffers bound once: selection -> packing -> compaction for the
+    first R of up to `max_requests` due requests, on the current stream, with no host sync. With `cuda_graphs`,
+    the first round of each R runs eagerly (compiling the kernels) and is captured; later rounds of that R copy
+    their inputs into the bound buffers and replay. Capacities grow in powers of two (the manager rebinds)."""
+
+    def __init__(self, selector: TriAttentionSelector, cache, requests: int, width: int, max_tail: int,
+                 cuda_graphs: bool):
+        self.selector, self.requests = selector, 1 << (requests - 1).bit_length()
+        self.width = 1 << (width - 1).bit_length()
+        device = cache.device
+        self.page_table = torch.full((self.requests, self.width), -1, dtype=torch.int32, device=device)
+        self.lengths = torch.zeros(4, self.requests, dtype=torch.int32, device=device)  # scored, prompt, tail, position
+        kept = torch.zeros(self.requests, selector.rows, selector.budget, dtype=torch.int32, device=device)
+        self.params = build_compaction_params(cache.views(), self.page_table, kept, self.lengths[0], self.lengths[2],
+                                              self.lengths[1], max_tail=max_tail)
+        self.graphs: dict[int, torch.cuda.CUDAGraph] | None = {} if cuda_graphs and device.type == "cuda" else None
+
+    def fits(self, requests: int, width: int) -> bool:
+        return requests <= self.requests and width <= self.width
+
+    def _launch(self, R: int) -> None:
+        scored, prompt, tail, position = self.lengths[:, :R]
+        self.params.kept[:R].copy_(self.selector.select(self.params.pools, self.page_table[:R], scored, prompt,
+                                                        position))
+        compact(self.params, R)
+
+    def run(self, page_table: torch.Tensor, scored: Sequence[int], prompts: Sequence[int], tails: Sequence[int],
+            positions: Sequence[int]) -> None:
+        R = len(scored)
+        self.page_table[:R].copy_(page_table, non_blocking=True)
+        self.lengths[:, :R].copy_(torch.tensor([scored, prompts, tails, positions], dtype=torch.int32),
+                                  non_blocking=True)
+        if self.graphs is None:
+            self._launch(R)
+        elif R in self.graphs:
+            self.graphs[R].replay()
+        else:
+            self._launch(R)  # this round, eagerly; it also compiles the kernels before the capture
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph):
+                self._launch(R)  # recorded, not run
+            self.graphs[R] = graph
 
 
 class NVFP4ColdPageManager(KVCacheCompressionManager):

@@ -128,3 +128,37 @@ def test_decode_step_compiles_fullgraph(calibration, device):
     assert torch.equal(outs[0][0], outs[1][0]) and outs[0][0].tolist() == [14, 19]
     for a, b in zip(outs[0][1], outs[1][1]):
         assert torch.equal(a, b)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a GPU")
+def test_rounds_replay_from_cuda_graphs(calibration):
+    """The manager's round captured per round size (TriAttentionRound) and replayed on fresh inputs equals the
+    eager round: same lengths, same cache bytes, step after step, with 1 and 2 requests due at once."""
+    config = TriAttentionConfig(budget=12, beta=4, eviction_mode="union", calibration_path=calibration)
+    caches = [PagedKVCache(2, 2, 32, 8, num_pages=96, device="cuda") for _ in range(2)]
+    managers = [create_compression_manager(config, cache, MODEL) for cache in caches]
+    managers[0].cuda_graphs = False
+    prompts = {"a": 3, "b": 9, "c": 16}
+    for rid, prompt in prompts.items():
+        k, v = _kv(prompt)
+        for cache, manager in zip(caches, managers):
+            cache.add_request(rid)
+            manager.on_request_init(Request(rid, prompt))
+            cache.append(rid, k.cuda(), v.cuda())
+    sizes = []
+    for step in range(60):
+        active = [r for r in prompts if step >= {"a": 0, "b": 2, "c": 4}[r]]  # staggered: rounds of 1 and 2
+        k, v = _kv(len(active))
+        for cache, manager in zip(caches, managers):
+            for i, r in enumerate(active):
+                cache.append(r, k[i:i + 1].cuda(), v[i:i + 1].cuda())
+            before = {r: cache.length(r) for r in active}
+            manager.on_generation_step_end([(r, 1) for r in active])
+        compacted = sum(caches[1].length(r) < n for r, n in before.items())
+        if compacted:
+            sizes.append(compacted)
+        for r in prompts:
+            assert caches[0].length(r) == caches[1].length(r)
+            assert torch.equal(caches[0].read(r), caches[1].read(r)), f"step {step}, request {r}"
+    graphs = managers[1]._round.graphs
+    assert len(set(sizes)) >= 2 and set(graphs) == set(sizes) and len(sizes) > len(graphs)  # some replayed
