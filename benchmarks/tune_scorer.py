@@ -31,8 +31,9 @@ def main() -> None:
         first = raw if first is None else first
         del raw
         us = time_us(_graphed(lambda: score(pools, table, N, P, phase, weights, n)), iters=10)
-        print(f"fpl={fpl} unroll={unroll} threads={threads} chunk={chunk}: {us / 1e3:.2f} ms, {k_bytes / us / 1e3:.0f} GB/s = "
-              f"{100 * k_bytes / us / 1e3 / copy:.1f}% of copy {copy:.0f} GB/s; max rel diff {err:.1e}", flush=True)
+        gbps = k_bytes / us / 1e3
+        print(f"fpl={fpl} unroll={unroll} threads={threads} chunk={chunk}: {us / 1e3:.2f} ms, {gbps:.0f} GB/s = "
+              f"{100 * gbps / copy:.1f}% of copy {copy:.0f} GB/s; max rel diff {err:.1e}", flush=True)
     # the same, last knobs, with each request's pages in order: how much the random page order costs
     ordered = torch.arange(table.numel(), device="cuda", dtype=torch.int32).view(table.shape)
     us = time_us(_graphed(lambda: score(pools, ordered, N, P, phase, weights, n)), iters=10)

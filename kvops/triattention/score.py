@@ -228,8 +228,8 @@ def _reduce_torch(raw, stats, prompt_lengths, cache_lengths, rows, mode, num_kv_
 
 @triton.jit
 def _reduce_kernel(raw, stats, prompt_lengths, cache_lengths, rows, n, NC, ROWS, L: tl.constexpr, Hq: tl.constexpr,
-                   G: tl.constexpr, MODE: tl.constexpr, NORMALIZE: tl.constexpr, CHUNK: tl.constexpr, BLOCK_J: tl.constexpr,
-                   BLOCK_C: tl.constexpr):
+                   G: tl.constexpr, MODE: tl.constexpr, NORMALIZE: tl.constexpr, CHUNK: tl.constexpr,
+                   BLOCK_J: tl.constexpr, BLOCK_C: tl.constexpr):
     r = tl.program_id(0)
     row = tl.program_id(1)
     j = tl.program_id(2) * BLOCK_J + tl.arange(0, BLOCK_J)

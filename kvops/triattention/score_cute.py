@@ -2,8 +2,9 @@
 
 CTA (chunk, layer * Hkv + g, r) scores CHUNK consecutive decode tokens of request r against the G query heads
 of KV head g. A token's key is split over LANES lanes, each holding FPL frequencies (one 8- or 16-byte load from
-each rotary half), so the per-(head, frequency) coefficients stay in registers and K is read exactly once; a
-butterfly over the token's lanes finishes the dot products. Scores are staged in shared memory, then written
+each rotary half), so the per-(head, frequency) coefficients stay in registers and K is read exactly once. The
+chunk's page ids are staged in shared memory; loads are software-pipelined one stage ahead; a reduce-scatter
+butterfly over the token's lanes finishes the G dot products. Scores are staged in shared memory, then written
 coalesced with the chunk's (mean, M2) per head, from which the reduce merges each (r, l, h)'s statistics.
 Coefficients fold the mean phase in: a = qr C - qi S, b = qr S + qi C (qr, qi, e already times freq_scale_sq).
 """
@@ -30,7 +31,8 @@ def lane_split(num_freqs: int, group: int) -> tuple[int, int]:
 
 
 @cute.jit
-def _block_sum(value: Float32, lane: Int32, warp: Int32, sRed: cute.Tensor, warps: cutlass.Constexpr[int]) -> Float32:
+def _block_sum(value: Float32, lane: Int32, warp: Int32, sRed: cute.Tensor,
+               warps: cutlass.Constexpr[int]) -> Float32:
     for step in cutlass.range_constexpr(5):
         value = value + cute.arch.shuffle_sync_bfly(value, 1 << step)
     if lane == 0:
