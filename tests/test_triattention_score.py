@@ -24,6 +24,7 @@ def _cases():
     calibrations (36 layers, slow on the CPU) once each."""
     cases = [(name, None, layout, dtype) for name in SYNTHETIC_SHAPES for layout in ("HND", "NHD")
              for dtype in (torch.bfloat16, torch.float16)]
+    cases.append(("small", None, "HND", torch.float8_e4m3fn))  # fp8 pools: the torch path on either device
     if os.path.isdir(DATA):
         cases += [(name, MODELS[name], "NHD", torch.bfloat16) for name in sorted(MODELS)]
     return cases
@@ -158,7 +159,7 @@ def test_bad_arguments(device):
             score(*args.values())
 
     bad("k_pools must be a list of 3", k_pools=pools[:2])
-    bad("bfloat16 or float16", k_pools=[p.float() for p in pools])
+    bad("bfloat16, float16 or float8_e4m3fn", k_pools=[p.float() for p in pools])
     bad(r"k_pools\[1\] differs", k_pools=[pools[0], pools[1][:-1], pools[2]])
     bad("unit dim stride", k_pools=[p.transpose(3, 4) for p in pools])
     bad("page_table must be int32", page_table=table.long())

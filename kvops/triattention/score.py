@@ -23,7 +23,8 @@ from .._triton import triton_launcher
 from .reference import MODES
 
 CHUNK = 2048  # decode tokens per statistics partial (and per scorer CTA)
-KV_DTYPES = (torch.bfloat16, torch.float16)
+KV_DTYPES = (torch.bfloat16, torch.float16)      # what the CuTe scorer reads (KV_TYPES in score_cute.py)
+POOL_DTYPES = KV_DTYPES + (torch.float8_e4m3fn,)  # fp8 pools: the torch path, on either device
 
 
 def num_rows(mode: str, num_layers: int, num_kv_heads: int) -> int:
@@ -92,6 +93,9 @@ def _score_cuda(k_pools, page_table, prompt_lengths, cache_lengths, phase, q_rea
     from cutlass import Int64
 
     pool = k_pools[0]
+    if pool.dtype not in KV_DTYPES:  # no CuTe kernel for fp8 pools yet: the same math in torch (capturable)
+        _score_torch(k_pools, page_table, prompt_lengths, cache_lengths, phase, q_real, q_imag, q_extra, raw, stats)
+        return
     G, F, T = raw.shape[2] // pool.shape[2], q_real.shape[-1], pool.shape[3]
     if any(p.data_ptr() % 16 for p in k_pools):  # addresses exist only here, at run time, not while tracing
         raise ValueError(f"triattention score: the GPU scorer needs 16-byte aligned k_pools, got base addresses "
@@ -121,8 +125,8 @@ def check_pools(what: str, k_pools: Sequence[torch.Tensor], num_layers: int, num
     if not isinstance(first, torch.Tensor) or first.dim() != 5 or first.shape[2] != num_kv_heads:
         raise ValueError(f"{what}: k_pools must be 5-D [page, plane, {num_kv_heads}, token, dim] views, got "
                          f"{tuple(getattr(first, 'shape', ()))}")
-    if first.dtype not in KV_DTYPES:
-        raise ValueError(f"{what}: k_pools must be bfloat16 or float16, got {first.dtype}")
+    if first.dtype not in POOL_DTYPES:
+        raise ValueError(f"{what}: k_pools must be bfloat16, float16 or float8_e4m3fn, got {first.dtype}")
     if first.shape[4] < 2 * num_freqs or first.stride(4) != 1:
         raise ValueError(f"{what}: k_pools need head_dim >= {2 * num_freqs} (the rotary dims) with unit dim "
                          f"stride, got {tuple(first.shape)} strides {first.stride()}")
@@ -130,7 +134,7 @@ def check_pools(what: str, k_pools: Sequence[torch.Tensor], num_layers: int, num
         if (pool.shape, pool.stride(), pool.dtype, pool.device) != (first.shape, first.stride(), first.dtype,
                                                                     first.device):
             raise ValueError(f"{what}: k_pools[{layer}] differs from k_pools[0] in shape, strides, dtype or device")
-    if first.is_cuda:
+    if first.is_cuda and first.dtype in KV_DTYPES:
         from .score_cute import lane_split
 
         fpl, lanes = lane_split(num_freqs, group)
