@@ -27,7 +27,8 @@ def info() -> int:
     supported = (major, minor) in ((9, 0), (10, 0))
     print(f"  NVFP4 codec, compaction (native CUDA): {'yes' if supported else 'no kernel for this arch'} "
           "(a build without nvcc raises a clear error on first use)")
-    print("  mean phase (Triton): yes; top-k (CuTe DSL): " + ("yes" if supported else "not built for this arch"))
+    print("  TriAttention mean phase, pack, reduce (Triton): yes; scorer, top-k (CuTe DSL, compiled at first use): "
+          + ("yes" if supported else "not for this arch"))
     return 0
 
 
