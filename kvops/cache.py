@@ -88,6 +88,10 @@ class PagedKVCache:
     def length(self, rid) -> int:
         return self._get(rid).length
 
+    def resident(self, rid) -> bool:
+        """Whether the request's pages are on the GPU (not offloaded to the host tier)."""
+        return self._get(rid).slots is None
+
     def append(self, rid, k: torch.Tensor, v: torch.Tensor) -> None:
         """Append n tokens, k and v [n, H, D] in the pool dtype (prefill: many; decode: one)."""
         req = self._get(rid)

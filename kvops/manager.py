@@ -107,6 +107,9 @@ class TriAttentionManager(KVCacheCompressionManager):
         if not rids:
             return
         cache = self.kv_cache
+        if not all(cache.resident(r) for r in rids):  # refuse before anything moves
+            raise RuntimeError(f"TriAttentionManager: requests {[r for r in rids if not cache.resident(r)]} are "
+                               f"offloaded; a round needs their pages on the GPU")
         lengths = [cache.length(r) for r in rids]
         prompts = [self.prompt_length[r] for r in rids]
         tails = [max(0, n - p - self.selector.max_decode) for n, p in zip(lengths, prompts)]

@@ -162,3 +162,18 @@ def test_rounds_replay_from_cuda_graphs(calibration):
             assert torch.equal(caches[0].read(r), caches[1].read(r)), f"step {step}, request {r}"
     graphs = managers[1]._round.graphs
     assert len(set(sizes)) >= 2 and set(graphs) == set(sizes) and len(sizes) > len(graphs)  # some replayed
+
+
+def test_round_refuses_offloaded_requests(calibration):
+    config = TriAttentionConfig(budget=12, beta=5, calibration_path=calibration)
+    cache = _cache()
+    manager = create_compression_manager(config, cache, MODEL)
+    cache.add_request("a")
+    manager.on_request_init(Request("a", 3))
+    cache.append("a", *_kv(3 + 13))  # 13 decode tokens > budget: due at this step
+    cache.offload("a")
+    with pytest.raises(RuntimeError, match="offloaded"):
+        manager.on_generation_step_end([("a", 13)])
+    cache.onboard("a")
+    assert cache.length("a") == 16 and manager.rounds == 0
+    cache.check_invariants()
