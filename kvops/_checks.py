@@ -20,3 +20,13 @@ def check_int32(what: str, device: torch.device | None = None, **tensors: tuple[
         elif t.device != device:
             raise ValueError(f"{what}: {name} is on {t.device}, expected {device} (where the pools and indices live)")
     return device
+
+
+def check_float32(what: str, device: torch.device, **tensors: tuple[torch.Tensor, tuple[int, ...]]) -> None:
+    """Each keyword is (tensor, shape): a contiguous float32 tensor of exactly that shape on `device`."""
+    for name, (t, shape) in tensors.items():
+        if not isinstance(t, torch.Tensor) or t.dtype != torch.float32 or tuple(t.shape) != tuple(shape) \
+                or t.device != device or not t.is_contiguous():
+            raise ValueError(f"{what}: {name} must be contiguous float32 {list(shape)} on {device}, got "
+                             f"{getattr(t, 'dtype', type(t).__name__)} {tuple(getattr(t, 'shape', ()))} on "
+                             f"{getattr(t, 'device', None)}")

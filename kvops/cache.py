@@ -131,10 +131,6 @@ class PagedKVCache:
         self._free_slots += reversed(req.slots or [])
         del self._requests[rid]
 
-    @property
-    def num_pages(self) -> int:
-        return self.pools[0].shape[0]
-
     def page_table(self, rids: Sequence, width: int | None = None, device: torch.device | str | None = None
                    ) -> torch.Tensor:
         """int32 [R, width] (default: the longest request's pages) on `device` (default: the pools'), -1 past

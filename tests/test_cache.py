@@ -120,6 +120,8 @@ def test_errors_leave_state_unchanged():
     _expect_unchanged(cache, lambda: cache.onboard("b"), "pages needed")
     cache.finish("c")
     _expect_unchanged(cache, lambda: cache.finish("c"), "unknown request")  # double free
+    _expect_unchanged(cache, lambda: cache.shrink(["d"], [17]), "must not exceed")  # shrink cannot grow
+    _expect_unchanged(cache, lambda: cache.shrink(["d"], [4, 4]), "must not exceed")
     with pytest.raises(ValueError, match="layout"):
         PagedKVCache(L, H, D, T, 4, layout="XYZ")
     with pytest.raises(ValueError, match="num_pages"):

@@ -167,10 +167,23 @@ def test_bad_arguments(device):
     bad("phase must be contiguous float32", phase=phase[:, :, :4])
     bad(r"weights\[2\]", weights=(weights[0], weights[1], weights[2].double()))
     bad("max_decode", max_decode=-1)
+    bad("kv_head count 2 must divide the calibration's 7 query heads",
+        weights=tuple(w[:, :7].contiguous() for w in weights))
     with pytest.raises(ValueError, match="mode"):
         reduce_rows(torch.zeros(1, 3, 8, 4), torch.zeros(1, 3, 8, 1, 2), N, P, "per_token", 2)
     with pytest.raises(ValueError, match="stats"):
         reduce_rows(torch.zeros(1, 3, 8, 4), torch.zeros(1, 3, 8, 2, 2), N, P, "union", 2)
+    raw, stats = (torch.zeros(1, 3, 8, 4, device=device), torch.zeros(1, 3, 8, 1, 2, device=device))
+    with pytest.raises(ValueError, match="raw must be contiguous float32"):
+        reduce_rows(raw.double(), stats, N, P, "union", 2)
+    with pytest.raises(ValueError, match="raw must be a 4-D"):
+        reduce_rows(raw[0], stats, N, P, "union", 2)
+    with pytest.raises(ValueError, match="cache_lengths must be int32"):
+        reduce_rows(raw, stats, N.long(), P, "union", 2)
+    with pytest.raises(ValueError, match="one per request"):
+        reduce_rows(raw, stats, N.repeat(2), P.repeat(2), "union", 2)
+    with pytest.raises(ValueError, match="num_kv_heads"):
+        reduce_rows(raw, stats, N, P, "union", 3)
 
 
 @requires_cuda

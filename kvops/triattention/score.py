@@ -19,6 +19,7 @@ import triton.language as tl
 from torch.library import triton_op
 
 from . import _cute
+from .._checks import check_float32, check_int32
 from .._triton import triton_launcher
 from .reference import MODES
 
@@ -114,17 +115,23 @@ def _score_fake(k_pools, page_table, prompt_lengths, cache_lengths, phase, q_rea
     return None
 
 
-def check_pools(what: str, k_pools: Sequence[torch.Tensor], num_layers: int, num_kv_heads: int, num_freqs: int,
-                group: int) -> None:
+def check_pools(what: str, k_pools: Sequence[torch.Tensor], num_layers: int, num_query_heads: int,
+                num_freqs: int) -> int:
     """The layout the scorer reads: per-layer 5-D [page, plane, kv_head, token, dim] views of one dtype, shape
-    and strides, dims contiguous; on the GPU also 16-byte aligned with strides in whole lane loads."""
+    and strides, dims contiguous, kv_head dividing the query heads; on the GPU also strides in whole lane loads.
+    Returns the KV head count."""
     if not isinstance(k_pools, (list, tuple)) or len(k_pools) != num_layers:
         raise ValueError(f"{what}: k_pools must be a list of {num_layers} per-layer pools, got "
                          f"{len(k_pools) if isinstance(k_pools, (list, tuple)) else type(k_pools).__name__}")
     first = k_pools[0]
-    if not isinstance(first, torch.Tensor) or first.dim() != 5 or first.shape[2] != num_kv_heads:
-        raise ValueError(f"{what}: k_pools must be 5-D [page, plane, {num_kv_heads}, token, dim] views, got "
+    if not isinstance(first, torch.Tensor) or first.dim() != 5:
+        raise ValueError(f"{what}: k_pools must be 5-D [page, plane, kv_head, token, dim] views, got "
                          f"{tuple(getattr(first, 'shape', ()))}")
+    num_kv_heads = first.shape[2]
+    if num_query_heads % num_kv_heads:
+        raise ValueError(f"{what}: k_pools' kv_head count {num_kv_heads} must divide the calibration's "
+                         f"{num_query_heads} query heads")
+    group = num_query_heads // num_kv_heads
     if first.dtype not in POOL_DTYPES:
         raise ValueError(f"{what}: k_pools must be bfloat16, float16 or float8_e4m3fn, got {first.dtype}")
     if first.shape[4] < 2 * num_freqs or first.stride(4) != 1:
@@ -144,6 +151,7 @@ def check_pools(what: str, k_pools: Sequence[torch.Tensor], num_layers: int, num
         if any(first.stride(d) % fpl for d in (0, 2, 3)):
             raise ValueError(f"{what}: the GPU scorer needs page, head and token strides that are multiples of "
                              f"{fpl} elements, got strides {first.stride()}")
+    return num_kv_heads
 
 
 _addresses: dict[tuple, torch.Tensor] = {}
@@ -176,25 +184,17 @@ def score(k_pools: Sequence[torch.Tensor], page_table: torch.Tensor, cache_lengt
     what = "triattention score"
     q_real, q_imag, q_extra = weights
     L, Hq, F = q_real.shape
-    Hkv = k_pools[0].shape[2] if k_pools and isinstance(k_pools[0], torch.Tensor) and k_pools[0].dim() == 5 else 0
-    if not Hkv or Hq % Hkv:
-        raise ValueError(f"{what}: k_pools' kv_head count must divide the calibration's {Hq} query heads")
-    check_pools(what, k_pools, L, Hkv, F, Hq // Hkv)
-    device = k_pools[0].device
-    R = page_table.shape[0] if isinstance(page_table, torch.Tensor) else -1
-    for name, t, shape in (("page_table", page_table, None), ("cache_lengths", cache_lengths, (R,)),
-                           ("prompt_lengths", prompt_lengths, (R,))):
-        if not isinstance(t, torch.Tensor) or t.dtype != torch.int32 or t.device != device or \
-                (shape is not None and tuple(t.shape) != shape) or (shape is None and t.dim() != 2):
-            raise ValueError(f"{what}: {name} must be int32 {list(shape) if shape else '[R, pages]'} on {device}, got "
-                             f"{getattr(t, 'dtype', type(t).__name__)} {tuple(getattr(t, 'shape', ()))}")
+    check_pools(what, k_pools, L, Hq, F)
+    device = check_int32(what, k_pools[0].device, page_table=(page_table, 2), cache_lengths=(cache_lengths, 1),
+                         prompt_lengths=(prompt_lengths, 1))
+    R = page_table.shape[0]
+    for name, t in (("cache_lengths", cache_lengths), ("prompt_lengths", prompt_lengths)):
+        if t.shape[0] != R:
+            raise ValueError(f"{what}: {name} must be int32 [{R}] (one per page-table row), got {tuple(t.shape)}")
     if not page_table.is_contiguous():
         raise ValueError(f"{what}: page_table must be contiguous")
-    for name, t, shape in (("phase", phase, (R, 2, F)), ("weights[0]", q_real, (L, Hq, F)),
-                           ("weights[1]", q_imag, (L, Hq, F)), ("weights[2]", q_extra, (L, Hq, F))):
-        if t.dtype != torch.float32 or tuple(t.shape) != shape or t.device != device or not t.is_contiguous():
-            raise ValueError(f"{what}: {name} must be contiguous float32 {list(shape)} on {device}, got {t.dtype} "
-                             f"{tuple(t.shape)} on {t.device}")
+    check_float32(what, device, phase=(phase, (R, 2, F)),
+                  **{f"weights[{i}]": (w, (L, Hq, F)) for i, w in enumerate(weights)})
     if isinstance(max_decode, bool) or not isinstance(max_decode, int) or max_decode < 0:
         raise ValueError(f"{what}: max_decode must be a non-negative int, got {max_decode!r}")
     raw = torch.empty((R, L, Hq, max_decode), dtype=torch.float32, device=device)
@@ -299,12 +299,15 @@ def reduce_rows(raw: torch.Tensor, stats: torch.Tensor, cache_lengths: torch.Ten
     what = "triattention reduce"
     if mode not in MODES:
         raise ValueError(f"{what}: mode must be one of {MODES}, got {mode!r}")
+    if not isinstance(raw, torch.Tensor) or raw.dim() != 4:
+        raise ValueError(f"{what}: raw must be a 4-D [R, L, Hq, n] tensor (score()'s first output)")
     R, L, Hq, n = raw.shape
     if isinstance(num_kv_heads, bool) or not isinstance(num_kv_heads, int) or num_kv_heads <= 0 or Hq % num_kv_heads:
         raise ValueError(f"{what}: num_kv_heads must be a positive divisor of {Hq}, got {num_kv_heads!r}")
-    if tuple(stats.shape) != (R, L, Hq, triton.cdiv(n, CHUNK), 2):
-        raise ValueError(f"{what}: stats has shape {tuple(stats.shape)}, raw {tuple(raw.shape)} needs "
-                         f"{(R, L, Hq, triton.cdiv(n, CHUNK), 2)}")
+    check_float32(what, raw.device, raw=(raw, (R, L, Hq, n)), stats=(stats, (R, L, Hq, triton.cdiv(n, CHUNK), 2)))
+    check_int32(what, raw.device, cache_lengths=(cache_lengths, 1), prompt_lengths=(prompt_lengths, 1))
+    if cache_lengths.shape[0] != R or prompt_lengths.shape[0] != R:
+        raise ValueError(f"{what}: cache_lengths and prompt_lengths must have {R} entries (one per request)")
     rows = torch.empty((R, num_rows(mode, L, num_kv_heads), n), dtype=torch.float32, device=raw.device)
     if R and n:
         _reduce_op(raw, stats, prompt_lengths, cache_lengths, rows, mode, num_kv_heads, normalize)
