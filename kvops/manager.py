@@ -73,9 +73,9 @@ class TriAttentionManager(KVCacheCompressionManager):
         self.since_round: dict[Any, int] = {}
         self.num_compressed_tokens: dict[Any, int] = {}
         self.rounds = 0
-        # Opt in to replaying each round size from a CUDA graph on the GPU (TriAttentionRound); off by default
-        # until its GPU test has run (docs/python_layer.md).
-        self.cuda_graphs = False
+        # On the GPU, each round size is captured once and replayed (TriAttentionRound); set False to run every
+        # round eagerly (e.g. under a debugger or an engine that captures its own graphs).
+        self.cuda_graphs = True
         self._round: TriAttentionRound | None = None
 
     def on_request_init(self, request: Request) -> None:

@@ -137,7 +137,7 @@ def test_rounds_replay_from_cuda_graphs(calibration):
     config = TriAttentionConfig(budget=12, beta=4, eviction_mode="union", calibration_path=calibration)
     caches = [PagedKVCache(2, 2, 32, 8, num_pages=96, device="cuda") for _ in range(2)]
     managers = [create_compression_manager(config, cache, MODEL) for cache in caches]
-    managers[1].cuda_graphs = True
+    managers[0].cuda_graphs = False  # the eager reference; managers[1] captures (the default)
     prompts = {"a": 3, "b": 9, "c": 16}
     for rid, prompt in prompts.items():
         k, v = _kv(prompt)
