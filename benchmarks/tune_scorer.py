@@ -13,8 +13,9 @@ from kvops.triattention.score import score
 from .bench_triattention import _graphed, qwen3_workload
 from .common import device_copy_gbps, time_us
 
-CONFIGS = [(8, 2, 64, 2048), (8, 2, 64, 512), (8, 2, 128, 2048), (8, 4, 128, 2048), (4, 4, 128, 512),
-           (8, 2, 32, 1024)]
+# (frequencies per lane, tokens per lane group and stage, CTA threads, chunk)
+CONFIGS = [(8, 2, 64, 1024), (8, 2, 64, 2048), (8, 2, 128, 1024), (8, 2, 128, 2048), (4, 2, 64, 1024),
+           (8, 1, 64, 1024), (8, 2, 32, 1024)]
 
 
 def main() -> None:

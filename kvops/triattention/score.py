@@ -23,7 +23,7 @@ from .._checks import check_float32, check_int32
 from .._triton import triton_launcher
 from .reference import MODES
 
-CHUNK = 2048  # decode tokens per statistics partial (and per scorer CTA)
+CHUNK = 1024  # decode tokens per statistics partial (and per scorer CTA)
 KV_DTYPES = (torch.bfloat16, torch.float16)      # what the CuTe scorer reads (KV_TYPES in score_cute.py)
 POOL_DTYPES = KV_DTYPES + (torch.float8_e4m3fn,)  # fp8 pools: the torch path, on either device
 

@@ -2,9 +2,9 @@
 
 CTA (chunk, layer * Hkv + g, r) scores CHUNK consecutive decode tokens of request r against the G query heads
 of KV head g. A token's key is split over LANES lanes, each holding FPL frequencies (one 8- or 16-byte load from
-each rotary half), so the per-(head, frequency) coefficients stay in registers and K is read exactly once. The
-chunk's page ids are staged in shared memory; loads are software-pipelined one stage ahead; a reduce-scatter
-butterfly over the token's lanes finishes the G dot products. Scores are staged in shared memory, then written
+each rotary half); K is read exactly once. The per-(head, frequency) coefficients and the chunk's page ids are
+staged in shared memory; each coefficient read serves UNROLL tokens, and those tokens' loads fly one stage ahead
+in registers. A reduce-scatter butterfly over the token's lanes finishes the G dot products. Scores are staged in shared memory, then written
 coalesced with the chunk's (mean, M2) per head, from which the reduce merges each (r, l, h)'s statistics.
 Coefficients fold the mean phase in: a = qr C - qi S, b = qr S + qi C (qr, qi, e already times freq_scale_sq).
 """
@@ -14,6 +14,8 @@ from __future__ import annotations
 import cutlass
 import cutlass.cute as cute
 from cutlass import Float32, Int32, Int64
+from cutlass._mlir.dialects import llvm
+from cutlass.cutlass_dsl import T, dsl_user_op
 
 from .score import CHUNK  # decode tokens per CTA, and per statistics partial
 
@@ -28,6 +30,15 @@ def lane_split(num_freqs: int, group: int) -> tuple[int, int]:
     fit in registers (G <= 4), else 4."""
     fpl = FREQS_PER_LANE or (8 if group <= 4 else 4)
     return fpl, num_freqs // fpl
+
+
+@dsl_user_op
+def sqrt_approx(x: Float32, *, loc=None, ip=None) -> Float32:
+    """One MUFU.SQRT. DSL 4.3.5 lowers cute.math.sqrt(fastmath=True) to the IEEE sequence with a slow-path branch
+    (about 8 more instructions per call: a third of the scorer's main loop)."""
+    return Float32(llvm.inline_asm(T.f32(), [Float32(x).ir_value(loc=loc, ip=ip)], "sqrt.approx.ftz.f32 $0, $1;",
+                                   "=f,f", has_side_effects=False, is_align_stack=False,
+                                   asm_dialect=llvm.AsmDialect.AD_ATT))
 
 
 @cute.jit
@@ -65,10 +76,13 @@ class Scorer:
     def __call__(self, mLayerK: cute.Tensor, mTable: cute.Tensor, mPrompt: cute.Tensor, mCache: cute.Tensor,
                  mPhase: cute.Tensor, mQr: cute.Tensor, mQi: cute.Tensor, mE: cute.Tensor, mRaw: cute.Tensor,
                  mStats: cute.Tensor, page_stride: Int64, head_stride: Int64, token_stride: Int64, stream):
-        smem_bytes = (self.G * CHUNK + self.WARPS + self.PAGES) * 4 + 64
+        smem_bytes = (self.G * CHUNK + self.WARPS + self.PAGES + 3 * self.G * self.F) * 4 + 64
         grid = [mStats.shape[3], mQr.shape[0] * (mQr.shape[1] // self.G), mRaw.shape[0]]
         self.kernel(mLayerK, mTable, mPrompt, mCache, mPhase, mQr, mQi, mE, mRaw, mStats, page_stride, head_stride,
                     token_stride).launch(grid=grid, block=[self.THREADS, 1, 1], smem=smem_bytes, stream=stream)
+
+    def coef_column(self, c, h, j, q):
+        return ((c * self.G + h) * (self.FPL // 4) + j) * self.LANES + q
 
     def load_keys(self, dst_r, dst_i, step, sPage, page0, start, todo, slot_in_step, base, page_stride,
                   token_stride):
@@ -97,6 +111,9 @@ class Scorer:
                                       byte_alignment=16)
         sRed = smem.allocate_tensor(Float32, cute.make_layout(self.WARPS), byte_alignment=16)
         sPage = smem.allocate_tensor(Int32, cute.make_layout(self.PAGES), byte_alignment=16)
+        # [4, (coef, head, group of 4 frequencies, lane)]: a lane's 4 consecutive coefficients are one 16-byte load,
+        # and the 8 lanes of a token read 128 contiguous bytes (no bank conflict).
+        sCoef = smem.allocate_tensor(Float32, cute.make_layout((4, 3 * self.G * self.F // 4)), byte_alignment=16)
         num_kv = mQr.shape[1] // self.G
         layer = lg // num_kv
         g = lg - layer * num_kv
@@ -113,18 +130,14 @@ class Scorer:
             q = tidx % self.LANES       # this lane's frequency slice within the token
             slot_in_step = tidx // self.LANES
             f0 = q * self.FPL
-            ca = cute.make_rmem_tensor(self.G * self.FPL, Float32)
-            cb = cute.make_rmem_tensor(self.G * self.FPL, Float32)
-            ce = cute.make_rmem_tensor(self.G * self.FPL, Float32)
-            for fi in cutlass.range_constexpr(self.FPL):
-                c = mPhase[r, 0, f0 + fi]
-                s = mPhase[r, 1, f0 + fi]
-                for h in cutlass.range_constexpr(self.G):
-                    qr = mQr[layer, g * self.G + h, f0 + fi]
-                    qi = mQi[layer, g * self.G + h, f0 + fi]
-                    ca[h * self.FPL + fi] = qr * c - qi * s
-                    cb[h * self.FPL + fi] = qr * s + qi * c
-                    ce[h * self.FPL + fi] = mE[layer, g * self.G + h, f0 + fi]
+            # The G x F coefficients of this (request, layer, KV head), once per CTA into shared memory: in registers
+            # they would cost the occupancy that hides the FMA latency.
+            for at in cutlass.range(tidx, self.G * self.F, self.THREADS):
+                h, f = at // self.F, at % self.F
+                c, s = mPhase[r, 0, f], mPhase[r, 1, f]
+                qr, qi = mQr[layer, g * self.G + h, f], mQi[layer, g * self.G + h, f]
+                for which, value in enumerate((qr * c - qi * s, qr * s + qi * c, mE[layer, g * self.G + h, f])):
+                    sCoef[f % 4, self.coef_column(which, h, (f % self.FPL) // 4, f // self.FPL)] = value
 
             # The chunk's page ids, staged once: K addresses then need no dependent global load per token.
             page0 = (prompt + first) // self.T
@@ -148,23 +161,31 @@ class Scorer:
             self.load_keys(kr, ki, Int32(0), *where)
             for step in cutlass.range(0, todo, self.TOKENS * self.UNROLL):
                 self.load_keys(nr, ni, step + self.TOKENS * self.UNROLL, *where)
+                xr = [cute.make_rmem_tensor(self.FPL, Float32) for _ in range(self.UNROLL)]
+                xi = [cute.make_rmem_tensor(self.FPL, Float32) for _ in range(self.UNROLL)]
+                mg = [cute.make_rmem_tensor(self.FPL, Float32) for _ in range(self.UNROLL)]
+                acc = cute.make_rmem_tensor(self.UNROLL * self.G, Float32)
                 for u in cutlass.range_constexpr(self.UNROLL):
-                    xr = cute.make_rmem_tensor(self.FPL, Float32)
-                    xi = cute.make_rmem_tensor(self.FPL, Float32)
-                    xr.store(kr[u].load().to(Float32))
-                    xi.store(ki[u].load().to(Float32))
-                    acc = cute.make_rmem_tensor(self.G, Float32)
-                    for h in cutlass.range_constexpr(self.G):
-                        acc[h] = Float32(0.0)
+                    xr[u].store(kr[u].load().to(Float32))
+                    xi[u].store(ki[u].load().to(Float32))
                     for f in cutlass.range_constexpr(self.FPL):
-                        a, b = xr[f], xi[f]
-                        mag = cute.math.sqrt(a * a + b * b, fastmath=True)
-                        for h in cutlass.range_constexpr(self.G):
-                            at = h * self.FPL + f
-                            acc[h] = acc[h] + ca[at] * a + cb[at] * b + ce[at] * mag
+                        mg[u][f] = sqrt_approx(xr[u][f] * xr[u][f] + xi[u][f] * xi[u][f])
+                    for h in cutlass.range_constexpr(self.G):
+                        acc[u * self.G + h] = Float32(0.0)
+                # Each coefficient is read once from shared memory and used for UNROLL tokens.
+                for h in cutlass.range_constexpr(self.G):
+                    for j in cutlass.range_constexpr(self.FPL // 4):
+                        a4, b4, e4 = (sCoef[None, self.coef_column(w, h, j, q)].load() for w in range(3))
+                        for fi in cutlass.range_constexpr(4):
+                            f = 4 * j + fi
+                            a_c, b_c, e_c = a4[fi], b4[fi], e4[fi]
+                            for u in cutlass.range_constexpr(self.UNROLL):
+                                acc[u * self.G + h] = (acc[u * self.G + h] + a_c * xr[u][f] + b_c * xi[u][f]
+                                                       + e_c * mg[u][f])
+                for u in cutlass.range_constexpr(self.UNROLL):
                     # Reduce-scatter over the token's lanes: each exchange halves the heads a lane holds, so G
                     # sums cost about G shuffles instead of G * log2(LANES).
-                    held = [acc[h] for h in range(self.G)] + [Float32(0.0)] * (self.G2 - self.G)
+                    held = [acc[u * self.G + h] for h in range(self.G)] + [Float32(0.0)] * (self.G2 - self.G)
                     for span in self.SPANS[::-1]:
                         if cutlass.const_expr(len(held) > 1):
                             half = len(held) // 2
