@@ -1,9 +1,10 @@
 """Radix top-k over rows of ragged lengths, in CuTe DSL (one CTA per row).
 
 Keys are the fp32 bit patterns made order-preserving as unsigned ints (NaN lowest, -0 == +0). The k-th
-largest key T is found in three radix passes of 11, 11 and 10 bits with shared-memory histograms: the first
-pass reads the row, then the keys that share T's top 11 bits (a few percent of a row of scores) are copied to
-shared memory and the next two passes histogram only them. A last pass in index order keeps every key > T and
+largest key T is found in three radix passes of 11, 11 and 10 bits with shared-memory histograms. The first
+pass reads the row; a row of up to CANDIDATES keys is staged in shared memory on the way, so the row is read
+from global memory once. Longer rows copy the keys that share T's top 11 bits (a few percent of a row of scores)
+to shared memory instead. The next two passes histogram shared memory only. A last pass in index order keeps every key > T and
 the first (k - #greater) keys == T (lowest index wins ties) and writes their indices in ascending order through
 a block-wide exclusive scan. Lengths are read on the device; rows longer than k keep k, shorter rows keep all
 and pad with -1.
@@ -19,10 +20,11 @@ from cutlass.cutlass_dsl import dsl_user_op
 
 THREADS = 512
 WARPS = THREADS // 32
-PER_THREAD = 4          # consecutive elements per thread and sweep step (independent loads in flight)
+PER_THREAD = 8          # consecutive elements per thread and sweep step, all loaded before any is used
 HIST = 2048             # bins of the widest digit
 DIGITS = ((21, 11), (10, 11), (0, 10))  # (shift, bits) per radix pass, most significant first
-CANDIDATES = 32768      # keys kept in shared memory after the first pass (128 KiB); more: passes read the row
+CANDIDATES = 32768      # keys kept in shared memory (128 KiB, a multiple of the sweep step): a whole row up to this
+                        # length, else those sharing the top digit; more: every pass reads the row
 SIGN = -(2 ** 31)
 
 
@@ -108,6 +110,32 @@ def _select_bin(sHist: cute.Tensor, bins: cutlass.Constexpr[int], remaining: Int
                             above = above + c
 
 
+@cute.jit
+def _index(base: Int32, tidx: Int32, e: int, consecutive: cutlass.Constexpr[bool]) -> Int32:
+    """Element e of this thread in the sweep step at base: consecutive per thread (index order follows thread
+    order, which the keep pass's scan needs) or strided by THREADS (each load instruction coalesced)."""
+    if cutlass.const_expr(consecutive):
+        return base + tidx * PER_THREAD + e
+    else:
+        return base + e * THREADS + tidx
+
+
+@cute.jit
+def _load_keys(mBits: cute.Tensor, row: Int32, sCols: cute.Tensor, staged: cutlass.Boolean, base: Int32,
+               tidx: Int32, n: Int32, keys: cute.Tensor, consecutive: cutlass.Constexpr[bool]):
+    """This thread's PER_THREAD keys of the sweep step at base. From global memory, every load is issued before
+    any key is used (indices past the row read its last key, so no load is conditional); from a row staged in
+    shared memory (consecutive order only), as vector loads of the thread's column (the row's capacity covers
+    the last step). The caller masks by index."""
+    if staged:
+        keys.store(sCols[None, base // PER_THREAD + tidx].load())
+    else:
+        for e in cutlass.range_constexpr(PER_THREAD):
+            keys[e] = mBits[row, cutlass.min(_index(base, tidx, e, consecutive), n - 1)]
+        for e in cutlass.range_constexpr(PER_THREAD):
+            keys[e] = _ukey(keys[e])
+
+
 @cute.kernel
 def _topk_kernel(mBits: cute.Tensor, mLengths: cute.Tensor, mOut: cute.Tensor, k: Int32):
     tidx, _, _ = cute.arch.thread_idx()
@@ -117,6 +145,7 @@ def _topk_kernel(mBits: cute.Tensor, mLengths: cute.Tensor, mOut: cute.Tensor, k
     smem = cutlass.utils.SmemAllocator()
     sHist = smem.allocate_tensor(Int32, cute.make_layout(HIST), byte_alignment=16)
     sCand = smem.allocate_tensor(Int32, cute.make_layout(CANDIDATES), byte_alignment=16)
+    sCols = cute.make_tensor(sCand.iterator, cute.make_layout((PER_THREAD, CANDIDATES // PER_THREAD)))
     sScan = smem.allocate_tensor(Int32, cute.make_layout(WARPS), byte_alignment=16)
     sPick = smem.allocate_tensor(Int32, cute.make_layout(4), byte_alignment=16)  # bin, above, candidate count
 
@@ -126,6 +155,8 @@ def _topk_kernel(mBits: cute.Tensor, mLengths: cute.Tensor, mOut: cute.Tensor, k
     if n < 0:
         n = Int32(0)
     step = THREADS * PER_THREAD
+    keys = cute.make_rmem_tensor(PER_THREAD, Int32)
+    staged = n > k and n <= CANDIDATES  # the first pass stages the row in sCand; later sweeps read it there
 
     threshold = Int32(0)  # unsigned-order key of the k-th largest
     need = n              # keys equal to the threshold to keep (lowest index first)
@@ -152,10 +183,13 @@ def _topk_kernel(mBits: cute.Tensor, mLengths: cute.Tensor, mOut: cute.Tensor, k
                         _smem_add(sHist.iterator + ((u >> shift) & (bins - 1)), 1)
             else:
                 for base in cutlass.range(0, n, step):
+                    _load_keys(mBits, row, sCols, False, base, tidx, n, keys, False)
                     for e in cutlass.range_constexpr(PER_THREAD):
-                        i = base + tidx * PER_THREAD + e
+                        i = _index(base, tidx, e, False)
                         if i < n:
-                            u = _ukey(mBits[row, i])
+                            u = keys[e]
+                            if p == 0 and staged:
+                                sCand[i] = u
                             if (u & mask) == prefix:
                                 _smem_add(sHist.iterator + ((u >> shift) & (bins - 1)), 1)
             cute.arch.sync_threads()
@@ -165,15 +199,18 @@ def _topk_kernel(mBits: cute.Tensor, mLengths: cute.Tensor, mOut: cute.Tensor, k
             remaining = remaining - sPick[1]
             if p == 0:
                 count = sHist[chosen]
+                if staged:
+                    count = n  # the candidates are the whole staged row (the next passes mask by prefix)
             prefix = prefix | (chosen << shift)
             mask = mask | _i32((bins - 1) << shift)
             if p == 0:
-                if count <= CANDIDATES:  # keep the keys sharing the top digit for the next passes
+                if not staged and count <= CANDIDATES:  # keep the keys sharing the top digit for the next passes
                     for base in cutlass.range(0, n, step):
+                        _load_keys(mBits, row, sCols, False, base, tidx, n, keys, False)
                         for e in cutlass.range_constexpr(PER_THREAD):
-                            i = base + tidx * PER_THREAD + e
+                            i = _index(base, tidx, e, False)
                             if i < n:
-                                u = _ukey(mBits[row, i])
+                                u = keys[e]
                                 if (u & mask) == prefix:
                                     sCand[_smem_add(sPick.iterator + 2, 1)] = u
             cute.arch.sync_threads()
@@ -184,13 +221,14 @@ def _topk_kernel(mBits: cute.Tensor, mLengths: cute.Tensor, mOut: cute.Tensor, k
     greater_base = Int32(0)
     equal_base = Int32(0)
     for base in cutlass.range(0, n, step):
+        _load_keys(mBits, row, sCols, staged, base, tidx, n, keys, True)
         flags = cute.make_rmem_tensor(PER_THREAD, Int32)
         packed = Int32(0)
         for e in cutlass.range_constexpr(PER_THREAD):
-            i = base + tidx * PER_THREAD + e
+            i = _index(base, tidx, e, True)
             flags[e] = Int32(0)
             if i < n:
-                u = _ukey(mBits[row, i])
+                u = keys[e]
                 if _ugt(u, threshold):
                     flags[e] = Int32(1)
                 if u == threshold:
@@ -200,7 +238,7 @@ def _topk_kernel(mBits: cute.Tensor, mLengths: cute.Tensor, mOut: cute.Tensor, k
         greater = greater_base + (before & 0xFFFF)
         equal = equal_base + (before >> 16)
         for e in cutlass.range_constexpr(PER_THREAD):
-            i = base + tidx * PER_THREAD + e
+            i = _index(base, tidx, e, True)
             slot = greater + cutlass.min(equal, need)
             if flags[e] == 1:
                 if slot < k:  # always true for a consistent threshold; never write past the row
