@@ -283,9 +283,7 @@ def _reduce_op(raw: torch.Tensor, stats: torch.Tensor, prompt_lengths: torch.Ten
         _reduce_torch(raw, stats, prompt_lengths, cache_lengths, rows, mode, num_kv_heads, normalize)
         return
     R, L, Hq, n = raw.shape
-    block_j = 1024  # narrower blocks while the grid is small (union has one row per request): loads in flight
-    while block_j > 256 and R * rows.shape[1] * triton.cdiv(n, block_j) < 4096:
-        block_j //= 2
+    block_j = 1024
     launch[(R, rows.shape[1], triton.cdiv(n, block_j))](
         raw, stats, prompt_lengths, cache_lengths, rows, n, stats.shape[3], rows.shape[1], L=L, Hq=Hq,
         G=Hq // num_kv_heads,
