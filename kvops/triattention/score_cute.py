@@ -3,9 +3,10 @@
 CTA (chunk, layer * Hkv + g, r) scores CHUNK consecutive decode tokens of request r against the G query heads
 of KV head g. A token's key is split over LANES lanes, each holding FPL frequencies (one 8- or 16-byte load from
 each rotary half); K is read exactly once. The per-(head, frequency) coefficients and the chunk's page ids are
-staged in shared memory; each coefficient read serves UNROLL tokens, and those tokens' loads fly one stage ahead
-in registers. A reduce-scatter butterfly over the token's lanes finishes the G dot products. Scores are staged in shared memory, then written
-coalesced with the chunk's (mean, M2) per head, from which the reduce merges each (r, l, h)'s statistics.
+staged in shared memory; each coefficient read serves UNROLL tokens, whose successors' loads are in flight in
+registers meanwhile. A reduce-scatter butterfly over the token's lanes finishes the G dot products. Scores are
+staged in shared memory, then written coalesced with the chunk's (mean, M2) per head, from which the reduce
+merges each (r, l, h)'s statistics.
 Coefficients fold the mean phase in: a = qr C - qi S, b = qr S + qi C (qr, qi, e already times freq_scale_sq).
 """
 
@@ -26,8 +27,8 @@ KV_TYPES = (cutlass.BFloat16, cutlass.Float16)  # passed by index: DSL 4.3.5 tak
 
 
 def lane_split(num_freqs: int, group: int) -> tuple[int, int]:
-    """(frequencies per lane, lanes per token): 8 frequencies (16-byte bf16 loads) while the group's coefficients
-    fit in registers (G <= 4), else 4."""
+    """(frequencies per lane, lanes per token): 8 frequencies (16-byte bf16 loads) for G <= 4, else 4 (chosen when
+    the coefficients lived in registers; the G > 4 case has not been re-tuned since)."""
     fpl = FREQS_PER_LANE or (8 if group <= 4 else 4)
     return fpl, num_freqs // fpl
 
@@ -81,8 +82,9 @@ class Scorer:
         self.kernel(mLayerK, mTable, mPrompt, mCache, mPhase, mQr, mQi, mE, mRaw, mStats, page_stride, head_stride,
                     token_stride).launch(grid=grid, block=[self.THREADS, 1, 1], smem=smem_bytes, stream=stream)
 
-    def coef_column(self, c, h, j, q):
-        return ((c * self.G + h) * (self.FPL // 4) + j) * self.LANES + q
+    def coef_column(self, which, h, j, q):
+        """sCoef column of coefficient `which` (a, b, e) of head h, frequencies 4j..4j+3 of lane slice q."""
+        return ((which * self.G + h) * (self.FPL // 4) + j) * self.LANES + q
 
     def load_keys(self, dst_r, dst_i, step, sPage, page0, start, todo, slot_in_step, base, page_stride,
                   token_stride):

@@ -4,10 +4,10 @@ Keys are the fp32 bit patterns made order-preserving as unsigned ints (NaN lowes
 largest key T is found in three radix passes of 11, 11 and 10 bits with shared-memory histograms. The first
 pass reads the row; a row of up to CANDIDATES keys is staged in shared memory on the way, so the row is read
 from global memory once. Longer rows copy the keys that share T's top 11 bits (a few percent of a row of scores)
-to shared memory instead. The next two passes histogram shared memory only. A last pass in index order keeps every key > T and
-the first (k - #greater) keys == T (lowest index wins ties) and writes their indices in ascending order through
-a block-wide exclusive scan. Lengths are read on the device; rows longer than k keep k, shorter rows keep all
-and pad with -1.
+to shared memory instead. The next two passes histogram shared memory only. A last pass in index order keeps
+every key > T and the first (k - #greater) keys == T (lowest index wins ties) and writes their indices in
+ascending order through a block-wide exclusive scan. Lengths are read on the device; rows longer than k keep k,
+shorter rows keep all and pad with -1.
 """
 
 from __future__ import annotations
