@@ -205,7 +205,7 @@ def test_cute_kernels_compile_without_a_gpu(arch):
     code = ("import torch\n"
             "from kvops.triattention.score import compile_scorer\n"
             "from kvops.triattention.topk import compile_topk\n"
-            "compile_topk(None)\n"
+            "compile_topk(None, vector=True)\ncompile_topk(None, vector=False)\n"
             "for F, G in ((64, 4), (32, 8), (16, 4)):\n"
             "    compile_scorer(torch.bfloat16, F, G, 16, None)\n"
             "compile_scorer(torch.float16, 64, 4, 64, None)\n")

@@ -42,11 +42,15 @@ def test_matches_torch_topk_on_distinct_values(device):
 
 
 @requires_cuda
-@pytest.mark.parametrize("N,k", [(16_384, 2048), (131_072, 8192), (262_144, 8192)])
-def test_large_rows_cuda(N, k):
-    scores = torch.randn(3, N, device="cuda")
+@pytest.mark.parametrize("N,k", [(16_384, 2048), (32_768, 2048), (131_072, 8192), (262_144, 8192)])
+@pytest.mark.parametrize("offset", [0, 1])
+def test_large_rows_cuda(N, k, offset):
+    """Rows staged in shared memory (N <= 32k) or swept from global memory; per-thread candidate lists that fit
+    or overflow (three distinct values); 16-byte or (offset: rows 4 bytes off alignment) 4-byte staging copies."""
+    scores = torch.randn(4, N + offset, device="cuda")[:, offset:]
     scores[1] = scores[1].round()  # many ties
-    lengths = torch.tensor([N, N // 2 + 3, k - 5], dtype=torch.int32, device="cuda")
+    scores[2] = torch.randint(0, 3, (N,), device="cuda").float()  # the top digit's bin overflows every list
+    lengths = torch.tensor([N, N // 2 + 3, N - 1, k - 5], dtype=torch.int32, device="cuda")
     got = topk(scores, lengths, k).cpu()
     cpu = topk(scores.cpu(), lengths.cpu(), k)
     assert torch.equal(got, cpu)

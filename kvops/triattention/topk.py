@@ -13,15 +13,16 @@ import torch
 from . import _cute
 
 
-def compile_topk(device: torch.device | None):
-    """Compile the CuTe kernel (shapes are dynamic: one compile serves all); device None: compile only (CI)."""
+def compile_topk(device: torch.device | None, vector: bool = True):
+    """Compile the CuTe kernel (shapes are dynamic: one compile serves all); device None: compile only (CI).
+    vector: rows start 16-byte aligned and the row length is a multiple of 4 (16-byte staging copies)."""
     import cutlass
     import cutlass.cute as cute
 
-    from .topk_cute import topk_launch
+    from .topk_cute import TopK
 
     dummy = [torch.zeros(s, dtype=torch.int32, device=device or "cpu") for s in ((2, 8), (2,), (2, 4))]
-    return cute.compile(topk_launch, *_cute.dynamic(*dummy), cutlass.Int32(4), _cute.stream(device))
+    return cute.compile(TopK(vector), *_cute.dynamic(*dummy), cutlass.Int32(4), _cute.stream(device))
 
 
 @torch.library.custom_op("kvops::topk_", mutates_args={"out"})
@@ -44,7 +45,9 @@ def _topk_cuda(scores, lengths, k, out):
     from cutlass import Int32
 
     device = scores.device
-    fn = _cute.compiled("kvops.topk", ("topk", _cute.device_index(device)), lambda: compile_topk(device))
+    vector = scores.data_ptr() % 16 == 0 and scores.stride(0) % 4 == 0 and scores.shape[1] % 4 == 0
+    fn = _cute.compiled("kvops.topk", ("topk", _cute.device_index(device), vector),
+                        lambda: compile_topk(device, vector))
     # the kernel reads the fp32 bit patterns
     fn(*_cute.dynamic(scores.view(torch.int32), lengths, out), Int32(k), _cute.stream(scores.device))
 
