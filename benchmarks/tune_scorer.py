@@ -14,8 +14,8 @@ from .bench_triattention import _graphed, qwen3_workload
 from .common import device_copy_gbps, time_us
 
 # (frequencies per lane, tokens per lane group and stage, CTA threads, chunk)
-CONFIGS = [(8, 2, 64, 1024), (8, 2, 64, 2048), (8, 2, 128, 1024), (8, 2, 128, 2048), (4, 2, 64, 1024),
-           (8, 1, 64, 1024), (8, 2, 32, 1024)]
+CONFIGS = [(8, 4, 64, 1024), (8, 5, 64, 1024), (8, 6, 64, 1024), (8, 8, 64, 1024), (8, 6, 64, 2048),
+           (8, 6, 128, 1024), (8, 2, 64, 1024)]
 
 
 def main() -> None:

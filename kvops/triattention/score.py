@@ -232,8 +232,8 @@ def _reduce_torch(raw, stats, prompt_lengths, cache_lengths, rows, mode, num_kv_
 
 @triton.jit
 def _reduce_kernel(raw, stats, prompt_lengths, cache_lengths, rows, n, NC, ROWS, L: tl.constexpr, Hq: tl.constexpr,
-                   G: tl.constexpr, MODE: tl.constexpr, NORMALIZE: tl.constexpr, CHUNK: tl.constexpr,
-                   BLOCK_J: tl.constexpr, BLOCK_C: tl.constexpr):
+                   G: tl.constexpr, GP: tl.constexpr, MODE: tl.constexpr, NORMALIZE: tl.constexpr,
+                   CHUNK: tl.constexpr, BLOCK_J: tl.constexpr, BLOCK_C: tl.constexpr):
     r = tl.program_id(0)
     row = tl.program_id(1)
     j = tl.program_id(2) * BLOCK_J + tl.arange(0, BLOCK_J)
@@ -243,33 +243,34 @@ def _reduce_kernel(raw, stats, prompt_lengths, cache_lengths, rows, n, NC, ROWS,
     width = tl.minimum(tl.maximum(count - c * CHUNK, 0), CHUNK)
     live_c = (c < NC) & (width > 0)
     total = tl.maximum(count, 1).to(tl.float32)
-    # The (layer, head) block this row reduces. Trip counts are constexprs (Triton 3.6's interpreter cannot
+    dh = tl.arange(0, GP)  # a KV head's G query heads (padded to a power of two), loaded as one tile
+    live_h = dh < G
+    # The (layer, group) blocks this row reduces. Trip counts are constexprs (Triton 3.6's interpreter cannot
     # range() over an int argument).
     if MODE == 2:    # per_layer_perhead: row = layer * Hkv + g
         l_lo = row // (Hq // G)
         h_lo = (row % (Hq // G)) * G
-    else:            # union: every (layer, head); per_head: every layer, the heads of KV head `row`
+    else:            # union: every (layer, group); per_head: every layer, the group of KV head `row`
         l_lo = 0
         h_lo = 0 if MODE == 0 else row * G
     acc = tl.full([BLOCK_J], 0.0 if MODE == 1 else -float("inf"), tl.float32)
     for dl in range(0, 1 if MODE == 2 else L):
-        best = tl.full([BLOCK_J], -float("inf"), tl.float32)
-        for dh in range(0, Hq if MODE == 0 else G):
-            plane = (r.to(tl.int64) * L + l_lo + dl) * Hq + h_lo + dh
-            s = tl.load(raw + plane * n + j, mask=valid, other=0.0)
+        for dg in range(0, Hq // G if MODE == 0 else 1):
+            plane = (r.to(tl.int64) * L + l_lo + dl) * Hq + h_lo + dg * G + dh                  # [GP]
+            s = tl.load(raw + plane[:, None] * n + j[None, :], mask=live_h[:, None] & valid[None, :], other=0.0)
             if NORMALIZE:  # merge the chunk partials (Chan et al.): population mean and std of (r, layer, h)
-                part = stats + (plane * NC + c) * 2
-                m = tl.load(part, mask=live_c, other=0.0)
-                m2 = tl.load(part + 1, mask=live_c, other=0.0)
-                w = width.to(tl.float32)
-                mean = tl.sum(m * w, 0) / total
-                var = tl.sum(m2 + w * (m - mean) * (m - mean), 0) / total
-                s = (s - mean) / tl.maximum(tl.sqrt(var), 1e-6)
-            best = tl.maximum(best, s)
-        if MODE == 1:
-            acc += best
-        else:
-            acc = tl.maximum(acc, best)
+                part = stats + (plane[:, None] * NC + c[None, :]) * 2                            # [GP, BLOCK_C]
+                m = tl.load(part, mask=live_h[:, None] & live_c[None, :], other=0.0)
+                m2 = tl.load(part + 1, mask=live_h[:, None] & live_c[None, :], other=0.0)
+                w = width.to(tl.float32)[None, :]
+                mean = tl.sum(m * w, 1) / total
+                var = tl.sum(m2 + w * (m - mean[:, None]) * (m - mean[:, None]), 1) / total
+                s = (s - mean[:, None]) / tl.maximum(tl.sqrt(var), 1e-6)[:, None]
+            best = tl.max(tl.where(live_h[:, None], s, -float("inf")), 0)  # max over the group's heads
+            if MODE == 1:
+                acc += best
+            else:
+                acc = tl.maximum(acc, best)
     if MODE == 1:
         acc = acc / L
     tl.store(rows + (r.to(tl.int64) * ROWS + row) * n + j, tl.where(valid, acc, -float("inf")), mask=j < n)
@@ -286,7 +287,7 @@ def _reduce_op(raw: torch.Tensor, stats: torch.Tensor, prompt_lengths: torch.Ten
     block_j = 1024
     launch[(R, rows.shape[1], triton.cdiv(n, block_j))](
         raw, stats, prompt_lengths, cache_lengths, rows, n, stats.shape[3], rows.shape[1], L=L, Hq=Hq,
-        G=Hq // num_kv_heads,
+        G=Hq // num_kv_heads, GP=triton.next_power_of_2(Hq // num_kv_heads),
         MODE=MODES.index(mode), NORMALIZE=normalize, CHUNK=CHUNK, BLOCK_J=block_j,
         BLOCK_C=max(triton.next_power_of_2(stats.shape[3]), 2))
 

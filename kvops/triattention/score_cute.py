@@ -3,8 +3,8 @@
 CTA (chunk, layer * Hkv + g, r) scores CHUNK consecutive decode tokens of request r against the G query heads
 of KV head g. A token's key is split over LANES lanes, each holding FPL frequencies (one 8- or 16-byte load from
 each rotary half); K is read exactly once. The per-(head, frequency) coefficients and the chunk's page ids are
-staged in shared memory; each coefficient read serves UNROLL tokens, whose successors' loads are in flight in
-registers meanwhile. A reduce-scatter butterfly over the token's lanes finishes the G dot products. Scores are
+staged in shared memory; the main loop runs frequency by frequency (one frequency's fp32 values live at a time),
+and each coefficient read serves UNROLL tokens, whose successors' loads are in flight in registers meanwhile. A reduce-scatter butterfly over the token's lanes finishes the G dot products. Scores are
 staged in shared memory, then written coalesced with the chunk's (mean, M2) per head, from which the reduce
 merges each (r, l, h)'s statistics.
 Coefficients fold the mean phase in: a = qr C - qi S, b = qr S + qi C (qr, qi, e already times freq_scale_sq).
@@ -21,7 +21,8 @@ from cutlass.cutlass_dsl import T, dsl_user_op
 from .score import CHUNK  # decode tokens per CTA, and per statistics partial
 
 THREADS = 64
-UNROLL = 2   # tokens per lane group per pipeline stage (the next stage's loads fly while these are scored)
+UNROLL = 4   # tokens per lane group per pipeline stage (the next stage's loads fly while these are scored);
+             # H200: 2/3/4/5/6/8 -> 12.6/12.4/11.6/12.0/12.4/12.0 ms (benchmarks.tune_scorer)
 FREQS_PER_LANE = None  # None: lane_split's choice (a tuning knob for the benchmark sweep)
 KV_TYPES = (cutlass.BFloat16, cutlass.Float16)  # passed by index: DSL 4.3.5 takes no type as a compile argument
 
@@ -72,19 +73,20 @@ class Scorer:
         self.HALVINGS = min(len(self.SPANS), (self.G2 - 1).bit_length())
         self.BYTES = self.dtype.width // 8
         self.PAGES = (CHUNK + page_size - 2) // page_size + 1  # pages a chunk can touch
+        self.HG = (group + 3) // 4  # groups of 4 heads: one 16-byte coefficient load each
 
     @cute.jit
     def __call__(self, mLayerK: cute.Tensor, mTable: cute.Tensor, mPrompt: cute.Tensor, mCache: cute.Tensor,
                  mPhase: cute.Tensor, mQr: cute.Tensor, mQi: cute.Tensor, mE: cute.Tensor, mRaw: cute.Tensor,
                  mStats: cute.Tensor, page_stride: Int64, head_stride: Int64, token_stride: Int64, stream):
-        smem_bytes = (self.G * CHUNK + self.WARPS + self.PAGES + 3 * self.G * self.F) * 4 + 64
+        smem_bytes = (self.G * CHUNK + self.WARPS + self.PAGES + 12 * self.HG * self.F) * 4 + 64
         grid = [mStats.shape[3], mQr.shape[0] * (mQr.shape[1] // self.G), mRaw.shape[0]]
         self.kernel(mLayerK, mTable, mPrompt, mCache, mPhase, mQr, mQi, mE, mRaw, mStats, page_stride, head_stride,
                     token_stride).launch(grid=grid, block=[self.THREADS, 1, 1], smem=smem_bytes, stream=stream)
 
-    def coef_column(self, which, h, j, q):
-        """sCoef column of coefficient `which` (a, b, e) of head h, frequencies 4j..4j+3 of lane slice q."""
-        return ((which * self.G + h) * (self.FPL // 4) + j) * self.LANES + q
+    def coef_column(self, which, hg, fi, q):
+        """sCoef column of coefficient `which` (a, b, e) of heads 4hg..4hg+3, frequency fi of lane slice q."""
+        return ((fi * 3 + which) * self.HG + hg) * self.LANES + q
 
     def load_keys(self, dst_r, dst_i, step, sPage, page0, start, todo, slot_in_step, base, page_stride,
                   token_stride):
@@ -113,9 +115,9 @@ class Scorer:
                                       byte_alignment=16)
         sRed = smem.allocate_tensor(Float32, cute.make_layout(self.WARPS), byte_alignment=16)
         sPage = smem.allocate_tensor(Int32, cute.make_layout(self.PAGES), byte_alignment=16)
-        # [4, (coef, head, group of 4 frequencies, lane)]: a lane's 4 consecutive coefficients are one 16-byte load,
-        # and the 8 lanes of a token read 128 contiguous bytes (no bank conflict).
-        sCoef = smem.allocate_tensor(Float32, cute.make_layout((4, 3 * self.G * self.F // 4)), byte_alignment=16)
+        # [4 heads, (frequency in the lane's slice, coef, head group, lane)]: a frequency's coefficient for 4 heads is
+        # one 16-byte load, and the 8 lanes of a token read 128 contiguous bytes (no bank conflict).
+        sCoef = smem.allocate_tensor(Float32, cute.make_layout((4, 3 * self.HG * self.F)), byte_alignment=16)
         num_kv = mQr.shape[1] // self.G
         layer = lg // num_kv
         g = lg - layer * num_kv
@@ -134,12 +136,15 @@ class Scorer:
             f0 = q * self.FPL
             # The G x F coefficients of this (request, layer, KV head), once per CTA into shared memory: in registers
             # they would cost the occupancy that hides the FMA latency.
-            for at in cutlass.range(tidx, self.G * self.F, self.THREADS):
+            for at in cutlass.range(tidx, 4 * self.HG * self.F, self.THREADS):
                 h, f = at // self.F, at % self.F
-                c, s = mPhase[r, 0, f], mPhase[r, 1, f]
-                qr, qi = mQr[layer, g * self.G + h, f], mQi[layer, g * self.G + h, f]
-                for which, value in enumerate((qr * c - qi * s, qr * s + qi * c, mE[layer, g * self.G + h, f])):
-                    sCoef[f % 4, self.coef_column(which, h, (f % self.FPL) // 4, f // self.FPL)] = value
+                ca, cb, ce = Float32(0.0), Float32(0.0), Float32(0.0)  # padding heads of the last group score 0
+                if h < self.G:
+                    c, s = mPhase[r, 0, f], mPhase[r, 1, f]
+                    qr, qi = mQr[layer, g * self.G + h, f], mQi[layer, g * self.G + h, f]
+                    ca, cb, ce = qr * c - qi * s, qr * s + qi * c, mE[layer, g * self.G + h, f]
+                for which, value in enumerate((ca, cb, ce)):
+                    sCoef[h % 4, self.coef_column(which, h // 4, f % self.FPL, f // self.FPL)] = value
 
             # The chunk's page ids, staged once: K addresses then need no dependent global load per token.
             page0 = (prompt + first) // self.T
@@ -163,27 +168,22 @@ class Scorer:
             self.load_keys(kr, ki, Int32(0), *where)
             for step in cutlass.range(0, todo, self.TOKENS * self.UNROLL):
                 self.load_keys(nr, ni, step + self.TOKENS * self.UNROLL, *where)
-                xr = [cute.make_rmem_tensor(self.FPL, Float32) for _ in range(self.UNROLL)]
-                xi = [cute.make_rmem_tensor(self.FPL, Float32) for _ in range(self.UNROLL)]
-                mg = [cute.make_rmem_tensor(self.FPL, Float32) for _ in range(self.UNROLL)]
                 acc = cute.make_rmem_tensor(self.UNROLL * self.G, Float32)
-                for u in cutlass.range_constexpr(self.UNROLL):
-                    xr[u].store(kr[u].load().to(Float32))
-                    xi[u].store(ki[u].load().to(Float32))
-                    for f in cutlass.range_constexpr(self.FPL):
-                        mg[u][f] = sqrt_approx(xr[u][f] * xr[u][f] + xi[u][f] * xi[u][f])
-                    for h in cutlass.range_constexpr(self.G):
-                        acc[u * self.G + h] = Float32(0.0)
-                # Each coefficient is read once from shared memory and used for UNROLL tokens.
-                for h in cutlass.range_constexpr(self.G):
-                    for j in cutlass.range_constexpr(self.FPL // 4):
-                        a4, b4, e4 = (sCoef[None, self.coef_column(w, h, j, q)].load() for w in range(3))
-                        for fi in cutlass.range_constexpr(4):
-                            f = 4 * j + fi
-                            a_c, b_c, e_c = a4[fi], b4[fi], e4[fi]
+                for i in cutlass.range_constexpr(self.UNROLL * self.G):
+                    acc[i] = Float32(0.0)
+                # Frequency by frequency, so only one frequency's fp32 values are live (the registers go to more
+                # CTAs per SM instead); each coefficient is read once from shared memory and used for UNROLL tokens.
+                for f in cutlass.range_constexpr(self.FPL):
+                    xr = [Float32(kr[u][f]) for u in range(self.UNROLL)]
+                    xi = [Float32(ki[u][f]) for u in range(self.UNROLL)]
+                    mg = [sqrt_approx(xr[u] * xr[u] + xi[u] * xi[u]) for u in range(self.UNROLL)]
+                    for hg in cutlass.range_constexpr(self.HG):
+                        a4, b4, e4 = (sCoef[None, self.coef_column(w, hg, f, q)].load() for w in range(3))
+                        for h4 in cutlass.range_constexpr(min(4, self.G - 4 * hg)):
+                            h = 4 * hg + h4
                             for u in cutlass.range_constexpr(self.UNROLL):
-                                acc[u * self.G + h] = (acc[u * self.G + h] + a_c * xr[u][f] + b_c * xi[u][f]
-                                                       + e_c * mg[u][f])
+                                acc[u * self.G + h] = (acc[u * self.G + h] + a4[h4] * xr[u] + b4[h4] * xi[u]
+                                                       + e4[h4] * mg[u])
                 for u in cutlass.range_constexpr(self.UNROLL):
                     # Reduce-scatter over the token's lanes: each exchange halves the heads a lane holds, so G
                     # sums cost about G shuffles instead of G * log2(LANES).
