@@ -1,7 +1,7 @@
 """kvops.topk: per-row top-k over rows of ragged lengths, ascending indices, lowest index wins ties.
 
-GPU: the CuTe DSL radix select in topk_cute.py, compiled once per device (shapes are dynamic) and launched on
-the current stream. CPU: the same semantics with torch sorts. Semantics (both): for row r, the indices of the
+GPU: the CuTe DSL radix select in topk_cute.py, compiled once per device and staging-copy width (shapes are
+dynamic) and launched on the current stream. CPU: the same semantics with torch sorts. Semantics (both): for row r, the indices of the
 k largest of scores[r, :lengths[r]] in ascending order; ties go to the lowest index; NaN ranks below -inf;
 -0.0 equals +0.0; a row shorter than k is padded with -1.
 """

@@ -34,6 +34,10 @@ CANDIDATES = 32768      # a row up to this length is staged whole in shared memo
 SPILL = 16384           # room for the keys sharing the top digit: beside a staged row, or with CANDIDATES for a
                         # longer row; split evenly into per-thread lists (no atomics); overflow: sweep the row
 SIGN = -(2 ** 31)
+# What the scans, the bin picks and the staged keep pass rely on: one warp total per lane, at least one bin per
+# thread, whole keep-pass steps over a staged row, equal per-thread candidate lists.
+assert WARPS <= 32 and min(1 << w for _, w in DIGITS) >= THREADS and CANDIDATES % (THREADS * PER_THREAD) == 0
+assert SPILL % THREADS == 0 and (CANDIDATES + SPILL) % THREADS == 0
 
 
 def _i32(value: int) -> int:
