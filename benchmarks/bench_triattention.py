@@ -21,7 +21,7 @@ from types import SimpleNamespace
 import torch
 
 from kvops.triattention import Calibration, TriAttentionSelector, mean_phase
-from kvops.triattention.score import CHUNK, _reduce_torch, _score_torch, reduce_rows, score
+from kvops.triattention.score import CHUNK, STATS, _reduce_torch, _score_torch, reduce_rows, score
 from kvops.triattention.topk import topk
 
 from .common import Row, device_copy_gbps, time_us
@@ -99,7 +99,7 @@ def _round(rows_out: list[Row], copy_gbps: float, quick: bool) -> list[str]:
 
     def eager_torch(mode):
         raw = torch.empty(R, L, Hq, n, device="cuda")
-        stats = torch.empty(R, L, Hq, -(-n // CHUNK), 2, device="cuda")
+        stats = torch.empty(R, L, Hq, -(-n // CHUNK), STATS, device="cuda")
         _score_torch(pools, table, P, N, phase, *weights, raw, stats)
         rows = torch.empty(R, {"union": 1, "per_layer_perhead": L * Hkv}[mode], n, device="cuda")
         _reduce_torch(raw, stats, P, N, rows, mode, Hkv, True)

@@ -18,8 +18,10 @@ TORCH_LIBRARY(kvops, m) {
   // Cold-page codec: pools -> one fixed-size blob per page (plan from kvops/nvfp4/layout.py).
   m.def("nvfp4_encode_pages(Tensor[] pools, Tensor(a!) cold_pages, Tensor page_pairs, int[] plan, "
         "bool validate=False) -> ()");
+  // refused: int32 [1] on the pools' device, += 1 per (page, pool, plane) left untouched because its blob's
+  // global scale is not positive and finite (a slot never encoded, or corrupt).
   m.def("nvfp4_decode_pages(Tensor cold_pages, Tensor(a!)[] pools, Tensor page_pairs, int[] plan, "
-        "bool validate=False) -> ()");
+        "bool validate=False, Tensor(b!)? refused=None) -> ()");
   // Compaction: position destination_bases[r] + m of each (layer, plane, head) stream receives source m of the
   // stream's move list, list row layer_row_base[l] + head_row_stride[l] * head (lists from kvops/compaction/pack.py).
   m.def("compact_layers_(Tensor(a!)[] pools, Tensor page_table, Tensor sources, Tensor new_lengths, "

@@ -1,24 +1,70 @@
-"""Argument checks shared by the Python wrappers: clear ValueErrors naming the argument."""
+"""Argument checks shared by every public entry: clear ValueError/TypeError naming the argument, raised before
+anything changes."""
 
 from __future__ import annotations
+
+from typing import Iterable, Sequence
 
 import torch
 
 
+def check_int(what: str, name: str, value, minimum: int = 0, maximum: int | None = None) -> int:
+    """A Python int (not a bool) in [minimum, maximum]; returns it."""
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise TypeError(f"{what}: {name} must be an int, got {type(value).__name__} {value!r}")
+    if value < minimum or (maximum is not None and value > maximum):
+        bound = f">= {minimum}" if maximum is None else f"in [{minimum}, {maximum}]"
+        raise ValueError(f"{what}: {name} must be {bound}, got {value}")
+    return value
+
+
+def check_bool(what: str, name: str, value) -> bool:
+    if not isinstance(value, bool):
+        raise TypeError(f"{what}: {name} must be a bool, got {type(value).__name__} {value!r}")
+    return value
+
+
+def check_device(what: str, device: torch.device | None = None, **tensors) -> torch.device:
+    """Every keyword is a tensor or a sequence of tensors; all must sit on one real device (`device` when given,
+    else the first tensor's), never on "meta" (that would run the fake kernels and change nothing). Returns it."""
+    for name, value in tensors.items():
+        items = [(name, value)] if isinstance(value, torch.Tensor) or not isinstance(value, (list, tuple)) \
+            else [(f"{name}[{i}]", t) for i, t in enumerate(value)]
+        for label, t in items:
+            if not isinstance(t, torch.Tensor):
+                raise TypeError(f"{what}: {label} must be a tensor, got {type(t).__name__}")
+            if t.device.type == "meta":
+                raise ValueError(f"{what}: {label} is a meta tensor; kvops ops need real data on one device")
+            if device is None:
+                device = t.device
+            elif t.device != device:
+                raise ValueError(f"{what}: {label} is on {t.device}, expected {device} (where the other tensors live)")
+    return device
+
+
+def check_no_meta_mix(what: str, *args) -> None:
+    """For fake kernels: real tensors mixed with meta ones would dispatch to the fake and change nothing."""
+    flat = [t for a in args for t in (a if isinstance(a, (list, tuple)) else [a]) if isinstance(t, torch.Tensor)]
+    if len({t.device.type == "meta" for t in flat}) > 1:
+        raise ValueError(f"{what}: meta tensors mixed with real ones; kvops ops need real data on one device")
+
+
+def check_device_or_host(what: str, device: torch.device, **tensors) -> None:
+    """Each keyword is a tensor on `device` or on the host (pinned memory the kernels reach, or a host value)."""
+    for name, t in tensors.items():
+        if check_device(what, **{name: t}).type != "cpu":
+            check_device(what, device, **{name: t})
+
+
 def check_int32(what: str, device: torch.device | None = None, **tensors: tuple[torch.Tensor, int]) -> torch.device:
-    """Each keyword is (tensor, ndim); all must be int32 tensors on one device (`device` when given,
+    """Each keyword is (tensor, ndim); all must be int32 tensors on one real device (`device` when given,
     else the first tensor's), which is returned."""
     for name, (t, ndim) in tensors.items():
-        if not isinstance(t, torch.Tensor):
-            raise ValueError(f"{what}: {name} must be a tensor, got {type(t).__name__}")
+        device = check_device(what, device, **{name: t})
         if t.dtype != torch.int32:
             raise ValueError(f"{what}: {name} must be int32, got {t.dtype}")
         if t.dim() != ndim:
             raise ValueError(f"{what}: {name} must be {ndim}-D, got shape {tuple(t.shape)}")
-        if device is None:
-            device = t.device
-        elif t.device != device:
-            raise ValueError(f"{what}: {name} is on {t.device}, expected {device} (where the pools and indices live)")
     return device
 
 
@@ -30,3 +76,59 @@ def check_float32(what: str, device: torch.device, **tensors: tuple[torch.Tensor
             raise ValueError(f"{what}: {name} must be contiguous float32 {list(shape)} on {device}, got "
                              f"{getattr(t, 'dtype', type(t).__name__)} {tuple(getattr(t, 'shape', ()))} on "
                              f"{getattr(t, 'device', None)}")
+
+
+def _offsets_meet(delta: int, dims: Sequence[tuple[int, int]]) -> bool:
+    """Whether delta = sum_i stride_i * j_i with |j_i| < size_i for dims (stride, size) sorted by stride,
+    largest first: an element of one view sits `delta` elements after an element of the other. Exact for the
+    nested layouts pools use; a layout with many candidate digits is taken to overlap."""
+    if not dims:
+        return delta == 0
+    (stride, size), rest = dims[0], dims[1:]
+    reach = sum((n - 1) * s for s, n in rest)  # what the inner dims can still add or take away
+    lo, hi = max(-(size - 1), -((reach - delta) // stride)), min(size - 1, (delta + reach) // stride)
+    if hi - lo > 8:
+        return True
+    return any(_offsets_meet(delta - j * stride, rest) for j in range(lo, hi + 1))
+
+
+def overlap(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Whether two tensors share at least one byte of memory (same storage, intersecting elements)."""
+    if a.numel() == 0 or b.numel() == 0 or a.device != b.device or \
+            a.untyped_storage().data_ptr() != b.untyped_storage().data_ptr():
+        return False
+    span = lambda t: (t.data_ptr(), t.data_ptr() + t.itemsize * (1 + sum((n - 1) * s  # noqa: E731
+                                                                         for n, s in zip(t.shape, t.stride()))))
+    (a0, a1), (b0, b1) = span(a), span(b)
+    if a1 <= b0 or b1 <= a0:
+        return False
+    if (a.shape, a.stride(), a.dtype) != (b.shape, b.stride(), b.dtype) or (b0 - a0) % a.itemsize:
+        return True  # interleaved views of different geometry: treated as aliasing
+    dims = sorted(((s, n) for s, n in zip(a.stride(), a.shape) if n > 1), reverse=True)
+    return _offsets_meet((b0 - a0) // a.itemsize, dims)
+
+
+def check_disjoint(what: str, name: str, tensors: Sequence[torch.Tensor],
+                   others: Iterable[tuple[str, torch.Tensor]] = ()) -> None:
+    """No two of `tensors` (and none of them with a named tensor of `others`) share memory: the same pool passed
+    twice would be moved or encoded twice. Eager only: traced (fake) tensors have no addresses."""
+    if torch.compiler.is_compiling():
+        return
+    by_storage: dict[tuple, list[int]] = {}
+    for i, t in enumerate(tensors):
+        by_storage.setdefault((t.device, t.untyped_storage().data_ptr()), []).append(i)
+    for group in by_storage.values():
+        for x in range(len(group)):
+            for y in range(x + 1, len(group)):
+                i, j = group[x], group[y]
+                if overlap(tensors[i], tensors[j]):
+                    raise ValueError(f"{what}: {name}[{i}] and {name}[{j}] share memory; each must be its own "
+                                     f"tensor (the same pool passed twice would be changed twice)")
+    for other, t in others:
+        for i, p in enumerate(tensors):
+            if overlap(p, t):
+                raise ValueError(f"{what}: {other} shares memory with {name}[{i}]")
+
+
+def cdiv(n: int, d: int) -> int:
+    return -(-n // d)

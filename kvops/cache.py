@@ -14,6 +14,7 @@ from typing import Sequence
 
 import torch
 
+from ._checks import cdiv, check_device, check_int
 from .compaction import build_compaction_params, compact
 from .nvfp4 import ColdPageCodec, RowSpec
 
@@ -33,8 +34,10 @@ class PagedKVCache:
             raise ValueError(f"PagedKVCache: layout must be 'HND' or 'NHD', got {layout!r}")
         for name, v in (("num_layers", num_layers), ("num_kv_heads", num_kv_heads), ("head_dim", head_dim),
                         ("page_size", page_size), ("num_pages", num_pages)):
-            if not isinstance(v, int) or v <= 0:
-                raise ValueError(f"PagedKVCache: {name} must be a positive int, got {v!r}")
+            check_int("PagedKVCache", name, v, 1)
+        check_int("PagedKVCache", "host_slots", host_slots)
+        if torch.device(device).type == "meta":
+            raise ValueError("PagedKVCache: device must be a real device, got meta")
         self.layout, self.page_size, self.num_kv_heads, self.head_dim = layout, page_size, num_kv_heads, head_dim
         shape = (num_pages, 2, num_kv_heads, page_size, head_dim) if layout == "HND" else \
             (num_pages, 2, page_size, num_kv_heads, head_dim)
@@ -64,12 +67,24 @@ class PagedKVCache:
         return len(self._free_slots)
 
     def check_invariants(self) -> None:
+        """Raise AssertionError unless every page and slot is either free or held by exactly one request, and
+        every request holds exactly the pages (or slots) its length needs."""
         used_pages = [p for r in self._requests.values() for p in r.pages]
         used_slots = [s for r in self._requests.values() for s in (r.slots or [])]
         for kind, used, free, total in (("page", used_pages, self._free_pages, self.pools[0].shape[0]),
                                         ("slot", used_slots, self._free_slots, self.host.shape[0])):
             both = used + free
             assert len(both) == total and sorted(both) == list(range(total)), f"{kind} accounting broken"
+        for rid, r in self._requests.items():
+            held = len(r.pages) if r.slots is None else len(r.slots)
+            assert held == self._pages_for(r.length), \
+                f"request {rid!r}: length {r.length} needs {self._pages_for(r.length)} pages, it holds {held}"
+
+    def _distinct(self, what: str, rids: Sequence) -> list[_Request]:
+        rids = list(rids)
+        if len(set(rids)) != len(rids):
+            raise ValueError(f"{what}: request ids must be distinct, got {rids}")
+        return [self._get(r) for r in rids]
 
     def _get(self, rid) -> _Request:
         if rid not in self._requests:
@@ -77,7 +92,7 @@ class PagedKVCache:
         return self._requests[rid]
 
     def _pages_for(self, length: int) -> int:
-        return -(-length // self.page_size)
+        return cdiv(length, self.page_size)
 
     # -- lifecycle ----------------------------------------------------------------------------------------
     def add_request(self, rid) -> None:
@@ -98,6 +113,7 @@ class PagedKVCache:
         if req.slots is not None:
             raise ValueError(f"PagedKVCache: request {rid!r} is offloaded; onboard it before appending")
         H, D = self.num_kv_heads, self.head_dim
+        check_device("PagedKVCache.append", k=k, v=v)
         if k.shape != v.shape or k.dim() != 3 or k.shape[1:] != (H, D):
             raise ValueError(f"PagedKVCache.append: k and v must both be [n, {H}, {D}], got {tuple(k.shape)} and "
                              f"{tuple(v.shape)}")
@@ -136,7 +152,10 @@ class PagedKVCache:
         """int32 [R, width] (default: the longest request's pages) on `device` (default: the pools'), -1 past
         each request's pages."""
         reqs = [self._get(r) for r in rids]
-        table = torch.full((len(reqs), width or max([len(r.pages) for r in reqs] + [1])), -1, dtype=torch.int32)
+        need = max([len(r.pages) for r in reqs] + [1])
+        if width is not None:
+            check_int("PagedKVCache.page_table", "width", width, need)
+        table = torch.full((len(reqs), width or need), -1, dtype=torch.int32)
         for i, r in enumerate(reqs):
             table[i, :len(r.pages)] = torch.tensor(r.pages, dtype=torch.int32)
         return table.to(self.device if device is None else device)
@@ -145,10 +164,17 @@ class PagedKVCache:
     def compact(self, rids: Sequence, kept: torch.Tensor, scored_lengths: torch.Tensor, tail_lengths: torch.Tensor,
                 destination_bases: torch.Tensor, *, max_tail: int, validate: bool = True) -> torch.Tensor:
         """Move each request's kept tokens down in place (kvops.compaction), then release the pages past the new
-        lengths. Returns the new lengths. Validation (on by default here) raises before anything moves."""
-        reqs = [self._get(r) for r in rids]
+        lengths. Returns the new lengths. Validation (on by default here) raises before anything moves, also
+        when scored + tail differs from a request's length (tokens past it would be dropped)."""
+        reqs = self._distinct("PagedKVCache.compact", rids)
         if any(r.slots is not None for r in reqs):
             raise ValueError("PagedKVCache.compact: offloaded requests cannot be compacted")
+        if validate:
+            ends = (scored_lengths.long() + tail_lengths.long()).tolist() if len(reqs) == scored_lengths.shape[0] \
+                == tail_lengths.shape[0] else None
+            if ends is None or ends != [r.length for r in reqs]:
+                raise ValueError(f"PagedKVCache.compact: scored_lengths + tail_lengths ({ends}) must equal the "
+                                 f"requests' lengths {[r.length for r in reqs]}")
         params = build_compaction_params(self.views(), self.page_table(rids), kept, scored_lengths, tail_lengths,
                                          destination_bases, max_tail=max_tail)
         new_lengths = compact(params, len(reqs), validate=validate).tolist()
@@ -158,10 +184,15 @@ class PagedKVCache:
     def shrink(self, rids: Sequence, new_lengths: Sequence[int]) -> None:
         """After an in-place compaction: set the requests' new lengths and release the pages past them. The
         caller knows the lengths (destination base + kept + tail), so nothing is read back from the device."""
-        reqs = [self._get(r) for r in rids]
-        if len(new_lengths) != len(reqs) or any(not 0 <= n <= r.length for r, n in zip(reqs, new_lengths)):
-            raise ValueError(f"PagedKVCache.shrink: new lengths {list(new_lengths)} must not exceed the current "
-                             f"{[r.length for r in reqs]}")
+        what = "PagedKVCache.shrink"
+        reqs = self._distinct(what, rids)
+        new_lengths = list(new_lengths)
+        if len(new_lengths) != len(reqs):
+            raise ValueError(f"{what}: {len(new_lengths)} new lengths for {len(reqs)} requests")
+        for i, (req, n) in enumerate(zip(reqs, new_lengths)):  # every entry first, then apply
+            check_int(what, f"new_lengths[{i}]", n, 0, req.length)
+            if req.slots is not None:
+                raise ValueError(f"{what}: request {list(rids)[i]!r} is offloaded")
         for req, n in zip(reqs, new_lengths):
             keep = self._pages_for(n)
             self._free_pages += reversed(req.pages[keep:])

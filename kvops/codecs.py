@@ -36,17 +36,21 @@ class ColdPageCodecBase:
         self._codecs: dict[int, ColdPageCodec] = {}
         self._pools: dict[int, tuple[torch.Tensor, ...]] = {}
         self._batch_ids: dict[int, int] = {}
+        self.configure_error: str | None = None  # why the last configure() returned False
 
     def row_spec(self, desc: PoolDesc) -> RowSpec:
         raise NotImplementedError
 
     def configure(self, pool_descs: Sequence[PoolDesc]) -> bool:
-        """Plan every layer group; False (and nothing configured) when a group's layout cannot be expressed."""
+        """Plan every layer group; False (and nothing configured) when a group's layout cannot be expressed, with
+        the reason in ``configure_error``."""
         codecs, signatures = {}, {}
+        self.configure_error = None
         for desc in pool_descs:
             try:
                 codecs[desc.layer_group] = ColdPageCodec(desc.pools, [self.row_spec(desc)] * len(desc.pools))
-            except ValueError:
+            except ValueError as e:
+                self.configure_error = f"layer group {desc.layer_group}: {e}"
                 return False
             # Groups batch together only when everything the kernel reads from them is identical.
             signatures[desc.layer_group] = tuple((tuple(p.shape), tuple(p.stride()), p.dtype, p.device)
@@ -85,9 +89,15 @@ class ColdPageCodecBase:
             self._codec(layer_group).encode(self._pools[layer_group], dst_base, page_pairs)
 
     def decode(self, layer_group: int, src_base: torch.Tensor, page_pairs: torch.Tensor, stream=None) -> None:
-        """Decode cold slots into pages: page_pairs int32 [N, 2] of (page, slot in src_base)."""
+        """Decode cold slots into pages: page_pairs int32 [N, 2] of (page, slot in src_base). A plane whose slot
+        holds no valid global scale (never encoded) is left untouched and counted in ``refused(layer_group)``."""
         with self._on(stream):
             self._codec(layer_group).decode(src_base, self._pools[layer_group], page_pairs)
+
+
+    def refused(self, layer_group: int) -> torch.Tensor:
+        """The group's decode refusal counter (``kvops.nvfp4.ColdPageCodec.refused``) on its pools' device."""
+        return self._codec(layer_group).refused(self._pools[layer_group][0].device)
 
 
 class LosslessColdPageCodec(ColdPageCodecBase):

@@ -15,9 +15,9 @@ from typing import Any, ClassVar, Mapping
 
 import torch
 
+from ._checks import check_bool, check_int
 from .nvfp4.layout import DEFAULT_SCALE, RowSpec, _check_spec
-
-EVICTION_MODES = ("union", "per_head", "per_layer_perhead")
+from .triattention.reference import MODES
 
 
 @dataclass(frozen=True)
@@ -55,31 +55,47 @@ class NVFP4ColdPageConfig(KvCacheCompressionConfig):
     plane_dim: int | None = 1
 
     def __post_init__(self):
+        what = "NVFP4ColdPageConfig"
+        check_int(what, "row_size", self.row_size, 16)
         if self.rope_range is not None:
-            object.__setattr__(self, "rope_range", tuple(self.rope_range))
+            rope = self.rope_range
+            if not isinstance(rope, (tuple, list)) or len(rope) != 2:
+                raise ValueError(f"{what}.rope_range: must be (start, length) or None, got {rope!r}")
+            for name, v in zip(("start", "length"), rope):
+                check_int(what, f"rope_range {name}", v)
+            object.__setattr__(self, "rope_range", tuple(rope))
+        check_bool(what, "skip_rope_quantization", self.skip_rope_quantization)
+        check_int(what, "residual_dim", self.residual_dim)
+        if self.plane_dim is not None:
+            check_int(what, "plane_dim", self.plane_dim, 1)
         self.row_spec()  # raises ValueError naming the field
 
     def row_spec(self) -> RowSpec:
         def bad(field, msg):
             raise ValueError(f"NVFP4ColdPageConfig.{field}: {msg}")
 
-        if not isinstance(self.row_size, int) or self.row_size <= 0 or self.row_size % 16:
+        if self.row_size % 16:
             bad("row_size", f"must be a positive multiple of 16, got {self.row_size!r}")
-        if not isinstance(self.residual_dim, int) or self.residual_dim < 0 or self.residual_dim % 16:
+        if self.residual_dim % 16:
             bad("residual_dim", f"must be a non-negative multiple of 16, got {self.residual_dim!r}")
         rope = self.rope_range
         if self.residual_dim and (not rope or self.residual_dim > rope[1]):
             bad("residual_dim", f"{self.residual_dim} needs RoPE dims at least that long (rope_range={rope})")
+        # a pool [page, (1,) * (plane_dim - 1), plane, row] checks the spec as the codec will
+        shape = (1, *[1] * (self.plane_dim - 1), 2, self.row_size) if self.plane_dim else (1, self.row_size)
+        try:
+            _check_spec(0, shape, torch.bfloat16, RowSpec(global_scale=self.global_scale))
+        except ValueError as e:
+            bad("global_scale", str(e))
         try:
             spec = RowSpec.for_rope(self.row_size, rope, skip_rope_quantization=self.skip_rope_quantization,
                                     rope_residual=bool(self.residual_dim), global_scale=self.global_scale,
                                     plane_dim=self.plane_dim)
             if self.residual_dim:
                 spec = dataclasses.replace(spec, residual_range=(rope[0], self.residual_dim))
-            shape = (1, 2, self.row_size) if self.plane_dim is not None else (1, self.row_size)
             _check_spec(0, shape, torch.bfloat16, spec)
         except ValueError as e:
-            bad("rope_range" if "rope" in str(e) or "range" in str(e) else "global_scale", str(e))
+            bad("rope_range", str(e))
         return spec
 
 
@@ -97,16 +113,18 @@ class TriAttentionConfig(KvCacheCompressionConfig):
     calibration_path: str | None = None
 
     def __post_init__(self):
-        for name in ("budget", "beta"):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
-                raise ValueError(f"TriAttentionConfig.{name}: must be a positive int, got {value!r}")
-        if self.eviction_mode not in EVICTION_MODES:
-            raise ValueError(f"TriAttentionConfig.eviction_mode: {self.eviction_mode!r} is not one of {EVICTION_MODES}")
-        if not isinstance(self.normalize_scores, bool):
-            raise ValueError(f"TriAttentionConfig.normalize_scores: must be a bool, got {self.normalize_scores!r}")
+        what = "TriAttentionConfig"
+        check_int(what, "budget", self.budget, 1)
+        check_int(what, "beta", self.beta, 1)
+        if self.eviction_mode not in MODES:
+            raise ValueError(f"TriAttentionConfig.eviction_mode: {self.eviction_mode!r} is not one of {MODES}")
+        check_bool(what, "normalize_scores", self.normalize_scores)
         if self.calibration_path is None:
             raise ValueError("TriAttentionConfig.calibration_path: a calibration file is required")
+        if not isinstance(self.calibration_path, (str, os.PathLike)):
+            raise TypeError(f"TriAttentionConfig.calibration_path: must be a path, got "
+                            f"{type(self.calibration_path).__name__}")
+        object.__setattr__(self, "calibration_path", os.fspath(self.calibration_path))  # JSON-serializable
         if not os.path.isfile(self.calibration_path):
             raise ValueError(f"TriAttentionConfig.calibration_path: no file at {self.calibration_path!r}")
         try:

@@ -135,6 +135,14 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--json", help="also write the summary to this file")
     a = ap.parse_args(argv)
     device = a.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    if device == "cuda" and not torch.cuda.is_available():
+        ap.error("--device cuda: no CUDA GPU is visible to torch")
+    if a.json:  # fail now, not after the run
+        try:
+            with open(a.json, "a"):
+                pass
+        except OSError as e:
+            ap.error(f"--json {a.json}: cannot write there ({e.strerror})")
     r = run(a.preset or ("gpu" if device == "cuda" else "tiny"), device, getattr(torch, a.dtype))
     hot, cold = r["hot_page_bytes"], r["cold_page_bytes"]
     rows = [

@@ -20,6 +20,7 @@ from typing import Any, Mapping, Sequence
 
 import torch
 
+from ._checks import check_int
 from .compaction import build_compaction_params, compact
 from .config import KvCacheCompressionConfig, NVFP4ColdPageConfig, TriAttentionConfig
 from .triattention import TriAttentionSelector
@@ -33,6 +34,9 @@ class Request:
 
     id: Any
     prompt_length: int
+
+    def __post_init__(self):
+        check_int("Request", "prompt_length", self.prompt_length)
 
 
 class KVCacheCompressionManager:
@@ -79,6 +83,10 @@ class TriAttentionManager(KVCacheCompressionManager):
         self._round: TriAttentionRound | None = None
 
     def on_request_init(self, request: Request) -> None:
+        if not isinstance(request, Request):
+            raise TypeError(f"TriAttentionManager.on_request_init: expected a Request, got {type(request).__name__}")
+        if request.id in self.prompt_length:
+            raise ValueError(f"TriAttentionManager.on_request_init: request {request.id!r} is already admitted")
         self.prompt_length[request.id] = request.prompt_length
         self.since_round[request.id] = 0
         self.num_compressed_tokens[request.id] = 0
@@ -94,6 +102,16 @@ class TriAttentionManager(KVCacheCompressionManager):
     def due(self, batch: Sequence[tuple[Any, int]]) -> list:
         """Requests due for a round after this step: at most one round per step, however many tokens it
         confirmed."""
+        what = "TriAttentionManager.on_generation_step_end"
+        batch = list(batch)
+        for i, item in enumerate(batch):  # every item first, then apply
+            if not isinstance(item, (tuple, list)) or len(item) != 2:
+                raise ValueError(f"{what}: batch[{i}] must be (request id, confirmed tokens), got {item!r}")
+            if item[0] not in self.prompt_length:
+                raise ValueError(f"{what}: request {item[0]!r} was never admitted (on_request_init) or has finished")
+            check_int(what, f"batch[{i}] confirmed tokens", item[1])
+        if len({rid for rid, _ in batch}) != len(batch):
+            raise ValueError(f"{what}: a request appears twice in the batch")
         due = []
         for rid, confirmed in batch:
             self.since_round[rid] += confirmed
@@ -197,6 +215,18 @@ def create_compression_manager(config: KvCacheCompressionConfig, kv_cache, model
                          "reuse (prefix sharing): it rewrites pages in place")
     if getattr(kv_cache, "speculative_decoding", False) and not config.supports_speculative_decoding():
         raise ValueError(f"create_compression_manager: {config.algorithm} does not support speculative decoding")
+    if not isinstance(model_config, Mapping):
+        raise TypeError(f"create_compression_manager: model_config must be a dict, got {type(model_config).__name__}")
+    if isinstance(config, TriAttentionConfig):  # the cache must hold the model the calibration describes
+        pools, heads = getattr(kv_cache, "pools", None), getattr(kv_cache, "num_kv_heads", None)
+        layers = model_config.get("num_hidden_layers")
+        kv_heads = model_config.get("num_key_value_heads") or model_config.get("num_attention_heads")
+        if pools is not None and layers is not None and len(pools) != layers:
+            raise ValueError(f"create_compression_manager: the cache has {len(pools)} layers, the model "
+                             f"{layers} (num_hidden_layers)")
+        if heads is not None and kv_heads is not None and heads != kv_heads:
+            raise ValueError(f"create_compression_manager: the cache has {heads} KV heads, the model {kv_heads} "
+                             f"(num_key_value_heads)")
     device = torch.device(kv_cache.device)
     if device.type == "cuda":
         arch = torch.cuda.get_device_capability(device)

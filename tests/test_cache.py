@@ -20,14 +20,15 @@ def _kv(n, device):
 def _expect_unchanged(cache, fn, match):
     state = (list(cache._free_pages), list(cache._free_slots),
              {r: (q.length, list(q.pages), q.slots and list(q.slots)) for r, q in cache._requests.items()})
-    with pytest.raises(ValueError, match=match):
+    with pytest.raises((ValueError, TypeError), match=match):
         fn()
     after = (list(cache._free_pages), list(cache._free_slots),
              {r: (q.length, list(q.pages), q.slots and list(q.slots)) for r, q in cache._requests.items()})
     assert after == state
 
 
-OPS = st.lists(st.tuples(st.sampled_from(["add", "append", "compress", "offload", "onboard", "finish"]),
+OPS = st.lists(st.tuples(st.sampled_from(["add", "append", "compress", "offload", "onboard", "finish",
+                                          "shrink_twice", "shrink_bad", "compress_bad"]),
                          st.integers(0, 3), st.integers(1, 20)), min_size=1, max_size=40)
 
 
@@ -66,7 +67,17 @@ def test_random_churn_keeps_accounting_and_contents(ops, layout):
             elif op == "finish":
                 cache.finish(rid)
                 del shadow[rid]
-        except ValueError:
+            # inputs that must be refused with the state untouched
+            elif op == "shrink_twice":
+                cache.shrink([rid, rid], [n, n])
+            elif op == "shrink_bad":
+                cache.shrink([rid, (rid + 1) % 4], [n // 2, [float(n), -n, n + 10_000][n % 3]])
+            elif op == "compress_bad" and live and not offloaded and cache.length(rid) > 3:
+                length = cache.length(rid)  # scored + tail past the length: slots never written
+                cache.compact([rid], torch.arange(2, dtype=torch.int32).view(1, 1, 2),
+                              torch.tensor([length - 1 + n], dtype=torch.int32), torch.tensor([1], dtype=torch.int32),
+                              torch.tensor([0], dtype=torch.int32), max_tail=1)
+        except (ValueError, TypeError):
             pass  # refused: unknown request, full pool or tier, wrong state; the state must be unchanged
         cache.check_invariants()
         for r, want in shadow.items():
@@ -120,10 +131,51 @@ def test_errors_leave_state_unchanged():
     _expect_unchanged(cache, lambda: cache.onboard("b"), "pages needed")
     cache.finish("c")
     _expect_unchanged(cache, lambda: cache.finish("c"), "unknown request")  # double free
-    _expect_unchanged(cache, lambda: cache.shrink(["d"], [17]), "must not exceed")  # shrink cannot grow
-    _expect_unchanged(cache, lambda: cache.shrink(["d"], [4, 4]), "must not exceed")
+    _expect_unchanged(cache, lambda: cache.shrink(["d"], [17]), "in \\[0, 16\\]")  # shrink cannot grow
+    _expect_unchanged(cache, lambda: cache.shrink(["d"], [4, 4]), "2 new lengths for 1")
     with pytest.raises(ValueError, match="layout"):
         PagedKVCache(L, H, D, T, 4, layout="XYZ")
     with pytest.raises(ValueError, match="num_pages"):
         PagedKVCache(L, H, D, T, 0)
     cache.check_invariants()
+
+
+def test_refused_calls_change_nothing():
+    """The probes of the robustness pass: each is refused with the argument named, before any state changes."""
+    cache = PagedKVCache(L, H, D, T, num_pages=8, host_slots=2)
+    for rid, n in (("a", 20), ("b", 12)):
+        cache.add_request(rid)
+        cache.append(rid, *_kv(n, "cpu"))
+    contents = {r: cache.read(r).clone() for r in "ab"}
+    _expect_unchanged(cache, lambda: cache.shrink(["a", "a"], [12, 18]), "distinct")
+    _expect_unchanged(cache, lambda: cache.shrink(["a", "b"], [10, 5.5]), "new_lengths\\[1\\] must be an int")
+    _expect_unchanged(cache, lambda: cache.shrink(["a", "b"], [10, True]), "new_lengths\\[1\\]")
+    meta = torch.empty(1, H, D, dtype=torch.bfloat16, device="meta")
+    _expect_unchanged(cache, lambda: cache.append("a", meta, meta), "meta")
+    _expect_unchanged(cache, lambda: cache.page_table(["a", "b"], width=1), "width must be >= 3")
+    i32 = lambda *v: torch.tensor(v, dtype=torch.int32)  # noqa: E731
+    kept = torch.arange(4, dtype=torch.int32).view(1, 1, 4) + 8
+    _expect_unchanged(cache, lambda: cache.compact(["a"], kept, i32(22), i32(2), i32(8), max_tail=2),
+                      "must equal the requests' lengths")  # 22 + 2 > 20: slots never written would be kept
+    _expect_unchanged(cache, lambda: cache.compact(["a"], kept, i32(16), i32(2), i32(8), max_tail=2),
+                      "must equal the requests' lengths")  # 18 < 20: tokens 18, 19 would be dropped
+    _expect_unchanged(cache, lambda: cache.compact(["a", "a"], kept.expand(2, 1, 4), i32(18, 18), i32(2, 2),
+                                                   i32(8, 8), max_tail=2), "distinct")
+    with pytest.raises(ValueError, match="host_slots"):
+        PagedKVCache(L, H, D, T, 4, host_slots=-1)
+    with pytest.raises(TypeError, match="num_layers"):
+        PagedKVCache(True, H, D, T, 4)
+    cache.check_invariants()
+    assert all(torch.equal(cache.read(r), contents[r]) for r in "ab")
+    cache.compact(["a"], kept, i32(18), i32(2), i32(8), max_tail=2)  # the right call goes through
+    assert cache.length("a") == 14 and torch.equal(cache.read("b"), contents["b"])
+
+
+def test_check_invariants_catches_a_length_its_pages_cannot_hold():
+    cache = PagedKVCache(L, H, D, T, num_pages=4)
+    cache.add_request("a")
+    cache.append("a", *_kv(12, "cpu"))
+    cache.check_invariants()
+    cache._requests["a"].length = 18  # 2 pages hold 16
+    with pytest.raises(AssertionError, match="needs 3 pages, it holds 2"):
+        cache.check_invariants()

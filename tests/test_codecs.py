@@ -43,7 +43,8 @@ def test_nvfp4_matches_the_codec_it_wraps(device):
     groups = _groups(device)
     codec = NVFP4ColdPageCodec(config)
     assert not codec.configure(groups)  # a 64-wide HND row cannot take the 576-wide MLA spec: refused whole
-    assert codec.configure(groups[2:])
+    assert codec.configure_error.startswith("layer group 0") and "outside the row of 64" in codec.configure_error
+    assert codec.configure(groups[2:]) and codec.configure_error is None
     direct = ColdPageCodec(groups[2].pools, [RowSpec((0, 512), plane_dim=None)])
     assert codec.cold_page_bytes(2) == direct.cold_page_bytes
     a = torch.zeros(2, direct.cold_page_bytes, dtype=torch.uint8, device=device)

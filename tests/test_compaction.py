@@ -174,7 +174,12 @@ def test_pack_triton_interpreter_matches_torch():
         "na, nb = i(0, 0, 0), i(1, 1, 1)\n"
         "pack_move_sources(*args, a, na)\n"
         "_pack_torch(*args, b, nb)\n"
-        "assert torch.equal(a, b) and torch.equal(na, nb), 'triton and torch packs differ'\n")
+        "assert torch.equal(a, b) and torch.equal(na, nb), 'triton and torch packs differ'\n"
+        "args = (kept, i(900, 950, 990), i(0, 601, -2), i(5, 6, 7))  # tails the lists cannot hold\n"
+        "pack_move_sources(*args, a, na)\n"
+        "_pack_torch(*args, b, nb)\n"
+        "assert torch.equal(a, b) and torch.equal(na, nb), 'triton and torch packs differ on refused tails'\n"
+        "assert (a[1:] == -1).all() and na.tolist() == [5 + 37, 950 + 601, 990], na\n")
     run_python(code, TRITON_INTERPRET="1")
 
 
@@ -296,7 +301,7 @@ def test_validate_rejects_bad_decisions_before_moving(device):
     expect_error("fewer than K", lambda: scored[0].copy_(base[0] + 5))
     expect_error("exceeds the page table", lambda: scored[2].fill_(table.shape[1] * 16 + 1))
     expect_error("outside \\[0, ", lambda: table[0, (base[0] // 16).item()].fill_(10_000))
-    expect_error("same page", lambda: table[1, (base[1] // 16).item()].copy_(table[0, (base[0] // 16).item()]))
+    expect_error("appears twice", lambda: table[1, (base[1] // 16).item()].copy_(table[0, (base[0] // 16).item()]))
     os.environ["KVOPS_DEBUG"] = "1"
     try:
         kept[0, 0, 3].copy_(kept[0, 0, 2])
@@ -338,16 +343,19 @@ def test_bad_arguments_raise_before_anything_moves(device):
     ]
     if device == "cuda":
         cases.append((dict(page_table=table.cpu()), "page_table is on cpu"))
-        cases.append((dict(pools=[pools[0], pools[1].cpu(), pools[2]]), "differs from pools\\[0\\]"))
+        cases.append((dict(pools=[pools[0], pools[1].cpu(), pools[2]]), "pools\\[1\\] is on cpu"))
     for kwargs, match in cases:
-        with pytest.raises(ValueError, match=match):
+        with pytest.raises((ValueError, TypeError), match=match):
             build(**kwargs)
     params = build()
     with pytest.raises(ValueError, match="request_count"):
         compact(params, 4)
-    unaligned = torch.empty(pools[0].numel() + 4, dtype=pools[0].dtype, device=device)[4:].view(pools[0].shape)
+    with pytest.raises(TypeError, match="request_count"):
+        compact(params, 1.5)
+    unaligned = [torch.empty(pools[0].numel() + 4, dtype=pools[0].dtype, device=device)[4:].view(pools[0].shape)
+                 for _ in range(3)]
     with pytest.raises(ValueError, match="16-byte aligned"):
-        build(pools=[unaligned] * 3)
+        build(pools=unaligned)
     with pytest.raises(ValueError, match="reads list rows"):
         torch.ops.kvops.compact_layers_(pools, table, params.sources, params.new_lengths, base, [0, 0, 1], [0, 0, 0])
     with pytest.raises(ValueError, match="sources shape"):
@@ -366,5 +374,89 @@ def test_more_layers_than_one_launch_holds():
     n = compact(build_compaction_params(pools, table, kept, scored, tail, base, max_tail=5, layer_windows=windows))
     mask = _defined_mask(table, n, P, T).cuda()
     for got, want in zip(pools, expect):
+        sel = mask[:, None, None, :, None].expand_as(want)
+        assert torch.equal(got.view(torch.uint8)[sel], want[sel])
+
+
+# ---- robustness: what a wrong table, tail or argument can and cannot do ------------------------------------
+
+i32 = lambda x: torch.tensor(x, dtype=torch.int32)  # noqa: E731
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_validate_catches_a_page_shared_below_another_requests_base(device):
+    """Request 1 holds request 0's prompt page (page 0) below its own base: validation refuses the batch."""
+    pools = [poison_(torch.empty(16, 2, 2, 4, 16, dtype=torch.bfloat16, device=device)) for _ in range(2)]
+    table = i32([[0, 1, 2, 3], [4, 0, 6, 7]]).to(device)
+    kept = i32([[[4, 5, 6, 8, 9, 11]], [[7, 8, 9, 10, 11, 12]]]).to(device)
+    params = build_compaction_params(pools, table, kept, i32([14, 13]).to(device), i32([2, 1]).to(device),
+                                     i32([4, 5]).to(device), max_tail=2)
+    before = [bytes_of(p).clone() for p in pools]
+    with pytest.raises(ValueError, match="appears twice"):
+        compact(params, 2, validate=True)
+    assert _unchanged(pools, before)
+    table[1, 1] = 5  # a page of its own: the same batch is accepted
+    compact(params, 2, validate=True)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_tail_beyond_max_tail_leaves_the_request_as_it_was(device):
+    """Without validation, a tail the lists cannot hold moves nothing of that request and returns its length
+    before the round; the other requests compact as the reference says."""
+    T = 16
+    P, table, kept, scored, tail, base = _batch(3, T, 6, 1, device, max_tail=2)
+    pools = _pools("hnd", 2, P, 2, T, 64, torch.bfloat16, device)
+    params = build_compaction_params(pools, table, kept, scored, tail, base, max_tail=2)
+    tail[1] = 3  # > max_tail; the page table holds it (one spare column)
+    keep = [0, 2]
+    expect, expect_len = compact_reference(pools, table[keep], kept[keep], scored[keep], tail[keep], base[keep])
+    before = [bytes_of(p).clone() for p in pools]
+    new_lengths = compact(params, 3)
+    assert new_lengths.tolist() == [int(expect_len[0]), int(scored[1] + 3), int(expect_len[1])]
+    mask = _defined_mask(table[keep], expect_len, P, T).to(device)
+    pages1 = table[1][table[1] >= 0].long()
+    for got, want, old in zip(pools, expect, before):
+        got = got.view(torch.uint8)
+        sel = mask[:, None, None, :, None].expand_as(got)
+        assert torch.equal(got[sel], want[sel])
+        assert torch.equal(got[pages1].cpu().reshape(-1), old.view(got.shape)[pages1.cpu()].reshape(-1))
+    tail[1] = -1
+    assert compact(params, 3)[1].item() == scored[1].item()
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_aliased_or_meta_pools_are_refused(device):
+    pools, table, kept, scored, tail, base = _small(device)
+    args = (table, kept, scored, tail, base)
+    before = [bytes_of(p).clone() for p in pools]
+    with pytest.raises(ValueError, match="share memory"):
+        build_compaction_params([pools[0], pools[1], pools[0]], *args, max_tail=5)
+    with pytest.raises(ValueError, match="share memory"):  # overlapping views of one storage
+        build_compaction_params([pools[0], pools[1], pools[1][1:]], *args, max_tail=5)
+    meta = torch.empty(pools[0].shape, dtype=pools[0].dtype, device="meta")
+    with pytest.raises(ValueError, match="meta"):
+        build_compaction_params([pools[0], meta, pools[2]], *args, max_tail=5)
+    with pytest.raises(ValueError, match="meta"):
+        build_compaction_params(pools, table.to("meta"), *args[1:], max_tail=5)
+    params = build_compaction_params(pools, *args, max_tail=5)
+    with pytest.raises(ValueError, match="meta"):
+        torch.ops.kvops.compact_layers_(pools, table, params.sources.to("meta"), params.new_lengths, base,
+                                        [0] * 3, [0] * 3)
+    with pytest.raises(TypeError, match="pools\\[1\\] must be a tensor"):
+        build_compaction_params([pools[0], "pool", pools[2]], *args, max_tail=5)
+    assert _unchanged(pools, before)
+
+
+def test_interleaved_layer_views_of_one_pool_are_not_aliases():
+    """Layers as views of one [page, layer, plane, head, token, dim] allocation (TensorRT-LLM's pool) share a
+    storage but no element: accepted, and compacted like separate pools."""
+    T, L = 16, 3
+    P, table, kept, scored, tail, base = _batch(3, T, 6, 1, "cpu")
+    pool = poison_(torch.empty(P, L, 2, 2, T, 64, dtype=torch.bfloat16))
+    views = [pool[:, layer] for layer in range(L)]
+    expect, _ = compact_reference(views, table, kept, scored, tail, base)
+    compact(build_compaction_params(views, table, kept, scored, tail, base, max_tail=5), validate=True)
+    mask = _defined_mask(table, (base + 6 + tail), P, T)
+    for got, want in zip(views, expect):
         sel = mask[:, None, None, :, None].expand_as(want)
         assert torch.equal(got.view(torch.uint8)[sel], want[sel])

@@ -70,6 +70,24 @@ def test_invalid_values_name_the_field(tmp_path, calibration):
         (lambda: config_from_dict({"budget": 3}), "algorithm"),
         (lambda: config_from_dict({"algorithm": "triattention", "budgett": 3}), "no field"),
     ]
+    cases += [
+        (lambda: NVFP4ColdPageConfig(plane_dim=0), "plane_dim"),
+        (lambda: NVFP4ColdPageConfig(rope_range=(0,)), "rope_range"),
+        (lambda: NVFP4ColdPageConfig(rope_range=("a", "b")), "rope_range start"),
+        (lambda: NVFP4ColdPageConfig(skip_rope_quantization="no"), "skip_rope_quantization"),
+        (lambda: NVFP4ColdPageConfig(global_scale=True), "global_scale"),
+        (lambda: NVFP4ColdPageConfig(row_size=True), "row_size"),
+        (lambda: TriAttentionConfig(calibration_path=3), "calibration_path"),
+    ]
     for make, match in cases:
-        with pytest.raises(ValueError, match=match):
+        with pytest.raises((ValueError, TypeError), match=match):
             make()
+
+
+def test_paths_and_nhd_planes_are_accepted(tmp_path, calibration):
+    from pathlib import Path
+
+    tri = TriAttentionConfig(calibration_path=Path(calibration))
+    assert tri.calibration_path == calibration and config_from_json(tri.to_json()) == tri
+    nhd = NVFP4ColdPageConfig(plane_dim=2)  # [page, token, plane, head, dim]
+    assert nhd.row_spec().plane_dim == 2 and config_from_json(nhd.to_json()) == nhd

@@ -26,6 +26,18 @@ def test_gpu_preset():
     _check(run("gpu", "cuda", torch.bfloat16, log=lambda *a: None))
 
 
+def test_cli_errors_are_one_line(tmp_path, capsys):
+    import pytest
+
+    if not torch.cuda.is_available():
+        with pytest.raises(SystemExit) as e:
+            main(["demo", "--device", "cuda"])
+        assert e.value.code == 2 and "no CUDA GPU" in capsys.readouterr().err
+    with pytest.raises(SystemExit) as e:  # refused before the run, not after it
+        main(["demo", "--device", "cpu", "--json", str(tmp_path / "missing" / "demo.json")])
+    assert e.value.code == 2 and "cannot write there" in capsys.readouterr().err
+
+
 def test_info_and_usage(capsys):
     assert main(["info"]) == 0
     assert "torch" in capsys.readouterr().out

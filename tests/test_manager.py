@@ -87,8 +87,12 @@ def test_admission(calibration):
     with pytest.raises(ValueError, match="speculative decoding"):
         create_compression_manager(tri, cache, MODEL)
     cache.speculative_decoding = False
-    with pytest.raises(ValueError, match="the model needs"):  # geometry mismatch
+    with pytest.raises(ValueError, match="the cache has 2 layers, the model 3"):  # checked at admission
         create_compression_manager(tri, cache, {**MODEL, "num_hidden_layers": 3})
+    with pytest.raises(ValueError, match="the cache has 2 KV heads, the model 4"):
+        create_compression_manager(tri, cache, {**MODEL, "num_key_value_heads": 4})
+    with pytest.raises(ValueError, match="the model needs"):  # the calibration's geometry
+        create_compression_manager(tri, cache, {**MODEL, "head_dim": 64})
     base = KVCacheCompressionManager(tri, cache, MODEL)  # every hook is a no-op
     for hook in (base.on_request_init, base.on_request_finish):
         hook(Request("x", 1))
@@ -177,3 +181,26 @@ def test_round_refuses_offloaded_requests(calibration):
     cache.onboard("a")
     assert cache.length("a") == 16 and manager.rounds == 0
     cache.check_invariants()
+
+
+def test_hooks_refuse_bad_requests_before_changing_anything(calibration):
+    cache = _cache()
+    manager = create_compression_manager(TriAttentionConfig(budget=8, beta=4, calibration_path=calibration), cache,
+                                         MODEL)
+    with pytest.raises(ValueError, match="prompt_length must be >= 0"):
+        Request("r", -5)
+    with pytest.raises(TypeError, match="prompt_length"):
+        Request("r", 2.5)
+    manager.on_request_init(Request("a", 4))
+    cache.add_request("a")
+    cache.append("a", *_kv(5))
+    with pytest.raises(ValueError, match="already admitted"):
+        manager.on_request_init(Request("a", 4))
+    before = dict(manager.since_round)
+    with pytest.raises(ValueError, match="request 'zzz' was never admitted"):
+        manager.on_generation_step_end([("a", 1), ("zzz", 1)])
+    with pytest.raises(ValueError, match="appears twice"):
+        manager.on_generation_step_end([("a", 1), ("a", 1)])
+    with pytest.raises(TypeError, match="confirmed tokens"):
+        manager.on_generation_step_end([("a", 1.5)])
+    assert manager.since_round == before

@@ -3,6 +3,8 @@
 import pytest
 import torch
 
+import kvops
+
 from kvops.nvfp4 import ColdPageCodec, RowSpec
 from kvops.nvfp4 import reference as ref
 
@@ -246,6 +248,10 @@ def test_opcheck(device):
         opcheck(torch.ops.kvops.nvfp4_encode_pages.default, (pools, cold, pairs, codec.plan, False))
         dp = torch.stack([pairs[:, 1], pairs[:, 0]], 1).contiguous()
         opcheck(torch.ops.kvops.nvfp4_decode_pages.default, (cold, [p.clone() for p in pools], dp, codec.plan, False))
+        cold[0, :16] = 0  # slot 0's scales: refused, and counted
+        opcheck(torch.ops.kvops.nvfp4_decode_pages.default,
+                (cold, [p.clone() for p in pools], dp, codec.plan, False, torch.zeros(1, dtype=torch.int32,
+                                                                                    device=device)))
 
 
 @pytest.mark.parametrize("device", DEVICES)
@@ -346,9 +352,12 @@ def test_call_errors_touch_nothing(device):
     expect(ValueError, "slot 1 is written twice", lambda: codec.encode(pools, cold, torch.tensor([[1, 0], [1, 2]], dtype=torch.int32)))
     expect(ValueError, "page_pairs must be int32", lambda: codec.encode(pools, cold, ok.long()))
     expect(ValueError, "page_pairs must be int32", lambda: codec.encode(pools, cold, ok[0]))
-    expect(ValueError, "cold_pages: expected", lambda: codec.encode(pools, cold[:, :16], ok))
-    expect(ValueError, "pools\\[1\\]: configured", lambda: codec.encode([pools[0], pools[1][:, :8]], cold, ok))
-    expect(ValueError, "expected 2 pools", lambda: codec.encode(pools[:1], cold, ok))
+    expect(ValueError, "cold_pages must be \\[num_slots", lambda: codec.encode(pools, cold[:, :16], ok))
+    expect(ValueError, "pools\\[1\\] was configured", lambda: codec.encode([pools[0], pools[1][:, :8]], cold, ok))
+    expect(ValueError, "list of 2 pools", lambda: codec.encode(pools[:1], cold, ok))
+    expect(ValueError, "pools\\[0\\] and pools\\[1\\] share memory", lambda: codec.encode([pools[0]] * 2, cold, ok))
+    expect(ValueError, "meta", lambda: codec.encode(pools, cold, ok.to("meta")))
+    expect(ValueError, "meta", lambda: torch.ops.kvops.nvfp4_encode_pages(pools, cold, ok.to("meta"), codec.plan))
     expect(ValueError, "plan has", lambda: torch.ops.kvops.nvfp4_encode_pages(pools, cold, ok, codec.plan[:-1]))
     expect(ValueError, "cold_pages must be uint8", lambda: torch.ops.kvops.nvfp4_encode_pages(pools, cold.view(torch.int8), ok, codec.plan))
     bad_plan = list(codec.plan)
@@ -369,7 +378,48 @@ def test_call_errors_touch_nothing(device):
         codec.encode(pools, cold, bad)  # without validate the kernel skips the bad pair and writes nothing
         torch.cuda.synchronize()
         assert torch.equal(cold, saved)
-        expect(ValueError, "is not on the CPU|must be on the GPU", lambda: codec.encode([p.cpu() for p in pools], cold, ok))
+        expect(ValueError, "expected cpu", lambda: codec.encode([p.cpu() for p in pools], cold, ok))
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("bad", [0.0, -0.0, -2.0, float("nan"), float("inf")])
+def test_decode_refuses_scales_encode_never_writes(device, bad):
+    """A slot never encoded (zeroed: global scale 0) or a corrupt scale: the plane is left untouched and counted;
+    validate=True raises naming the slot before anything is written. The other pages decode as usual."""
+    pools, specs = _geometries(torch.bfloat16, device, "per_page_pow2")["vllm_view_and_side"]
+    codec = ColdPageCodec(pools, specs)
+    cold = codec.allocate(3, device=device)
+    codec.encode(pools, cold, torch.tensor([[0, 1], [2, 3]], dtype=torch.int32, device=device))
+    cold[1].zero_()   # slot 1: never encoded
+    g_table = cold[2, :16].view(torch.float32)  # slot 2, pool 0's two planes: the V plane is corrupt
+    g_table[1] = bad
+    outs = [poison_(p.clone()) for p in pools]
+    saved = [o.clone() for o in outs]
+    pairs = torch.tensor([[4, 0], [5, 1], [6, 2]], dtype=torch.int32, device=device)  # (page, slot)
+    with pytest.raises(ValueError, match="slot 1 holds global scale 0"):
+        codec.decode(cold, outs, pairs, validate=True)
+    assert all(torch.equal(bytes_of(a), bytes_of(b)) for a, b in zip(outs, saved))
+    counter = codec.refused(device)
+    counter.zero_()
+    codec.decode(cold, outs, pairs)
+    assert int(counter) == 3 + 1  # slot 1: pool 0's K and V planes and the side pool; slot 2: pool 0's V plane
+    same = lambda a, b: torch.equal(bytes_of(a), bytes_of(b))  # noqa: E731  (poisoned bytes may be NaN)
+    for o, s in zip(outs, saved):
+        assert same(o[5], s[5]) and not same(o[4], s[4])
+    assert same(outs[0][6, 1], saved[0][6, 1]) and not same(outs[0][6, 0], saved[0][6, 0])
+    assert torch.equal(outs[1][6], pools[1][3])  # the side pool of slot 2 is intact and lossless
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_quantize_refuses_meta_mixed_with_real(device):
+    x = torch.randn(4, 32, device=device)
+    with pytest.raises(ValueError, match="meta"):
+        kvops.nvfp4.quantize(x, torch.tensor([1.0], device="meta"))
+    with pytest.raises(ValueError, match="meta"):
+        torch.ops.kvops.nvfp4_quantize(x, torch.tensor([1.0], device="meta"))
+    packed, scales = kvops.nvfp4.quantize(x)
+    with pytest.raises(ValueError, match="meta"):
+        kvops.nvfp4.dequantize(packed.to("meta"), scales)
 
 
 # ---- property test: any valid spec gives an aligned, self-consistent layout the kernels accept ----------------

@@ -78,6 +78,10 @@ def test_bad_calibrations_raise_clearly(tmp_path):
         ({"E_q": torch.zeros(3, 4, 8, dtype=torch.complex64)}, "E_q has shape"),
         ({"weights": 1}, "unknown format"),
         ([1, 2], "expected a dict"),
+        (broken(lambda d: d["stats"].__setitem__(s, [torch.rand(8)] * 3)), "layer01_head03 must be a dict"),
+        ({"E_q": torch.zeros(2, 4, 8), "E_q_norm": torch.rand(2, 4, 8)}, "E_q must be a complex"),
+        ({"E_q": torch.zeros(2, 4, 8, dtype=torch.complex64), "E_q_norm": torch.ones(2, 4, 8, dtype=torch.int64)},
+         "E_q_norm must be a real floating-point"),
     ]
     for data, match in cases:
         with pytest.raises(ValueError, match=match):
@@ -90,6 +94,9 @@ def test_bad_calibrations_raise_clearly(tmp_path):
         load_calibration(_official(), {**CONFIG, "num_key_value_heads": 3})
     with pytest.raises(ValueError, match="num_hidden_layers"):
         load_calibration(_official(), {k: v for k, v in CONFIG.items() if k != "num_hidden_layers"})
+    for key, value in (("num_attention_heads", "four"), ("num_hidden_layers", True), ("num_key_value_heads", 0)):
+        with pytest.raises((ValueError, TypeError), match=key):
+            load_calibration(_official(), {**CONFIG, key: value})
     with pytest.raises(ValueError, match="no calibration file"):
         load_calibration(tmp_path / "absent.pt", CONFIG)
     (tmp_path / "corrupt.pt").write_bytes(os.urandom(200))

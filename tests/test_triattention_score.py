@@ -9,7 +9,7 @@ import torch
 from conftest import DEVICES, bytes_of, opcheck, poison_, requires_cuda, run_python
 from kvops.triattention import load_calibration, mean_phase
 from kvops.triattention.reference import normalize_reference, raw_scores_reference, reduce_reference, gather_keys
-from kvops.triattention.score import CHUNK, reduce_rows, score
+from kvops.triattention.score import CHUNK, STATS, reduce_rows, score
 from test_triattention_select import DATA, MODELS, _paged, _synthetic_calibration
 
 
@@ -45,7 +45,7 @@ def _run_score(cal, pools, table, N, P, starts, n):
     phase = mean_phase(starts, cal.omega.to(device))
     R, L, Hq = table.shape[0], cal.num_layers, cal.num_query_heads
     raw = poison_(torch.empty(R, L, Hq, n, device=device))
-    stats = poison_(torch.empty(R, L, Hq, -(-n // CHUNK), 2, device=device))
+    stats = poison_(torch.empty(R, L, Hq, -(-n // CHUNK), STATS, device=device))
     raw_before, stats_before = raw.clone(), stats.clone()
     torch.ops.kvops.triattention_score_(pools, table, P, N, phase, *weights, raw, stats)
     return raw, stats, raw_before, stats_before
@@ -81,18 +81,23 @@ def test_raw_scores_and_chunk_stats(name, config, layout, dtype, device):
             got_mean, got_m2 = stats[r, :, :, c, 0].double().cpu(), stats[r, :, :, c, 1].double().cpu()
             assert ((got_mean - mean).abs() / mean.abs().clamp_min(1.0)).max() < 1e-4
             assert ((got_m2 - m2).abs() / m2.clamp_min(1.0)).max() < 1e-3
+            assert (stats[r, :, :, c, 2].cpu() == part.shape[-1]).all()  # every score finite
 
 
 def _stats_of(raw: torch.Tensor, count: torch.Tensor) -> torch.Tensor:
-    """Chunk (mean, M2) of raw [R, L, Hq, n] in float64, written independently of the kernels."""
+    """Chunk (mean, M2, count) of the finite values of raw [R, L, Hq, n] in float64, per (r, l, h), written
+    independently of the kernels."""
     R, L, Hq, n = raw.shape
-    stats = torch.zeros(R, L, Hq, -(-n // CHUNK), 2, dtype=torch.float64)
+    stats = torch.zeros(R, L, Hq, -(-n // CHUNK), STATS, dtype=torch.float64)
     for r in range(R):
         for c in range(stats.shape[3]):
-            part = raw[r, :, :, c * CHUNK:min((c + 1) * CHUNK, int(count[r]))].double()
-            if part.shape[-1]:
-                stats[r, :, :, c, 0] = part.mean(-1)
-                stats[r, :, :, c, 1] = ((part - part.mean(-1, keepdim=True)) ** 2).sum(-1)
+            for layer in range(L):
+                for h in range(Hq):
+                    part = raw[r, layer, h, c * CHUNK:min((c + 1) * CHUNK, int(count[r]))].double()
+                    part = part[torch.isfinite(part)]
+                    if part.numel():
+                        stats[r, layer, h, c] = torch.stack([part.mean(), ((part - part.mean()) ** 2).sum(),
+                                                             torch.tensor(float(part.numel()))])
     return stats.float()
 
 
@@ -119,7 +124,8 @@ def test_reduce_triton_kernel_in_the_interpreter():
     code = ("import torch, kvops\n"
             "from kvops.triattention.score import reduce_rows, _reduce_torch\n"
             "from kvops.triattention.score import CHUNK\n"
-            "raw = torch.randn(2, 3, 4, CHUNK + 188); stats = torch.randn(2, 3, 4, 2, 2).abs()\n"
+            "raw = torch.randn(2, 3, 4, CHUNK + 188); raw[0, 1, 2, 5] = float('nan'); raw[1, 2, 0, 9] = float('inf')\n"
+            "stats = torch.randn(2, 3, 4, 2, 3).abs(); stats[..., 2] = torch.randint(1, 1000, (2, 3, 4, 2))\n"
             "P = torch.tensor([1, 2], dtype=torch.int32)\n"
             "N = P + torch.tensor([CHUNK + 188, CHUNK + 1], dtype=torch.int32)\n"
             "for mode in ('union', 'per_head', 'per_layer_perhead'):\n"
@@ -137,7 +143,7 @@ def test_opcheck(device):
     phase = mean_phase(N.long() + 5, cal.omega.to(device))
     n = 610
     raw = torch.randn(2, cal.num_layers, cal.num_query_heads, n, device=device)
-    stats = torch.randn(2, cal.num_layers, cal.num_query_heads, 2, 2, device=device)
+    stats = torch.randn(2, cal.num_layers, cal.num_query_heads, 2, STATS, device=device)
     opcheck(torch.ops.kvops.triattention_score_.default, (pools, table, P, N, phase, *weights, raw, stats))
     rows = torch.empty(2, cal.num_kv_heads, n, device=device)
     opcheck(torch.ops.kvops.triattention_reduce_.default, (raw, stats.abs(), P, N, rows, "per_head",
@@ -173,7 +179,7 @@ def test_bad_arguments(device):
         reduce_rows(torch.zeros(1, 3, 8, 4), torch.zeros(1, 3, 8, 1, 2), N, P, "per_token", 2)
     with pytest.raises(ValueError, match="stats"):
         reduce_rows(torch.zeros(1, 3, 8, 4), torch.zeros(1, 3, 8, 2, 2), N, P, "union", 2)
-    raw, stats = (torch.zeros(1, 3, 8, 4, device=device), torch.zeros(1, 3, 8, 1, 2, device=device))
+    raw, stats = (torch.zeros(1, 3, 8, 4, device=device), torch.zeros(1, 3, 8, 1, STATS, device=device))
     with pytest.raises(ValueError, match="raw must be contiguous float32"):
         reduce_rows(raw.double(), stats, N, P, "union", 2)
     with pytest.raises(ValueError, match="raw must be a 4-D"):
@@ -210,3 +216,56 @@ def test_cute_kernels_compile_without_a_gpu(arch):
             "    compile_scorer(torch.bfloat16, F, G, 16, None)\n"
             "compile_scorer(torch.float16, 64, 4, 64, None)\n")
     run_python(code, CUTE_DSL_ARCH=arch)
+
+
+@pytest.mark.parametrize("mode", ["union", "per_head", "per_layer_perhead"])
+@pytest.mark.parametrize("device", DEVICES)
+def test_non_finite_scores_rank_last_and_leave_the_statistics_alone(mode, device):
+    """NaN and Inf raw scores (a NaN/Inf key, or an absent page): the token is -inf in every row that reduces
+    over it, and the other tokens' z-scores use only the finite scores."""
+    R, L, Hkv, G, n = 2, 3, 2, 2, CHUNK + 70
+    raw = torch.randn(R, L, Hkv * G, n) * 3 + torch.randn(R, L, Hkv * G, 1) * 10
+    raw[0, 1, 3, 5] = float("nan")
+    raw[0, 2, 0, CHUNK + 3] = float("inf")
+    raw[1, 0, :, 17] = float("-inf")
+    P = torch.tensor([4, 1], dtype=torch.int32)
+    N = P + torch.tensor([n, 900], dtype=torch.int32)
+    stats = _stats_of(raw, N - P)
+    rows = reduce_rows(raw.to(device), stats.to(device), N.to(device), P.to(device), mode, Hkv, True).cpu()
+    for r in range(R):
+        count = int(N[r] - P[r])
+        want = reduce_reference(normalize_reference(raw[r, :, :, :count].double()), mode, Hkv)
+        assert torch.equal(torch.isinf(rows[r, :, :count]), torch.isinf(want))
+        finite = torch.isfinite(want)
+        assert torch.allclose(rows[r, :, :count].double()[finite], want[finite], rtol=1e-5, atol=1e-5)
+    union = reduce_rows(raw, stats, N, P, "union", Hkv, True)
+    assert union[0, 0, 5] == -float("inf") and union[0, 0, CHUNK + 3] == -float("inf")
+    assert union[1, 0, 17] == -float("inf") and torch.isfinite(union[0, 0, 6])
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_absent_pages_and_nan_keys_score_nan(device):
+    """A page-table entry of -1 or past the pool, a cache length past the table, and a NaN key: NaN raw scores
+    for exactly those tokens (the reference gathers NaN keys there), finite statistics over the rest."""
+    cal = _synthetic_calibration()
+    T = 8
+    pools, table, N, P = _paged(cal, [3, 2], [60, 45], T, device)
+    table = torch.cat([table, torch.full((2, 1), -1, dtype=torch.int32, device=device)], 1)
+    table[0, 2] = -1                      # positions 16..23 of request 0
+    table[1, 3] = pools[0].shape[0] + 5   # positions 24..31 of request 1: outside the pool
+    N[1] = table.shape[1] * T + 6         # 6 positions past the table
+    pools[1][table[0, 5].long(), 0, 1, 4, 3] = float("nan")  # request 0, layer 1, KV head 1, position 44
+    starts = (N + 100).long()
+    n = int((N - P).max())
+    raw, stats, _, _ = _run_score(cal, pools, table, N, P, starts, n)
+    phase = mean_phase(starts, cal.omega.to(device)).double().cpu()
+    for r in range(2):
+        count = int(N[r] - P[r])
+        keys = gather_keys([p.cpu() for p in pools], table.cpu(), r, int(P[r]), int(N[r]))
+        want = raw_scores_reference(keys, cal, phase[r, 0], phase[r, 1])
+        got = raw[r, :, :, :count].double().cpu()
+        assert torch.equal(torch.isnan(got), torch.isnan(want)) and torch.isnan(want).any()
+        ok = ~torch.isnan(want)
+        assert ((got[ok] - want[ok]).abs() / want[ok].abs().clamp_min(1.0)).max() < 1e-4
+        assert torch.isfinite(stats[r, :, :, 0]).all()
+        assert (stats[r, :, :, 0, 2].cpu() == (~torch.isnan(want)).sum(-1)).all()

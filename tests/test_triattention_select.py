@@ -120,8 +120,55 @@ def test_bad_arguments():
         TriAttentionSelector(cal, 8, "per_token")
     with pytest.raises(ValueError, match="budget"):
         TriAttentionSelector(cal, 0)
+    with pytest.raises(ValueError, match="max_decode"):  # 0 is not "unset"
+        TriAttentionSelector(cal, 8, max_decode=0)
+    with pytest.raises(TypeError, match="calibration must be a Calibration"):
+        TriAttentionSelector({"E_q": cal.q_mean}, 8)
+    with pytest.raises(TypeError, match="normalize_scores"):
+        TriAttentionSelector(cal, 8, normalize_scores="no")
     with pytest.raises(ValueError, match="max_decode"):
         TriAttentionSelector(cal, 8, max_decode=4)
     pools, table, N, P = _paged(cal, [3], [20], 8, "cpu")
     with pytest.raises(ValueError, match="pools"):
         TriAttentionSelector(cal, 8).select(pools[:2], table, N, P, N.long())
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_without_max_decode_every_length_the_table_holds_is_scored(device):
+    """No max_decode: the bound comes from the page table, so a request of 36 decode tokens with budget 8 keeps
+    the reference's set (it used to score only the first 2 * budget)."""
+    cal = _synthetic_calibration()
+    pools, table, N, P = _paged(cal, [5, 3], [41, 20], 8, device)
+    starts = (N + 77).long()
+    kept = TriAttentionSelector(cal, 8).select(pools, table, N, P, starts)
+    ref, _ = select_reference([p.cpu() for p in pools], table.cpu(), N.cpu(), P.cpu(), starts.cpu(), cal, 8)
+    assert torch.equal(kept.cpu(), ref)
+    assert (kept[0] >= 5 + 16).any()  # tokens past 2 * budget can be kept
+    small = TriAttentionSelector(cal, 8, max_decode=16)
+    with pytest.raises(ValueError, match="request 0 .*more decode tokens than max_decode=16"):
+        small.select(pools, table, N, P, starts, validate=True)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_absent_pages_rank_last_or_raise_with_validate(device):
+    """A page-table entry of -1 (or past the pool) and a cache length past the table: with validate=True the
+    selector raises naming the request; without it those positions are never kept while others exist, and the
+    rest of the keep set is the reference's on the same (absent = NaN) keys."""
+    cal = _synthetic_calibration()
+    T = 8
+    pools, table, N, P = _paged(cal, [4, 2], [64, 50], T, device)
+    starts = (N + 5).long()
+    table[0, 3] = -1                     # positions 24..31
+    table[1, 4] = pools[0].shape[0]      # positions 32..39: outside the pool
+    pools[1][table[0, 6].long(), 0, 0, 2, 7] = float("nan")  # request 0, position 50: a NaN key
+    selector = TriAttentionSelector(cal, 16, "per_head")
+    for match, bad_table in (("request 0 .*outside \\[0, ", table), ("request 0 .*exceeds the page table",
+                                                                       table[:, :6].contiguous())):
+        with pytest.raises(ValueError, match=match):
+            selector.select(pools, bad_table, N, P, starts, validate=True)
+    kept = selector.select(pools, table, N, P, starts)
+    ref, rows = select_reference([p.cpu() for p in pools], table.cpu(), N.cpu(), P.cpu(), starts.cpu(), cal, 16,
+                                 "per_head")
+    assert torch.equal(kept.cpu(), ref)
+    assert not set(range(24, 32)) & set(kept[0].flatten().tolist()) and 50 not in kept[0, 0].tolist()
+    assert not set(range(32, 40)) & set(kept[1].flatten().tolist())

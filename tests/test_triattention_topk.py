@@ -88,9 +88,12 @@ def test_cuda_graph_replay_fresh_data():
 def test_bad_arguments(device):
     s, n = torch.randn(2, 10, device=device), torch.tensor([10, 5], dtype=torch.int32, device=device)
     for args, match in [((s.double(), n, 3), "float32"), ((s[0], n, 3), "2-D"), ((s.t(), n[:1].expand(10), 3), "last dim"),
-                        ((s, n.long(), 3), "lengths"), ((s, n[:1], 3), "lengths"), ((s, n, -1), "non-negative"),
-                        ((s, n, 2.0), "non-negative")]:
-        with pytest.raises(ValueError, match=match):
+                        ((s, n.long(), 3), "lengths"), ((s, n[:1], 3), "lengths"), ((s, n, -1), "k must be in"),
+                        ((s, n, 2.0), "k must be an int"), ((s, n, 2**40), "k must be in"),
+                        ((s.to("meta"), n, 3), "meta")]:
+        with pytest.raises((ValueError, TypeError), match=match):
             topk(*args)
+    with pytest.raises(ValueError, match="out shares memory"):
+        topk(s, n, 2, s.view(torch.int32).view(-1)[:4].view(2, 2))
     with pytest.raises(ValueError, match="out must be"):
         topk(s, n, 3, torch.empty(2, 4, dtype=torch.int32, device=device))

@@ -2,6 +2,7 @@
 #include "codec.h"
 #include "nvfp4.h"
 
+#include <cstring>
 #include <unordered_set>
 
 namespace kvops {
@@ -207,16 +208,45 @@ void check_page_pairs(const at::Tensor& page_pairs, int64_t dst_limit, int64_t s
   }
 }
 
+namespace {
+// Decode with validate: every pair's blob must carry positive, finite global scales (encode writes nothing else).
+void check_global_scales(const std::vector<PoolDesc>& descs, const at::Tensor& cold_pages, const at::Tensor& page_pairs,
+                         const char* what) {
+  if (page_pairs.size(0) == 0) return;
+  const at::Tensor slots = page_pairs.select(1, 1).to(cold_pages.device(), at::kLong);
+  const at::Tensor blobs = cold_pages.index_select(0, slots).cpu();  // validate: syncs by design
+  const uint8_t* b = blobs.data_ptr<uint8_t>();
+  const at::Tensor host_pairs = page_pairs.cpu();
+  for (int64_t i = 0; i < blobs.size(0); ++i)
+    for (size_t p = 0; p < descs.size(); ++p)
+      for (int plane = 0; plane < descs[p].planes; ++plane) {
+        float g;
+        std::memcpy(&g, b + i * blobs.stride(0) + descs[p].section_offset + 4 * plane, 4);
+        TORCH_CHECK_VALUE(valid_global_scale(g), what, ": page_pairs[", i, "] slot ",
+                          host_pairs.data_ptr<int32_t>()[2 * i + 1], " holds global scale ", g, " for pools[", p,
+                          "] plane ", plane, "; encode writes only positive finite scales, so the slot was never "
+                          "encoded or is corrupt");
+      }
+}
+}  // namespace
+
 std::vector<PoolDesc> check_codec_call(at::TensorList pools, const at::Tensor& cold_pages, const at::Tensor& page_pairs,
-                                       at::IntArrayRef plan, bool validate, bool encode) {
+                                       at::IntArrayRef plan, bool validate, bool encode,
+                                       const c10::optional<at::Tensor>& refused) {
   const char* what = encode ? "nvfp4_encode_pages" : "nvfp4_decode_pages";
   check_cold_pages(cold_pages, what);
   std::vector<at::Tensor> pv(pools.begin(), pools.end());
   auto descs = make_pool_descs(pv, plan, cold_pages.size(1), what);
   int64_t pages = descs[0].num_pages;  // a page index must exist in every pool
   for (auto& d : descs) pages = std::min<int64_t>(pages, d.num_pages);
+  if (refused)
+    TORCH_CHECK_VALUE(refused->scalar_type() == at::kInt && refused->numel() == 1 && refused->is_contiguous() &&
+                          refused->device() == pools[0].device(),
+                      what, ": refused must be a one-element int32 tensor on ", pools[0].device(), ", got ",
+                      refused->scalar_type(), " ", refused->sizes(), " on ", refused->device());
   if (encode) check_page_pairs(page_pairs, cold_pages.size(0), pages, "slot", "page", validate, what);
   else check_page_pairs(page_pairs, pages, cold_pages.size(0), "page", "slot", validate, what);
+  if (!encode && validate) check_global_scales(descs, cold_pages, page_pairs, what);
   return descs;
 }
 

@@ -75,10 +75,15 @@ std::vector<PoolDesc> make_pool_descs(const std::vector<at::Tensor>& pools, at::
 void check_page_pairs(const at::Tensor& page_pairs, int64_t dst_limit, int64_t src_limit,
                       const char* dst_name, const char* src_name, bool validate, const char* what);
 
-// Every host-side check of an encode/decode call (blob, plan, pools, pairs); returns the descriptors.
-// Device placement is checked by each backend before this.
+// Every host-side check of an encode/decode call (blob, plan, pools, pairs, the decode's refusal counter);
+// returns the descriptors. With validate, a decode also reads every pair's global scales (a sync) and raises
+// on one that is not positive and finite. Device placement is checked by each backend before this.
 std::vector<PoolDesc> check_codec_call(at::TensorList pools, const at::Tensor& cold_pages, const at::Tensor& page_pairs,
-                                       at::IntArrayRef plan, bool validate, bool encode);
+                                       at::IntArrayRef plan, bool validate, bool encode,
+                                       const c10::optional<at::Tensor>& refused = c10::nullopt);
+
+// What encode writes as a plane's global scale, and decode accepts.
+KVOPS_HD bool valid_global_scale(float g) { return g > 0.f && g <= 3.402823466e+38f; }
 
 // True for dtypes whose values can be quantized (the hot dtypes).
 bool is_hot_dtype(at::ScalarType t);

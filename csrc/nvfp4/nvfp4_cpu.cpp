@@ -6,6 +6,8 @@
 #include <c10/util/Half.h>
 #include <torch/library.h>
 
+#include <atomic>
+
 #include "codec.h"
 #include "nvfp4.h"
 
@@ -158,11 +160,17 @@ void encode_page(const PoolDesc& d, at::ScalarType t, int64_t page, uint8_t* blo
   }
 }
 
-void decode_page(const PoolDesc& d, at::ScalarType t, const uint8_t* blob, int64_t page) {
+// Returns the planes left untouched because their global scale is not one encode writes.
+int decode_page(const PoolDesc& d, at::ScalarType t, const uint8_t* blob, int64_t page) {
   const uint8_t* section = blob + d.section_offset;
+  int refused = 0;
   for (int plane = 0; plane < d.planes; ++plane) {
     float g;
     std::memcpy(&g, section + 4 * plane, 4);
+    if (!valid_global_scale(g)) {
+      ++refused;
+      continue;
+    }
     const uint8_t* pb = section + d.plane_offset + plane * d.plane_bytes;
     const int32_t qb = d.q_len / kBlock, rb = d.r_len / kBlock, lb = d.lossless_bytes();
     float x[kBlock], res[kBlock];
@@ -184,27 +192,30 @@ void decode_page(const PoolDesc& d, at::ScalarType t, const uint8_t* blob, int64
       for (int32_t j = 0; j < lb; ++j) row[d.lossless_col(j)] = char(pb[d.off_lossless + int64_t(r) * lb + j]);
     }
   }
+  return refused;
 }
 
 }  // namespace
 
 // Both directions: pools and pairs must be on the CPU; one pair per task.
 void run_codec_cpu(at::TensorList pools, const at::Tensor& cold_pages, const at::Tensor& page_pairs, at::IntArrayRef plan,
-                   bool validate, bool encode) {
+                   bool validate, bool encode, const c10::optional<at::Tensor>& refused = c10::nullopt) {
   const char* what = encode ? "nvfp4_encode_pages" : "nvfp4_decode_pages";
   TORCH_CHECK_VALUE(page_pairs.is_cpu(), what, ": page_pairs must be on the CPU for CPU pools");
   for (size_t p = 0; p < pools.size(); ++p) TORCH_CHECK_VALUE(pools[p].is_cpu(), what, ": pools[", p, "] is not on the CPU");
-  const auto descs = check_codec_call(pools, cold_pages, page_pairs, plan, validate, encode);
+  const auto descs = check_codec_call(pools, cold_pages, page_pairs, plan, validate, encode, refused);
   const int32_t* pp = page_pairs.data_ptr<int32_t>();
   uint8_t* blobs = cold_pages.data_ptr<uint8_t>();
   const int64_t stride = cold_pages.stride(0);
+  std::atomic<int32_t> refusals{0};
   at::parallel_for(0, page_pairs.size(0), 1, [&](int64_t i0, int64_t i1) {
     for (int64_t i = i0; i < i1; ++i)
       for (size_t p = 0; p < descs.size(); ++p) {
         if (encode) encode_page(descs[p], pools[p].scalar_type(), pp[2 * i + 1], blobs + pp[2 * i] * stride);
-        else decode_page(descs[p], pools[p].scalar_type(), blobs + pp[2 * i + 1] * stride, pp[2 * i]);
+        else refusals += decode_page(descs[p], pools[p].scalar_type(), blobs + pp[2 * i + 1] * stride, pp[2 * i]);
       }
   });
+  if (refused) *refused->data_ptr<int32_t>() += refusals.load();
 }
 
 void encode_pages_cpu(at::TensorList pools, const at::Tensor& cold_pages, const at::Tensor& page_pairs,
@@ -213,8 +224,8 @@ void encode_pages_cpu(at::TensorList pools, const at::Tensor& cold_pages, const 
 }
 
 void decode_pages_cpu(const at::Tensor& cold_pages, at::TensorList pools, const at::Tensor& page_pairs,
-                      at::IntArrayRef plan, bool validate) {
-  run_codec_cpu(pools, cold_pages, page_pairs, plan, validate, false);
+                      at::IntArrayRef plan, bool validate, const c10::optional<at::Tensor>& refused) {
+  run_codec_cpu(pools, cold_pages, page_pairs, plan, validate, false, refused);
 }
 
 TORCH_LIBRARY_IMPL(kvops, CPU, m) {

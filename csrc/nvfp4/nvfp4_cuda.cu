@@ -198,6 +198,7 @@ struct CodecParams {
   int32_t chunk_rows[kMaxPools];
   int32_t num_pools, units_per_page;
   const int32_t* pairs;  // [n, 2] (dst, src)
+  int32_t* refused;      // decode: planes left untouched for a bad global scale (may be null)
   uint8_t* blobs;
   int64_t blob_stride, num_slots;
 };
@@ -387,6 +388,12 @@ __global__ void __launch_bounds__(kDecodeThreads, 4) decode_pages_kernel(const _
   const int32_t cr = P.chunk_rows[u.pool];
   const ChunkStaging st(d, cr);
   const int32_t qb = d.q_len / kBlock, rb = d.r_len / kBlock;
+  // Issued first, tested once the first chunk's loads are in flight. A scale encode never writes (a slot never
+  // encoded: 0) leaves the plane untouched; every thread sees the same g, so all leave together.
+  const float g = *reinterpret_cast<const float*>(section + 4 * u.plane);
+  const bool refused = !valid_global_scale(g);
+  const bool fast = is_fast_scale(g);
+  const float g_inv = fast ? __frcp_rn(g) : 0.f;
   for (int32_t r0 = 0; r0 < d.plane_rows && d.q_len; r0 += cr) {
     const int32_t rows = min(cr, d.plane_rows - r0);
     load_to_smem(smem + st.codes, pb + d.off_codes + int64_t(r0) * d.q_len / 2, int64_t(rows) * d.q_len / 2);
@@ -395,9 +402,7 @@ __global__ void __launch_bounds__(kDecodeThreads, 4) decode_pages_kernel(const _
       load_to_smem(smem + st.rcodes, pb + d.off_rcodes + int64_t(r0) * d.r_len / 2, int64_t(rows) * d.r_len / 2);
       load_to_smem(smem + st.rscales, pb + d.off_rscales + int64_t(r0) * rb, int64_t(rows) * rb);
     }
-    const float g = *reinterpret_cast<const float*>(section + 4 * u.plane);  // after the loads are in flight
-    const bool fast = is_fast_scale(g);
-    const float g_inv = fast ? __frcp_rn(g) : 0.f;
+    if (refused) break;
     __syncthreads();
     const int32_t nvec = rows * qvpr;
     for (int32_t v = threadIdx.x; v < nvec; v += blockDim.x) {
@@ -422,6 +427,10 @@ __global__ void __launch_bounds__(kDecodeThreads, 4) decode_pages_kernel(const _
     }
     if (r0 + cr < d.plane_rows) __syncthreads();
   }
+  if (refused) {
+    if (threadIdx.x == 0 && P.refused != nullptr) atomicAdd(P.refused, 1);
+    return;
+  }
   copy_lossless(d, u.page, u.plane, pb + d.off_lossless, false);
 }
 
@@ -436,8 +445,8 @@ int64_t chunk_rows_for(const PoolDesc& d) {
 
 template <class Kernel>
 void launch_codec(Kernel kernel, const char* what, bool encode, const std::vector<PoolDesc>& descs,
-                  const std::vector<size_t>& members, const int32_t* pairs, int64_t num_pairs, uint8_t* blobs,
-                  int64_t blob_stride, int64_t num_slots) {
+                  const std::vector<size_t>& members, const int32_t* pairs, int32_t* refused, int64_t num_pairs,
+                  uint8_t* blobs, int64_t blob_stride, int64_t num_slots) {
   prepare_kernel(kernel, what, kMaxSmem);
   auto stream = c10::cuda::getCurrentCUDAStream();
   for (size_t b = 0; b < members.size(); b += kMaxPools) {
@@ -455,6 +464,7 @@ void launch_codec(Kernel kernel, const char* what, bool encode, const std::vecto
     TORCH_CHECK(smem <= kMaxSmem, what, ": a chunk needs ", smem, " bytes of shared memory");
     P.units_per_page = P.unit_begin[P.num_pools];
     P.pairs = pairs;
+    P.refused = refused;
     P.blobs = blobs;
     P.blob_stride = blob_stride;
     P.num_slots = num_slots;
@@ -466,7 +476,7 @@ void launch_codec(Kernel kernel, const char* what, bool encode, const std::vecto
 }
 
 void run_codec(at::TensorList pools, const at::Tensor& cold_pages, const at::Tensor& page_pairs, at::IntArrayRef plan,
-               bool validate, bool encode) {
+               bool validate, bool encode, const c10::optional<at::Tensor>& refused = c10::nullopt) {
   const char* what = encode ? "nvfp4_encode_pages" : "nvfp4_decode_pages";
   TORCH_CHECK_VALUE(!pools.empty(), what, ": pools is empty");
   const at::Device device = pools[0].device();
@@ -474,7 +484,8 @@ void run_codec(at::TensorList pools, const at::Tensor& cold_pages, const at::Ten
     TORCH_CHECK_VALUE(pools[p].is_cuda(), what, ": pools[", p, "] is on ", pools[p].device(),
                       "; pools must be on the GPU when cold_pages or page_pairs are");
   c10::cuda::CUDAGuard guard(device);
-  const auto descs = check_codec_call(pools, cold_pages, page_pairs, plan, validate, encode);
+  const auto descs = check_codec_call(pools, cold_pages, page_pairs, plan, validate, encode, refused);
+  int32_t* refusals = refused ? refused->data_ptr<int32_t>() : nullptr;
   uint8_t* blobs = static_cast<uint8_t*>(device_address(cold_pages, device, "cold_pages", what));
   const int32_t* pairs = static_cast<const int32_t*>(device_address(page_pairs, device, "page_pairs", what));
   const int64_t n = page_pairs.size(0);
@@ -490,11 +501,11 @@ void run_codec(at::TensorList pools, const at::Tensor& cold_pages, const at::Ten
       using T = decltype(tag);
       if constexpr (!std::is_same_v<T, float>) {
         if (encode)
-          launch_codec(encode_pages_kernel<T>, what, true, descs, members, pairs, n, blobs, cold_pages.stride(0),
-                       cold_pages.size(0));
+          launch_codec(encode_pages_kernel<T>, what, true, descs, members, pairs, nullptr, n, blobs,
+                       cold_pages.stride(0), cold_pages.size(0));
         else
-          launch_codec(decode_pages_kernel<T>, what, false, descs, members, pairs, n, blobs, cold_pages.stride(0),
-                       cold_pages.size(0));
+          launch_codec(decode_pages_kernel<T>, what, false, descs, members, pairs, refusals, n, blobs,
+                       cold_pages.stride(0), cold_pages.size(0));
       }
     });
   }
@@ -506,8 +517,8 @@ void encode_pages_cuda(at::TensorList pools, const at::Tensor& cold_pages, const
 }
 
 void decode_pages_cuda(const at::Tensor& cold_pages, at::TensorList pools, const at::Tensor& page_pairs,
-                       at::IntArrayRef plan, bool validate) {
-  run_codec(pools, cold_pages, page_pairs, plan, validate, false);
+                       at::IntArrayRef plan, bool validate, const c10::optional<at::Tensor>& refused) {
+  run_codec(pools, cold_pages, page_pairs, plan, validate, false, refused);
 }
 
 }  // namespace

@@ -14,7 +14,7 @@ from typing import Sequence
 
 import torch
 
-from .._checks import check_int32
+from .._checks import check_device, check_disjoint, check_int, check_int32, check_no_meta_mix
 from .pack import pack_move_sources
 
 
@@ -23,6 +23,11 @@ def compact_layers_(pools: Sequence[torch.Tensor], page_table: torch.Tensor, sou
                     head_row_stride: Sequence[int]) -> None:
     """For every layer l, plane and head h of request r: position destination_bases[r] + m receives
     source m of list row ``layer_row_base[l] + head_row_stride[l] * h``, m < new_lengths[r] - base."""
+    what = "compact_layers_"
+    device = check_device(what, pools=list(pools))
+    check_int32(what, device, page_table=(page_table, 2), sources=(sources, 3), new_lengths=(new_lengths, 1),
+                destination_bases=(destination_bases, 1))
+    check_disjoint(what, "pools", list(pools))
     torch.ops.kvops.compact_layers_(list(pools), page_table, sources, new_lengths, destination_bases,
                                     list(layer_row_base), list(head_row_stride))
 
@@ -30,7 +35,7 @@ def compact_layers_(pools: Sequence[torch.Tensor], page_table: torch.Tensor, sou
 @torch.library.register_fake("kvops::compact_layers_")
 def _compact_layers_fake(pools, page_table, sources, new_lengths, destination_bases, layer_row_base,
                          head_row_stride):
-    return None
+    check_no_meta_mix("compact_layers_", pools, page_table, sources, new_lengths, destination_bases)
 
 
 @dataclass
@@ -84,13 +89,17 @@ def build_compaction_params(pools: Sequence[torch.Tensor], page_table: torch.Ten
     decision, so its whole window (<= K) survives and every layer ends at the same length.
     """
     what = "build_compaction_params"
+    if not isinstance(pools, (list, tuple)) or not pools:
+        raise TypeError(f"{what}: pools must be a non-empty list of per-layer tensors, got {type(pools).__name__}")
     pools = list(pools)
-    if not pools or not all(isinstance(p, torch.Tensor) and p.dim() == 5 for p in pools):
-        raise ValueError(f"{what}: pools must be a non-empty list of 5-D [page, plane, head, token, dim] views")
-    device = check_int32(what, pools[0].device, page_table=(page_table, 2), kept=(kept, 3), scored_lengths=(scored_lengths, 1),
-                         tail_lengths=(tail_lengths, 1), destination_bases=(destination_bases, 1))
-    if isinstance(max_tail, bool) or not isinstance(max_tail, int) or max_tail < 0:
-        raise ValueError(f"{what}: max_tail must be a non-negative int, got {max_tail!r}")
+    device = check_device(what, pools=pools)
+    if not all(p.dim() == 5 for p in pools):
+        raise ValueError(f"{what}: pools must be 5-D [page, plane, head, token, dim] views, got shapes "
+                         f"{sorted({tuple(p.shape) for p in pools})[:4]}")
+    check_int32(what, device, page_table=(page_table, 2), kept=(kept, 3), scored_lengths=(scored_lengths, 1),
+                tail_lengths=(tail_lengths, 1), destination_bases=(destination_bases, 1))
+    check_int(what, "max_tail", max_tail)
+    check_disjoint(what, "pools", pools)
     L, H = len(pools), pools[0].shape[2]
     R, rows, K = kept.shape
     for name, t in (("page_table", page_table), ("scored_lengths", scored_lengths), ("tail_lengths", tail_lengths),
@@ -121,18 +130,25 @@ def compact(params: CompactionParams, request_count: int | None = None, *, valid
     current stream. Returns new_lengths[:request_count] (destination base + K + tail); contents past
     the new length are unspecified, and the caller releases those pages.
 
-    validate=True (or KVOPS_DEBUG=1) checks the decisions and page table first; it syncs and raises
-    ValueError on a non-ascending or overtaking decision, a bad tail, or an unusable page.
+    A request whose tail lies outside [0, max_tail] is left as it is: nothing of it moves and its new length
+    is scored + tail (its length before the call), so no token is dropped without the caller seeing it in the
+    returned length. Without validation the kernels trust the rest: a decision that is not ascending or that
+    overtakes (kept[m] < base + m) moves the wrong bytes, and a page-table entry shared by two requests (or two
+    columns) is overwritten by one move while another reads it. Entries outside the pool are skipped.
+
+    validate=True (or KVOPS_DEBUG=1) checks all of that first; it syncs and raises ValueError, before anything
+    moves, on a non-ascending or overtaking decision, a bad tail, or an unusable or shared page.
     """
-    R = params.kept.shape[0] if request_count is None else request_count
-    if not 0 <= R <= params.kept.shape[0]:
-        raise ValueError(f"compact: request_count {R} outside [0, {params.kept.shape[0]}] (the bound rows)")
+    R = params.kept.shape[0] if request_count is None else \
+        check_int("compact", "request_count", request_count, 0, params.kept.shape[0])
     if validate or os.environ.get("KVOPS_DEBUG") == "1":
         check_decisions(params, R)
     pack_move_sources(params.kept[:R], params.scored_lengths[:R], params.tail_lengths[:R],
                       params.destination_bases[:R], params.sources[:R], params.new_lengths[:R])
-    compact_layers_(params.pools, params.page_table[:R], params.sources[:R], params.new_lengths[:R],
-                    params.destination_bases[:R], params.layer_row_base, params.head_row_stride)
+    # the bound buffers were checked by build_compaction_params: straight to the op
+    torch.ops.kvops.compact_layers_(params.pools, params.page_table[:R], params.sources[:R], params.new_lengths[:R],
+                                    params.destination_bases[:R], list(params.layer_row_base),
+                                    list(params.head_row_stride))
     return params.new_lengths[:R]
 
 
@@ -158,9 +174,11 @@ def check_decisions(params: CompactionParams, R: int) -> None:
     fail(((kept < base[:, None, None] + m) | (kept >= scored[:, None, None])).any(-1),
          "a kept position is below destination_base + its ordinal (it would be overtaken) or not a scored token")
     cols = torch.arange(table.shape[1], device=kept.device)
-    used = (cols >= base[:, None] // T) & (cols * T < end[:, None])  # pages the move reads or writes
-    fail(used & ((table < 0) | (table >= P)), f"a page-table entry the move touches is outside [0, {P})")
-    pages = table[used]
+    held = cols * T < end[:, None]                     # every page a request holds, below its base too
+    fail(held & ((table < 0) | (table >= P)), f"a page-table entry of the request is outside [0, {P})")
+    pages = table[held]
     if pages.numel() != pages.unique().numel():
-        raise ValueError("compact: two moved positions map to the same page (requests must not share pages "
-                         "above their destination base)")
+        # A page held twice (within a request or across requests, above or below a base) would be overwritten
+        # by one move while another request still reads it.
+        raise ValueError("compact: a page appears twice among the batch's page-table entries (requests must not "
+                         "share pages: compaction rewrites them in place)")

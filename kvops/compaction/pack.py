@@ -7,7 +7,9 @@ Request r gets `list_rows` lists of equal length n_r = K + tail_lengths[r], stor
 - row ``rows`` (only when sources has one more row than kept): the window row, the latest K scored
   tokens ``scored_length - K .. scored_length``, then the tail.
 
-``new_lengths[r] = destination_bases[r] + n_r``. Padding (rather than ragged offsets) keeps every
+``new_lengths[r] = destination_bases[r] + n_r``. A request whose tail does not fit (outside
+[0, capacity - K]) gets lists of -1 (nothing moves) and ``new_lengths[r] = scored_length + tail``, its
+length before the round. Padding (rather than ragged offsets) keeps every
 shape static for CUDA graphs and means a bad tail can never push a list into another request's.
 """
 
@@ -33,15 +35,18 @@ def _pack_kernel(kept, kept_stride_r, kept_stride_row, scored_lengths, tail_leng
     m = tl.program_id(2) * BLOCK + tl.arange(0, BLOCK)
     scored = tl.load(scored_lengths + r)
     tail = tl.load(tail_lengths + r)
+    refused = (tail < 0) | (tail > capacity - K)  # a tail the lists cannot hold: the request stays as it is
     in_kept = m < K
     if row < rows:
         head = tl.load(kept + r.to(tl.int64) * kept_stride_r + row * kept_stride_row + m, mask=in_kept, other=-1)
     else:  # window row: the latest K scored tokens, ascending
         head = scored - K + m
     src = tl.where(in_kept, head, tl.where(m < K + tail, scored + (m - K), -1))
+    src = tl.where(refused, -1, src)
     tl.store(sources + (r.to(tl.int64) * list_rows + row) * capacity + m, src, mask=m < capacity)
     if (row == 0) & (tl.program_id(2) == 0):
-        tl.store(new_lengths + r, tl.load(destination_bases + r) + K + tail)
+        length = tl.where(refused, scored + tl.maximum(tail, 0), tl.load(destination_bases + r) + K + tail)
+        tl.store(new_lengths + r, length)
 
 
 def _pack_torch(kept, scored_lengths, tail_lengths, destination_bases, sources, new_lengths):
@@ -53,7 +58,10 @@ def _pack_torch(kept, scored_lengths, tail_lengths, destination_bases, sources, 
     if sources.shape[1] > rows:
         sources[:, rows, :K] = scored - K + m[:K]
     sources[:, :, K:] = tail_part[:, None, :]
-    new_lengths.copy_(destination_bases + K + tail_lengths)
+    refused = (tail_lengths < 0) | (tail_lengths > sources.shape[2] - K)
+    sources.masked_fill_(refused[:, None, None], -1)
+    new_lengths.copy_(torch.where(refused, scored_lengths + tail_lengths.clamp(min=0),
+                                  destination_bases + K + tail_lengths))
 
 
 @triton_op("kvops::pack_move_sources_", mutates_args={"sources", "new_lengths"})

@@ -7,6 +7,7 @@ from typing import Sequence
 
 import torch
 
+from .._checks import check_device, check_device_or_host, check_disjoint
 from .layout import PoolLayout, RowSpec, plan_layout
 
 
@@ -24,11 +25,24 @@ class ColdPageCodec:
         self.layouts: list[PoolLayout]
         self.layouts, self.cold_page_bytes = plan_layout([(tuple(p.shape), p.dtype) for p in pools], self.specs)
         self.plan = [v for lay in self.layouts for v in lay.plan()]
+        self._refused: dict[torch.device, torch.Tensor] = {}
+
+    def refused(self, device: torch.device | str) -> torch.Tensor:
+        """int32 [1] on `device`: how many (page, pool, plane)s decode has left untouched on that device because
+        their blob's global scale was not positive and finite (a slot never encoded, or corrupt). decode adds to
+        it on the device, without a sync; read it with ``int(...)``, reset it with ``.zero_()``. Call this once
+        before capturing decodes in a CUDA graph (it allocates the counter the first time)."""
+        device = torch.device(device)
+        if device.type == "cuda" and device.index is None:
+            device = torch.device("cuda", torch.cuda.current_device())
+        if device not in self._refused:
+            self._refused[device] = torch.zeros(1, dtype=torch.int32, device=device)
+        return self._refused[device]
 
     @property
     def hot_page_bytes(self) -> int:
         """Bytes of one page across all pools in the hot dtype."""
-        return sum(math.prod(lay.shape[1:]) * torch.empty((), dtype=lay.dtype).element_size() for lay in self.layouts)
+        return sum(math.prod(lay.shape[1:]) * lay.dtype.itemsize for lay in self.layouts)
 
     def allocate(self, num_slots: int, device: torch.device | str = "cpu", pin_memory: bool | None = None) -> torch.Tensor:
         """Zeroed cold pages [num_slots, cold_page_bytes]; host memory is pinned when CUDA is available."""
@@ -37,14 +51,21 @@ class ColdPageCodec:
             pin_memory = device.type == "cpu" and torch.cuda.is_available()
         return torch.zeros(num_slots, self.cold_page_bytes, dtype=torch.uint8, device=device, pin_memory=pin_memory)
 
-    def _check(self, pools: Sequence[torch.Tensor], cold_pages: torch.Tensor) -> None:
-        if len(pools) != len(self.layouts):
-            raise ValueError(f"pools: expected {len(self.layouts)} pools, got {len(pools)}")
+    def _check(self, what: str, pools: Sequence[torch.Tensor], cold_pages: torch.Tensor,
+               page_pairs: torch.Tensor) -> None:
+        if not isinstance(pools, (list, tuple)) or len(pools) != len(self.layouts):
+            raise ValueError(f"{what}: pools must be a list of {len(self.layouts)} pools, got "
+                             f"{len(pools) if isinstance(pools, (list, tuple)) else type(pools).__name__}")
+        device = check_device(what, pools=pools)
+        check_device_or_host(what, device, cold_pages=cold_pages, page_pairs=page_pairs)
         for i, (p, lay) in enumerate(zip(pools, self.layouts)):
             if tuple(p.shape) != lay.shape or p.dtype != lay.dtype:
-                raise ValueError(f"pools[{i}]: configured as {lay.shape} {lay.dtype}, got {tuple(p.shape)} {p.dtype}")
+                raise ValueError(f"{what}: pools[{i}] was configured as {lay.shape} {lay.dtype}, got "
+                                 f"{tuple(p.shape)} {p.dtype}")
         if cold_pages.dim() != 2 or cold_pages.shape[1] != self.cold_page_bytes:
-            raise ValueError(f"cold_pages: expected [num_slots, {self.cold_page_bytes}], got {tuple(cold_pages.shape)}")
+            raise ValueError(f"{what}: cold_pages must be [num_slots, {self.cold_page_bytes}], got "
+                             f"{tuple(cold_pages.shape)}")
+        check_disjoint(what, "pools", pools, [("cold_pages", cold_pages)])
 
     def encode(self, pools: Sequence[torch.Tensor], cold_pages: torch.Tensor, page_pairs: torch.Tensor,
                validate: bool = False) -> None:
@@ -54,11 +75,18 @@ class ColdPageCodec:
         memory (written directly by the kernel). page_pairs may be on the device or pinned host;
         host-resident pairs are range-checked before launch, device-resident ones when validate=True.
         """
-        self._check(pools, cold_pages)
+        self._check("ColdPageCodec.encode", pools, cold_pages, page_pairs)
         torch.ops.kvops.nvfp4_encode_pages(list(pools), cold_pages, page_pairs, self.plan, validate)
 
     def decode(self, cold_pages: torch.Tensor, pools: Sequence[torch.Tensor], page_pairs: torch.Tensor,
                validate: bool = False) -> None:
-        """pools[page] <- decode(cold_pages[slot]) for each (page, slot) row of page_pairs; hot dtype restored."""
-        self._check(pools, cold_pages)
-        torch.ops.kvops.nvfp4_decode_pages(cold_pages, list(pools), page_pairs, self.plan, validate)
+        """pools[page] <- decode(cold_pages[slot]) for each (page, slot) row of page_pairs; hot dtype restored.
+
+        A plane whose blob holds a global scale that encode never writes (not positive and finite: a zeroed slot
+        that was never encoded, or corruption) is left untouched and counted in ``refused(device)``. With
+        validate=True such a scale (and a bad pair) raises ValueError naming the slot before anything is written;
+        that reads the blobs' scales back (a sync).
+        """
+        self._check("ColdPageCodec.decode", pools, cold_pages, page_pairs)
+        torch.ops.kvops.nvfp4_decode_pages(cold_pages, list(pools), page_pairs, self.plan, validate,
+                                           self.refused(pools[0].device))

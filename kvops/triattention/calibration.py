@@ -18,6 +18,7 @@ from typing import Any, Mapping
 
 import torch
 
+from .._checks import check_int
 from .rope import head_dim_of, rope_parameters, rotary_dim
 
 
@@ -59,11 +60,16 @@ class Calibration:
 
 
 def _geometry(config: Mapping[str, Any]) -> tuple[int, int, int, int, int]:
-    try:
-        L, Hq = int(config["num_hidden_layers"]), int(config["num_attention_heads"])
-    except KeyError as e:
-        raise ValueError(f"load_calibration: model_config needs {e.args[0]!r}") from e
-    Hkv = int(config.get("num_key_value_heads") or Hq)
+    what = "load_calibration: model_config"
+    if not isinstance(config, Mapping):
+        raise TypeError(f"{what} must be a dict (a Hugging Face config's to_dict()), got {type(config).__name__}")
+    for key in ("num_hidden_layers", "num_attention_heads"):
+        if key not in config:
+            raise ValueError(f"{what} needs {key!r}")
+        check_int(what, key, config[key], 1)
+    L, Hq = config["num_hidden_layers"], config["num_attention_heads"]
+    Hkv = config.get("num_key_value_heads")
+    Hkv = Hq if Hkv is None else check_int(what, "num_key_value_heads", Hkv, 1)  # absent: multi-head attention
     D = head_dim_of(config)
     if Hq % Hkv:
         raise ValueError(f"load_calibration: num_attention_heads {Hq} is not a multiple of num_key_value_heads {Hkv}")
@@ -73,6 +79,9 @@ def _geometry(config: Mapping[str, Any]) -> tuple[int, int, int, int, int]:
 def _tensor(value: Any, what: str, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
     if not isinstance(value, torch.Tensor):
         raise ValueError(f"load_calibration: {what} must be a tensor, got {type(value).__name__}")
+    if value.is_complex() != dtype.is_complex or not (value.is_floating_point() or value.is_complex()):
+        raise ValueError(f"load_calibration: {what} must be a {'complex' if dtype.is_complex else 'real'} "
+                         f"floating-point tensor, got {value.dtype}")
     if tuple(value.shape) != shape:
         raise ValueError(f"load_calibration: {what} has shape {tuple(value.shape)}, the model needs {shape}")
     if not torch.isfinite(torch.view_as_real(value) if value.is_complex() else value).all():
@@ -100,6 +109,9 @@ def _official(data: Mapping[str, Any], L: int, Hq: int, D: int, F: int) -> tuple
             if key not in stats:
                 raise ValueError(f"load_calibration: head {key} is missing from the calibration file")
             s = stats[key]
+            if not isinstance(s, Mapping):
+                raise ValueError(f"load_calibration: {key} must be a dict of q_mean_real, q_mean_imag and "
+                                 f"q_abs_mean tensors, got {type(s).__name__}")
             real = _tensor(s.get("q_mean_real"), f"{key}.q_mean_real", (F,), torch.float32)
             imag = _tensor(s.get("q_mean_imag"), f"{key}.q_mean_imag", (F,), torch.float32)
             q_mean[layer, head] = torch.complex(real, imag)

@@ -12,6 +12,7 @@ import triton
 import triton.language as tl
 from torch.library import triton_op
 
+from .._checks import check_device, check_float32
 from .._triton import triton_launcher
 from .reference import PHASE_OFFSETS
 
@@ -60,19 +61,16 @@ def mean_phase(round_starts: torch.Tensor, omega: torch.Tensor, phase: torch.Ten
     """phase float32 [R, 2, F]: phase[:, 0] = C, phase[:, 1] = S. round_starts: int32/int64 [R] (>= 0);
     omega: float32 [F]. Pass `phase` to write into a bound buffer (no allocation, graph-capturable)."""
     what = "mean_phase"
+    device = check_device(what, round_starts=round_starts, omega=omega)
     if round_starts.dtype not in (torch.int32, torch.int64) or round_starts.dim() != 1:
         raise ValueError(f"{what}: round_starts must be a 1-D int32 or int64 tensor, got {round_starts.dtype} "
                          f"{tuple(round_starts.shape)}")
     if omega.dtype != torch.float32 or omega.dim() != 1:
         raise ValueError(f"{what}: omega must be a 1-D float32 tensor, got {omega.dtype} {tuple(omega.shape)}")
-    if omega.device != round_starts.device:
-        raise ValueError(f"{what}: omega is on {omega.device}, round_starts on {round_starts.device}")
     shape = (round_starts.shape[0], 2, omega.shape[0])
     if phase is None:
-        phase = torch.empty(shape, dtype=torch.float32, device=omega.device)
-    elif phase.dtype != torch.float32 or tuple(phase.shape) != shape or not phase.is_contiguous() \
-            or phase.device != omega.device:
-        raise ValueError(f"{what}: phase must be a contiguous float32 {list(shape)} tensor on {omega.device}, got "
-                         f"{phase.dtype} {tuple(phase.shape)} on {phase.device}")
+        phase = torch.empty(shape, dtype=torch.float32, device=device)
+    else:
+        check_float32(what, device, phase=(phase, shape))
     _mean_phase_op(round_starts, omega.contiguous(), phase)
     return phase

@@ -25,11 +25,15 @@ def mean_phase_reference(round_starts: torch.Tensor, omega: torch.Tensor) -> tup
 
 def gather_keys(k_pools: Sequence[torch.Tensor], page_table: torch.Tensor, r: int, start: int, end: int
                 ) -> torch.Tensor:
-    """float64 [L, Hkv, end - start, D]: the cached keys of request r at positions [start, end)."""
-    T = k_pools[0].shape[3]
+    """float64 [L, Hkv, end - start, D]: the cached keys of request r at positions [start, end); NaN where the
+    position's page is absent (past the page table, or an entry outside [0, num_pages))."""
+    T, P = k_pools[0].shape[3], k_pools[0].shape[0]
     pos = torch.arange(start, end)
-    pages, slots = page_table[r].long().cpu()[pos // T], pos % T
-    return torch.stack([pool[pages, 0, :, slots].double().cpu().permute(1, 0, 2) for pool in k_pools])
+    table = torch.cat([page_table[r].long().cpu(), torch.full((int(end) // T + 1,), -1)])
+    pages, slots = table[pos // T], pos % T
+    present = (pages >= 0) & (pages < P)
+    keys = torch.stack([pool[pages.clamp(0, P - 1), 0, :, slots].double().cpu().permute(1, 0, 2) for pool in k_pools])
+    return torch.where(present[None, None, :, None], keys, float("nan"))
 
 
 def raw_scores_reference(keys: torch.Tensor, cal: Calibration, C: torch.Tensor, S: torch.Tensor) -> torch.Tensor:
@@ -47,23 +51,30 @@ def raw_scores_reference(keys: torch.Tensor, cal: Calibration, C: torch.Tensor, 
 
 
 def normalize_reference(s: torch.Tensor) -> torch.Tensor:
-    """z = (s - mean) / max(std, 1e-6) over the last dim, population std."""
-    mean = s.mean(-1, keepdim=True)
-    std = s.std(-1, correction=0, keepdim=True) if s.shape[-1] else torch.ones_like(mean)
-    return (s - mean) / std.clamp_min(1e-6)
+    """z = (s - mean) / max(std, 1e-6) over the finite values of the last dim, population std; non-finite
+    values stay as they are."""
+    finite = torch.isfinite(s)
+    count = finite.sum(-1, keepdim=True).clamp(min=1)
+    mean = torch.where(finite, s, 0).sum(-1, keepdim=True) / count
+    std = (torch.where(finite, s - mean, 0) ** 2).sum(-1, keepdim=True).div(count).sqrt()
+    return torch.where(finite, (s - mean) / std.clamp_min(1e-6), s)
 
 
 def reduce_reference(z: torch.Tensor, mode: str, num_kv_heads: int) -> torch.Tensor:
-    """Row scores from z [L, Hq, n]: union [1, n], per_head [Hkv, n], per_layer_perhead [L*Hkv, n]."""
+    """Row scores from z [L, Hq, n]: union [1, n], per_head [Hkv, n], per_layer_perhead [L*Hkv, n]. A column
+    with a non-finite value in any (layer, head) the row reduces over is -inf."""
     L, Hq, n = z.shape
+    poisoned = (~torch.isfinite(z)).view(L, num_kv_heads, Hq // num_kv_heads, n).any(2)
     grouped = z.view(L, num_kv_heads, Hq // num_kv_heads, n).amax(2)  # max over the query heads of a group
     if mode == "union":
-        return grouped.amax((0, 1))[None]
-    if mode == "per_head":
-        return grouped.mean(0)
-    if mode == "per_layer_perhead":
-        return grouped.reshape(L * num_kv_heads, n)
-    raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
+        rows, poisoned = grouped.amax((0, 1))[None], poisoned.any(1).any(0)[None]
+    elif mode == "per_head":
+        rows, poisoned = grouped.mean(0), poisoned.any(0)
+    elif mode == "per_layer_perhead":
+        rows, poisoned = grouped.reshape(L * num_kv_heads, n), poisoned.reshape(L * num_kv_heads, n)
+    else:
+        raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
+    return rows.masked_fill(poisoned, -float("inf"))
 
 
 def topk_reference(scores: torch.Tensor, lengths: torch.Tensor, k: int) -> torch.Tensor:

@@ -2,11 +2,15 @@
 
 ``kvops::triattention_score_`` (GPU: the CuTe DSL kernel in score_cute.py; CPU: batched torch) reads every
 decode token's key once and writes, for each (request, layer, query head), the raw scores ``raw[R, L, Hq, n]``
-and per-CHUNK-token partial statistics ``stats[R, L, Hq, ceil(n / CHUNK), 2]`` = (chunk mean, chunk M2).
-``kvops::triattention_reduce_`` (Triton; torch on the CPU) merges the partials into each (r, l, h)'s mean and
-population std, normalizes, and reduces to the mode's rows. The union row needs every head's statistics, which
-exist only once the whole pass is done, so it is produced here and not inside the scorer (that would need a
-grid-wide barrier). Column j is cache position P + j; columns at or past N - P are -inf in the rows.
+and per-CHUNK-token partial statistics ``stats[R, L, Hq, ceil(n / CHUNK), 3]`` = (mean, M2, count) of the
+chunk's finite scores. A token whose page-table entry is missing (-1, outside the pool, or a column past the
+table) is absent: its raw score is NaN and its key is never read. ``kvops::triattention_reduce_`` (Triton;
+torch on the CPU) merges the partials into each (r, l, h)'s mean and population std, normalizes, and reduces to
+the mode's rows; a token with a non-finite score (a NaN or Inf key, or absent) in any (layer, head) its row
+reduces over gets -inf there, so it ranks below every other token and no statistic sees it. The union row needs
+every head's statistics, which exist only once the whole pass is done, so it is produced here and not inside
+the scorer (that would need a grid-wide barrier). Column j is cache position P + j; columns at or past N - P
+are -inf in the rows.
 """
 
 from __future__ import annotations
@@ -19,11 +23,12 @@ import triton.language as tl
 from torch.library import triton_op
 
 from . import _cute
-from .._checks import check_float32, check_int32
+from .._checks import check_device, check_float32, check_int, check_int32
 from .._triton import triton_launcher
 from .reference import MODES
 
 CHUNK = 1024  # decode tokens per statistics partial (and per scorer CTA)
+STATS = 3     # per partial: mean, M2 and count of the chunk's finite scores
 KV_DTYPES = (torch.bfloat16, torch.float16)      # what the CuTe scorer reads (KV_TYPES in score_cute.py)
 POOL_DTYPES = KV_DTYPES + (torch.float8_e4m3fn,)  # fp8 pools: the torch path, on either device
 
@@ -42,7 +47,10 @@ def _score_torch(k_pools, page_table, prompt_lengths, cache_lengths, phase, q_re
     count = (cache_lengths - prompt_lengths).clamp(0, n)
     valid = j[None, :] < count[:, None]                                             # [R, n]
     pos = prompt_lengths.long()[:, None] + j[None, :]
-    pages = page_table.long().gather(1, (pos // T).clamp(max=page_table.shape[1] - 1)).clamp(min=0)
+    cols = pos // T
+    pages = page_table.long().gather(1, cols.clamp(0, page_table.shape[1] - 1))
+    present = (cols < page_table.shape[1]) & (pages >= 0) & (pages < k_pools[0].shape[0])  # else absent: NaN
+    pages = torch.where(present, pages, 0)
     slots = pos % T
     C, S = phase[:, 0, None, :], phase[:, 1, None, :]                               # [R, 1, F]
     for layer in range(L):
@@ -53,17 +61,19 @@ def _score_torch(k_pools, page_table, prompt_lengths, cache_lengths, phase, q_re
         b = (qr * S + qi * C).view(R, Hkv, G, F)
         s = (torch.einsum("rngf,rgif->rgin", kr, a) + torch.einsum("rngf,rgif->rgin", ki, b)
              + torch.einsum("rngf,gif->rgin", torch.sqrt(kr * kr + ki * ki), q_extra[layer].view(Hkv, G, F)))
-        raw[:, layer] = torch.where(valid[:, None], s.reshape(R, Hq, n), raw[:, layer])  # like the kernel
-    # partials: chunks with no decode token keep whatever they held (the kernel does not write them)
+        s = torch.where(present[:, None], s.reshape(R, Hq, n), float("nan"))
+        raw[:, layer] = torch.where(valid[:, None], s, raw[:, layer])  # like the kernel
+    # partials over the finite scores; chunks with no decode token keep whatever they held (the kernel does not
+    # write them)
     nc = stats.shape[3]
     width = (count[:, None] - torch.arange(nc, device=raw.device)[None] * CHUNK).clamp(0, CHUNK)  # [R, nc]
     padded = torch.nn.functional.pad(raw, (0, nc * CHUNK - n)).view(R, L, Hq, nc, CHUNK)
-    live = torch.arange(CHUNK, device=raw.device) < width[:, None, None, :, None]
-    cnt = width[:, None, None, :].clamp(min=1).float()
-    mean = torch.where(live, padded, 0).sum(-1) / cnt
+    live = (torch.arange(CHUNK, device=raw.device) < width[:, None, None, :, None]) & torch.isfinite(padded)
+    cnt = live.sum(-1).float()
+    mean = torch.where(live, padded, 0).sum(-1) / cnt.clamp(min=1)
     m2 = torch.where(live, (padded - mean[..., None]) ** 2, 0).sum(-1)
     written = (width > 0)[:, None, None, :, None]
-    stats.copy_(torch.where(written, torch.stack([mean, m2], -1), stats))
+    stats.copy_(torch.where(written, torch.stack([mean, m2, cnt], -1), stats))
 
 
 @torch.library.custom_op("kvops::triattention_score_", mutates_args={"raw", "stats"})
@@ -76,7 +86,7 @@ def _score_op(k_pools: list[torch.Tensor], page_table: torch.Tensor,
 def compile_scorer(dtype: torch.dtype, num_freqs: int, group: int, page_size: int, device: torch.device | None):
     """Compile the CuTe scorer for one shape class (device None: compile only, for CI without a GPU)."""
     import cutlass.cute as cute
-    from cutlass import Int64
+    from cutlass import Int32, Int64
 
     from .score_cute import Scorer
 
@@ -84,14 +94,15 @@ def compile_scorer(dtype: torch.dtype, num_freqs: int, group: int, page_size: in
     i32 = lambda *s: torch.zeros(s, dtype=torch.int32, device=on)  # noqa: E731
     f32 = lambda *s: torch.zeros(s, dtype=torch.float32, device=on)  # noqa: E731
     dummies = (torch.zeros(1, dtype=torch.int64, device=on), i32(2, 2), i32(2), i32(2), f32(2, 2, num_freqs),
-               *(f32(1, group, num_freqs) for _ in range(3)), f32(2, 1, group, 4), f32(2, 1, group, 1, 2))
+               *(f32(1, group, num_freqs) for _ in range(3)), f32(2, 1, group, 4), f32(2, 1, group, 1, STATS))
     scorer = Scorer(KV_DTYPES.index(dtype), num_freqs, group, page_size)
-    return cute.compile(scorer, *_cute.dynamic(*dummies), Int64(0), Int64(0), Int64(0), _cute.stream(device))
+    return cute.compile(scorer, *_cute.dynamic(*dummies), Int64(0), Int64(0), Int64(0), Int32(1),
+                        _cute.stream(device))
 
 
 @_score_op.register_kernel("cuda")
 def _score_cuda(k_pools, page_table, prompt_lengths, cache_lengths, phase, q_real, q_imag, q_extra, raw, stats):
-    from cutlass import Int64
+    from cutlass import Int32, Int64
 
     pool = k_pools[0]
     if pool.dtype not in KV_DTYPES:  # no CuTe kernel for fp8 pools yet: the same math in torch (capturable)
@@ -107,7 +118,7 @@ def _score_cuda(k_pools, page_table, prompt_lengths, cache_lengths, phase, q_rea
     if raw.shape[0] and raw.shape[3]:
         fn(*_cute.dynamic(layer_k, page_table, prompt_lengths, cache_lengths, phase, q_real, q_imag, q_extra, raw,
                           stats), Int64(pool.stride(0)), Int64(pool.stride(2)), Int64(pool.stride(3)),
-           _cute.stream(pool.device))
+           Int32(pool.shape[0]), _cute.stream(pool.device))
 
 
 @_score_op.register_fake
@@ -123,8 +134,9 @@ def check_pools(what: str, k_pools: Sequence[torch.Tensor], num_layers: int, num
     if not isinstance(k_pools, (list, tuple)) or len(k_pools) != num_layers:
         raise ValueError(f"{what}: k_pools must be a list of {num_layers} per-layer pools, got "
                          f"{len(k_pools) if isinstance(k_pools, (list, tuple)) else type(k_pools).__name__}")
+    check_device(what, k_pools=k_pools)
     first = k_pools[0]
-    if not isinstance(first, torch.Tensor) or first.dim() != 5:
+    if first.dim() != 5:
         raise ValueError(f"{what}: k_pools must be 5-D [page, plane, kv_head, token, dim] views, got "
                          f"{tuple(getattr(first, 'shape', ()))}")
     num_kv_heads = first.shape[2]
@@ -175,11 +187,12 @@ def layer_addresses(k_pools: Sequence[torch.Tensor]) -> torch.Tensor:
 def score(k_pools: Sequence[torch.Tensor], page_table: torch.Tensor, cache_lengths: torch.Tensor,
           prompt_lengths: torch.Tensor, phase: torch.Tensor, weights: tuple[torch.Tensor, torch.Tensor, torch.Tensor],
           max_decode: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """(raw float32 [R, L, Hq, max_decode], stats float32 [R, L, Hq, ceil(max_decode / CHUNK), 2]).
+    """(raw float32 [R, L, Hq, max_decode], stats float32 [R, L, Hq, ceil(max_decode / CHUNK), STATS]).
 
     k_pools: per-layer [page, plane, kv_head, token, dim] views (plane 0 is K); page_table int32 [R, pages];
     cache_lengths, prompt_lengths int32 [R]; phase float32 [R, 2, F] (mean_phase); weights: Calibration.
-    score_weights() on the pools' device. Only the first N - P columns of raw are written.
+    score_weights() on the pools' device. Only the first N - P columns of raw are written (NaN for a token whose
+    page is missing from the page table).
     """
     what = "triattention score"
     q_real, q_imag, q_extra = weights
@@ -195,10 +208,9 @@ def score(k_pools: Sequence[torch.Tensor], page_table: torch.Tensor, cache_lengt
         raise ValueError(f"{what}: page_table must be contiguous")
     check_float32(what, device, phase=(phase, (R, 2, F)),
                   **{f"weights[{i}]": (w, (L, Hq, F)) for i, w in enumerate(weights)})
-    if isinstance(max_decode, bool) or not isinstance(max_decode, int) or max_decode < 0:
-        raise ValueError(f"{what}: max_decode must be a non-negative int, got {max_decode!r}")
+    check_int(what, "max_decode", max_decode)
     raw = torch.empty((R, L, Hq, max_decode), dtype=torch.float32, device=device)
-    stats = torch.empty((R, L, Hq, triton.cdiv(max_decode, CHUNK), 2), dtype=torch.float32, device=device)
+    stats = torch.empty((R, L, Hq, triton.cdiv(max_decode, CHUNK), STATS), dtype=torch.float32, device=device)
     _score_op(list(k_pools), page_table, prompt_lengths, cache_lengths, phase, q_real,
               q_imag, q_extra, raw, stats)
     return raw, stats
@@ -211,38 +223,40 @@ def _reduce_torch(raw, stats, prompt_lengths, cache_lengths, rows, mode, num_kv_
     count = (cache_lengths - prompt_lengths).clamp(0, n)
     valid = torch.arange(n, device=raw.device)[None, :] < count[:, None]             # [R, n]
     s = torch.where(valid[:, None, None], raw, 0)
+    finite = torch.isfinite(s)
+    s = torch.where(finite, s, 0)
     if normalize:
         nc = stats.shape[3]
-        width = (count[:, None] - torch.arange(nc, device=raw.device)[None] * CHUNK).clamp(0, CHUNK).float()
-        width = width[:, None, None, :]                                              # [R, 1, 1, nc]
-        m, m2 = torch.where(width > 0, stats[..., 0], 0), torch.where(width > 0, stats[..., 1], 0)
-        total = count.clamp(min=1).float()[:, None, None]
-        mean = (m * width).sum(-1) / total
-        var = (m2 + width * (m - mean[..., None]) ** 2).sum(-1) / total
+        written = (count[:, None] > torch.arange(nc, device=raw.device)[None] * CHUNK)[:, None, None, :]
+        m, m2, cnt = (torch.where(written, stats[..., i], 0) for i in range(STATS))  # [R, L, Hq, nc]
+        total = cnt.sum(-1).clamp(min=1)
+        mean = (m * cnt).sum(-1) / total
+        var = (m2 + cnt * (m - mean[..., None]) ** 2).sum(-1) / total
         s = (s - mean[..., None]) / var.sqrt().clamp_min(1e-6)[..., None]
-    grouped = s.view(R, L, num_kv_heads, Hq // num_kv_heads, n).amax(3)              # [R, L, Hkv, n]
+    G = Hq // num_kv_heads
+    grouped = s.view(R, L, num_kv_heads, G, n).amax(3)                                 # [R, L, Hkv, n]
+    poisoned = ~finite.view(R, L, num_kv_heads, G, n).all(3)                          # [R, L, Hkv, n]
     if mode == "union":
-        out = grouped.amax((1, 2))[:, None]
+        out, poisoned = grouped.amax((1, 2))[:, None], poisoned.any(2).any(1)[:, None]
     elif mode == "per_head":
-        out = grouped.mean(1)
+        out, poisoned = grouped.mean(1), poisoned.any(1)
     else:
-        out = grouped.reshape(R, -1, n)
-    rows.copy_(torch.where(valid[:, None], out, -float("inf")))
+        out, poisoned = grouped.reshape(R, -1, n), poisoned.reshape(R, -1, n)
+    rows.copy_(torch.where(valid[:, None] & ~poisoned, out, -float("inf")))
 
 
 @triton.jit
 def _reduce_kernel(raw, stats, prompt_lengths, cache_lengths, rows, n, NC, ROWS, L: tl.constexpr, Hq: tl.constexpr,
                    G: tl.constexpr, GP: tl.constexpr, MODE: tl.constexpr, NORMALIZE: tl.constexpr,
-                   CHUNK: tl.constexpr, BLOCK_J: tl.constexpr, BLOCK_C: tl.constexpr):
+                   CHUNK: tl.constexpr, STATS: tl.constexpr, BLOCK_J: tl.constexpr, BLOCK_C: tl.constexpr):
     r = tl.program_id(0)
     row = tl.program_id(1)
     j = tl.program_id(2) * BLOCK_J + tl.arange(0, BLOCK_J)
     count = tl.minimum(tl.maximum(tl.load(cache_lengths + r) - tl.load(prompt_lengths + r), 0), n)
     valid = j < count
     c = tl.arange(0, BLOCK_C)
-    width = tl.minimum(tl.maximum(count - c * CHUNK, 0), CHUNK)
-    live_c = (c < NC) & (width > 0)
-    total = tl.maximum(count, 1).to(tl.float32)
+    live_c = (c < NC) & (c * CHUNK < count)  # partials the scorer wrote
+    poisoned = j < 0  # all False: a column with a non-finite score in any (layer, head) it reduces over
     dh = tl.arange(0, GP)  # a KV head's G query heads (padded to a power of two), loaded as one tile
     live_h = dh < G
     # The (layer, group) blocks this row reduces. Trip counts are constexprs (Triton 3.6's interpreter cannot
@@ -258,11 +272,16 @@ def _reduce_kernel(raw, stats, prompt_lengths, cache_lengths, rows, n, NC, ROWS,
         for dg in range(0, Hq // G if MODE == 0 else 1):
             plane = (r.to(tl.int64) * L + l_lo + dl) * Hq + h_lo + dg * G + dh                  # [GP]
             s = tl.load(raw + plane[:, None] * n + j[None, :], mask=live_h[:, None] & valid[None, :], other=0.0)
+            finite = tl.abs(s) < float("inf")  # False for NaN too: such a token is poisoned, not scored
+            poisoned |= tl.max((live_h[:, None] & ~finite).to(tl.int32), 0) > 0
+            s = tl.where(finite, s, 0.0)
             if NORMALIZE:  # merge the chunk partials (Chan et al.): population mean and std of (r, layer, h)
-                part = stats + (plane[:, None] * NC + c[None, :]) * 2                            # [GP, BLOCK_C]
-                m = tl.load(part, mask=live_h[:, None] & live_c[None, :], other=0.0)
-                m2 = tl.load(part + 1, mask=live_h[:, None] & live_c[None, :], other=0.0)
-                w = width.to(tl.float32)[None, :]
+                part = stats + (plane[:, None] * NC + c[None, :]) * STATS                        # [GP, BLOCK_C]
+                live = live_h[:, None] & live_c[None, :]
+                m = tl.load(part, mask=live, other=0.0)
+                m2 = tl.load(part + 1, mask=live, other=0.0)
+                w = tl.load(part + 2, mask=live, other=0.0)  # the partial's finite scores
+                total = tl.maximum(tl.sum(w, 1), 1.0)
                 mean = tl.sum(m * w, 1) / total
                 var = tl.sum(m2 + w * (m - mean[:, None]) * (m - mean[:, None]), 1) / total
                 s = (s - mean[:, None]) / tl.maximum(tl.sqrt(var), 1e-6)[:, None]
@@ -273,7 +292,8 @@ def _reduce_kernel(raw, stats, prompt_lengths, cache_lengths, rows, n, NC, ROWS,
                 acc = tl.maximum(acc, best)
     if MODE == 1:
         acc = acc / L
-    tl.store(rows + (r.to(tl.int64) * ROWS + row) * n + j, tl.where(valid, acc, -float("inf")), mask=j < n)
+    tl.store(rows + (r.to(tl.int64) * ROWS + row) * n + j, tl.where(valid & ~poisoned, acc, -float("inf")),
+             mask=j < n)
 
 
 @triton_op("kvops::triattention_reduce_", mutates_args={"rows"})
@@ -288,24 +308,26 @@ def _reduce_op(raw: torch.Tensor, stats: torch.Tensor, prompt_lengths: torch.Ten
     launch[(R, rows.shape[1], triton.cdiv(n, block_j))](
         raw, stats, prompt_lengths, cache_lengths, rows, n, stats.shape[3], rows.shape[1], L=L, Hq=Hq,
         G=Hq // num_kv_heads, GP=triton.next_power_of_2(Hq // num_kv_heads),
-        MODE=MODES.index(mode), NORMALIZE=normalize, CHUNK=CHUNK, BLOCK_J=block_j,
+        MODE=MODES.index(mode), NORMALIZE=normalize, CHUNK=CHUNK, STATS=STATS, BLOCK_J=block_j,
         BLOCK_C=max(triton.next_power_of_2(stats.shape[3]), 2))
 
 
 def reduce_rows(raw: torch.Tensor, stats: torch.Tensor, cache_lengths: torch.Tensor, prompt_lengths: torch.Tensor,
                 mode: str, num_kv_heads: int, normalize: bool = True) -> torch.Tensor:
     """Row scores float32 [R, rows, n] from score()'s outputs: z = (s - mean) / max(std, 1e-6) per (r, l, h)
-    when normalizing, then union = max over (l, h); per_head = mean over l of max over the group's heads;
-    per_layer_perhead = max over the group's heads, row l * Hkv + g. Columns past N - P are -inf."""
+    over the finite scores when normalizing, then union = max over (l, h); per_head = mean over l of max over the
+    group's heads; per_layer_perhead = max over the group's heads, row l * Hkv + g. Columns past N - P, and
+    columns with a non-finite score in any (l, h) the row reduces over, are -inf."""
     what = "triattention reduce"
     if mode not in MODES:
         raise ValueError(f"{what}: mode must be one of {MODES}, got {mode!r}")
     if not isinstance(raw, torch.Tensor) or raw.dim() != 4:
         raise ValueError(f"{what}: raw must be a 4-D [R, L, Hq, n] tensor (score()'s first output)")
     R, L, Hq, n = raw.shape
-    if isinstance(num_kv_heads, bool) or not isinstance(num_kv_heads, int) or num_kv_heads <= 0 or Hq % num_kv_heads:
-        raise ValueError(f"{what}: num_kv_heads must be a positive divisor of {Hq}, got {num_kv_heads!r}")
-    check_float32(what, raw.device, raw=(raw, (R, L, Hq, n)), stats=(stats, (R, L, Hq, triton.cdiv(n, CHUNK), 2)))
+    if check_int(what, "num_kv_heads", num_kv_heads, 1) and Hq % num_kv_heads:
+        raise ValueError(f"{what}: num_kv_heads must divide the {Hq} query heads, got {num_kv_heads}")
+    check_float32(what, raw.device, raw=(raw, (R, L, Hq, n)),
+                  stats=(stats, (R, L, Hq, triton.cdiv(n, CHUNK), STATS)))
     check_int32(what, raw.device, cache_lengths=(cache_lengths, 1), prompt_lengths=(prompt_lengths, 1))
     if cache_lengths.shape[0] != R or prompt_lengths.shape[0] != R:
         raise ValueError(f"{what}: cache_lengths and prompt_lengths must have {R} entries (one per request)")

@@ -5,8 +5,9 @@ of KV head g. A token's key is split over LANES lanes, each holding FPL frequenc
 each rotary half); K is read exactly once. The per-(head, frequency) coefficients and the chunk's page ids are
 staged in shared memory; the main loop runs frequency by frequency (one frequency's fp32 values live at a time),
 and each coefficient read serves UNROLL tokens, whose successors' loads are in flight in registers meanwhile. A reduce-scatter butterfly over the token's lanes finishes the G dot products. Scores are
-staged in shared memory, then written coalesced with the chunk's (mean, M2) per head, from which the reduce
-merges each (r, l, h)'s statistics.
+staged in shared memory, then written coalesced with the (mean, M2, count) of the chunk's finite scores per head,
+from which the reduce merges each (r, l, h)'s statistics. A token whose page is absent (-1 or outside the pool,
+or past the page table) scores NaN.
 Coefficients fold the mean phase in: a = qr C - qi S, b = qr S + qi C (qr, qi, e already times freq_scale_sq).
 """
 
@@ -44,18 +45,21 @@ def sqrt_approx(x: Float32, *, loc=None, ip=None) -> Float32:
 
 
 @cute.jit
-def _block_sum(value: Float32, lane: Int32, warp: Int32, sRed: cute.Tensor,
-               warps: cutlass.Constexpr[int]) -> Float32:
+def _block_sum2(a: Float32, b: Float32, lane: Int32, warp: Int32, sRed: cute.Tensor,
+                warps: cutlass.Constexpr[int]):
+    """The CTA-wide sums of two values (sRed holds 2 * warps floats)."""
     for step in cutlass.range_constexpr(5):
-        value = value + cute.arch.shuffle_sync_bfly(value, 1 << step)
+        a = a + cute.arch.shuffle_sync_bfly(a, 1 << step)
+        b = b + cute.arch.shuffle_sync_bfly(b, 1 << step)
     if lane == 0:
-        sRed[warp] = value
+        sRed[warp] = a
+        sRed[warps + warp] = b
     cute.arch.sync_threads()
-    total = Float32(0.0)
+    total_a, total_b = Float32(0.0), Float32(0.0)
     for w in cutlass.range_constexpr(warps):
-        total = total + sRed[w]
+        total_a, total_b = total_a + sRed[w], total_b + sRed[warps + w]
     cute.arch.sync_threads()
-    return total
+    return total_a, total_b
 
 
 class Scorer:
@@ -78,11 +82,13 @@ class Scorer:
     @cute.jit
     def __call__(self, mLayerK: cute.Tensor, mTable: cute.Tensor, mPrompt: cute.Tensor, mCache: cute.Tensor,
                  mPhase: cute.Tensor, mQr: cute.Tensor, mQi: cute.Tensor, mE: cute.Tensor, mRaw: cute.Tensor,
-                 mStats: cute.Tensor, page_stride: Int64, head_stride: Int64, token_stride: Int64, stream):
-        smem_bytes = (self.G * CHUNK + self.WARPS + self.PAGES + 12 * self.HG * self.F) * 4 + 64
+                 mStats: cute.Tensor, page_stride: Int64, head_stride: Int64, token_stride: Int64, num_pages: Int32,
+                 stream):
+        smem_bytes = (self.G * CHUNK + 2 * self.WARPS + self.PAGES + 12 * self.HG * self.F) * 4 + 64
         grid = [mStats.shape[3], mQr.shape[0] * (mQr.shape[1] // self.G), mRaw.shape[0]]
         self.kernel(mLayerK, mTable, mPrompt, mCache, mPhase, mQr, mQi, mE, mRaw, mStats, page_stride, head_stride,
-                    token_stride).launch(grid=grid, block=[self.THREADS, 1, 1], smem=smem_bytes, stream=stream)
+                    token_stride, num_pages).launch(grid=grid, block=[self.THREADS, 1, 1], smem=smem_bytes,
+                                                    stream=stream)
 
     def coef_column(self, which, hg, fi, q):
         """sCoef column of coefficient `which` (a, b, e) of heads 4hg..4hg+3, frequency fi of lane slice q."""
@@ -95,7 +101,7 @@ class Scorer:
         for u in range(self.UNROLL):
             tok = cutlass.min(step + u * self.TOKENS + slot_in_step, todo - 1)
             pos = start + tok
-            page = Int64(sPage[pos // self.T - page0])
+            page = Int64(cutlass.max(sPage[pos // self.T - page0], Int32(0)))  # an absent page (-1) reads page 0
             addr = base + (page * page_stride + Int64(pos % self.T) * token_stride) * self.BYTES
             for half, dst in ((0, dst_r[u]), (self.F, dst_i[u])):
                 src = cute.make_ptr(self.dtype, addr + half * self.BYTES, cute.AddressSpace.gmem,
@@ -105,7 +111,7 @@ class Scorer:
     @cute.kernel
     def kernel(self, mLayerK: cute.Tensor, mTable: cute.Tensor, mPrompt: cute.Tensor, mCache: cute.Tensor,
                mPhase: cute.Tensor, mQr: cute.Tensor, mQi: cute.Tensor, mE: cute.Tensor, mRaw: cute.Tensor,
-               mStats: cute.Tensor, page_stride: Int64, head_stride: Int64, token_stride: Int64):
+               mStats: cute.Tensor, page_stride: Int64, head_stride: Int64, token_stride: Int64, num_pages: Int32):
         tidx, _, _ = cute.arch.thread_idx()
         chunk, lg, r = cute.arch.block_idx()
         lane = cute.arch.lane_idx()
@@ -113,7 +119,7 @@ class Scorer:
         smem = cutlass.utils.SmemAllocator()
         sScore = smem.allocate_tensor(Float32, cute.make_layout((self.G, CHUNK), stride=(CHUNK, 1)),
                                       byte_alignment=16)
-        sRed = smem.allocate_tensor(Float32, cute.make_layout(self.WARPS), byte_alignment=16)
+        sRed = smem.allocate_tensor(Float32, cute.make_layout(2 * self.WARPS), byte_alignment=16)
         sPage = smem.allocate_tensor(Int32, cute.make_layout(self.PAGES), byte_alignment=16)
         # [4 heads, (frequency in the lane's slice, coef, head group, lane)]: a frequency's coefficient for 4 heads is
         # one 16-byte load, and the 8 lanes of a token read 128 contiguous bytes (no bank conflict).
@@ -146,11 +152,16 @@ class Scorer:
                 for which, value in enumerate((ca, cb, ce)):
                     sCoef[h % 4, self.coef_column(which, h // 4, f % self.FPL, f // self.FPL)] = value
 
-            # The chunk's page ids, staged once: K addresses then need no dependent global load per token.
+            # The chunk's page ids, staged once: K addresses then need no dependent global load per token. A column
+            # past the table or an entry outside the pool is absent (-1): its tokens score NaN.
             page0 = (prompt + first) // self.T
             for t in cutlass.range(tidx, self.PAGES, self.THREADS):
+                page = Int32(-1)
                 if page0 + t < mTable.shape[1]:
-                    sPage[t] = mTable[r, page0 + t]
+                    page = mTable[r, page0 + t]
+                    if page >= num_pages:
+                        page = Int32(-1)
+                sPage[t] = page
             cute.arch.sync_threads()
             base = mLayerK[layer] + (g * head_stride + f0) * self.BYTES
             # after the reduce-scatter: the heads this lane holds start at first_head; one lane per group stores
@@ -204,27 +215,36 @@ class Scorer:
                             held = [held[0] + cute.arch.shuffle_sync_bfly(held[0], span)]
                     mine = step + u * self.TOKENS + slot_in_step
                     if owner and mine < todo:
+                        absent = sPage[(prompt + first + mine) // self.T - page0] < 0
                         for j in cutlass.range_constexpr(len(held)):
                             if first_head + j < self.G:
-                                sScore[first_head + j, mine] = held[j]
+                                value = held[j]
+                                if absent:
+                                    value = Float32(float("nan"))
+                                sScore[first_head + j, mine] = value
                 for u in cutlass.range_constexpr(self.UNROLL):
                     kr[u].store(nr[u].load())
                     ki[u].store(ni[u].load())
             cute.arch.sync_threads()
 
-            # Chunk statistics per head (mean, then M2 about it: no cancellation), and the coalesced write-out.
-            inv = Float32(1.0) / Float32(todo)
+            # Chunk statistics per head over the finite scores (count, mean, then M2 about it: no cancellation;
+            # x * 0 == 0 is false for NaN and Inf), and the coalesced write-out.
             for h in cutlass.range_constexpr(self.G):
-                part = Float32(0.0)
+                part, finite = Float32(0.0), Float32(0.0)
                 for t in cutlass.range(tidx, todo, self.THREADS):
-                    part = part + sScore[h, t]
-                mean = _block_sum(part, lane, warp, sRed, self.WARPS) * inv
+                    v = sScore[h, t]
+                    if v * Float32(0.0) == Float32(0.0):
+                        part, finite = part + v, finite + Float32(1.0)
+                part, finite = _block_sum2(part, finite, lane, warp, sRed, self.WARPS)
+                mean = part / cutlass.max(finite, Float32(1.0))
                 part = Float32(0.0)
                 for t in cutlass.range(tidx, todo, self.THREADS):
                     v = sScore[h, t]
-                    part = part + (v - mean) * (v - mean)
+                    if v * Float32(0.0) == Float32(0.0):
+                        part = part + (v - mean) * (v - mean)
                     mRaw[r, layer, g * self.G + h, first + t] = v
-                m2 = _block_sum(part, lane, warp, sRed, self.WARPS)
+                m2, _ = _block_sum2(part, Float32(0.0), lane, warp, sRed, self.WARPS)
                 if tidx == 0:
                     mStats[r, layer, g * self.G + h, chunk, 0] = mean
                     mStats[r, layer, g * self.G + h, chunk, 1] = m2
+                    mStats[r, layer, g * self.G + h, chunk, 2] = finite

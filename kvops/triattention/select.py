@@ -9,10 +9,11 @@ from typing import Sequence
 
 import torch
 
+from .._checks import check_bool, check_device, check_int, check_int32
 from .calibration import Calibration
 from .phase import mean_phase
 from .reference import MODES
-from .score import num_rows, reduce_rows, score
+from .score import check_pools, num_rows, reduce_rows, score
 from .topk import topk
 
 
@@ -29,19 +30,37 @@ def score_rows(k_pools: Sequence[torch.Tensor], page_table: torch.Tensor, cache_
 
 
 class TriAttentionSelector:
-    """One selection round for a batch of due requests: returns kept int32 [R, rows, budget], ascending cache
-    positions of the decode tokens to keep (-1 past a request's decode tokens). Static shapes, no host sync."""
+    """One selection round for a batch of due requests (static shapes, no host sync, graph-capturable once warm).
+
+    Parameters
+    ----------
+    calibration : Calibration
+        The model's statistics (``load_calibration``).
+    budget : int
+        Decode tokens kept per decision row (>= 1).
+    mode : str
+        ``"union"`` (one row per request), ``"per_head"`` (one per KV head) or ``"per_layer_perhead"``.
+    normalize_scores : bool
+        z-score each (layer, head)'s scores over the request's decode tokens before reducing.
+    max_decode : int, optional
+        The most decode tokens a request may hold (>= budget); it sizes the score buffers. When None, each call
+        takes the bound from its page table (``columns * page_size``), so any length the table holds is scored.
+    """
 
     def __init__(self, calibration: Calibration, budget: int, mode: str = "union", normalize_scores: bool = True,
                  max_decode: int | None = None):
+        what = "TriAttentionSelector"
+        if not isinstance(calibration, Calibration):
+            raise TypeError(f"{what}: calibration must be a Calibration (load_calibration), got "
+                            f"{type(calibration).__name__}")
         if mode not in MODES:
-            raise ValueError(f"TriAttentionSelector: mode must be one of {MODES}, got {mode!r}")
-        if isinstance(budget, bool) or not isinstance(budget, int) or budget <= 0:
-            raise ValueError(f"TriAttentionSelector: budget must be a positive int, got {budget!r}")
+            raise ValueError(f"{what}: mode must be one of {MODES}, got {mode!r}")
+        check_int(what, "budget", budget, 1)
+        check_bool(what, "normalize_scores", normalize_scores)
+        if max_decode is not None:
+            check_int(what, "max_decode", max_decode, budget)
         self.calibration, self.budget, self.mode, self.normalize_scores = calibration, budget, mode, normalize_scores
-        self.max_decode = max_decode or 2 * budget
-        if self.max_decode < budget:
-            raise ValueError(f"TriAttentionSelector: max_decode {self.max_decode} is below the budget {budget}")
+        self.max_decode = max_decode
         self.rows = num_rows(mode, calibration.num_layers, calibration.num_kv_heads)
         self._on_device: dict[torch.device, tuple] = {}
 
@@ -54,14 +73,67 @@ class TriAttentionSelector:
         return self._on_device[device]
 
     def select(self, k_pools: Sequence[torch.Tensor], page_table: torch.Tensor, cache_lengths: torch.Tensor,
-               prompt_lengths: torch.Tensor, round_starts: torch.Tensor) -> torch.Tensor:
+               prompt_lengths: torch.Tensor, round_starts: torch.Tensor, validate: bool = False) -> torch.Tensor:
+        """Keep sets of one round.
+
+        Parameters
+        ----------
+        k_pools : list of torch.Tensor
+            Per-layer 5-D views ``[page, plane, kv_head, token, dim]`` (plane 0 is K), bf16, fp16 or fp8 e4m3.
+        page_table : torch.Tensor
+            int32 ``[R, pages]``: request r's cache position p lives in page ``page_table[r, p // page_size]``.
+        cache_lengths, prompt_lengths : torch.Tensor
+            int32 ``[R]``: tokens cached, and the prompt (never evicted) at their start.
+        round_starts : torch.Tensor
+            int32/int64 ``[R]``: each request's logical position (RoPE) of the round.
+        validate : bool
+            Check on the host (a sync) that 0 <= prompt <= cache length <= the table's reach, that no request holds
+            more than max_decode decode tokens, and that every page-table entry below a cache length is inside
+            the pools; raises ValueError naming the request. Without it, a position whose page is absent (-1,
+            outside the pools, or past the table) scores -inf and ranks last, and decode tokens past an explicit
+            max_decode are not scored (leave max_decode unset, or check lengths on the host as the manager does).
+
+        Returns
+        -------
+        torch.Tensor
+            int32 ``[R, rows, budget]``: ascending cache positions of the decode tokens to keep, -1 past a
+            request's decode tokens.
+        """
+        what = "TriAttentionSelector.select"
         cal = self.calibration
-        omega, weights = self._calibration_on(page_table.device)
+        check_pools(what, k_pools, cal.num_layers, cal.num_query_heads, cal.num_freqs)
+        device = check_int32(what, k_pools[0].device, page_table=(page_table, 2), cache_lengths=(cache_lengths, 1),
+                             prompt_lengths=(prompt_lengths, 1))
+        check_device(what, device, round_starts=round_starts)
+        check_bool(what, "validate", validate)
+        max_decode = self.max_decode or page_table.shape[1] * k_pools[0].shape[3]
+        if validate:
+            _check_round(what, k_pools, page_table, cache_lengths, prompt_lengths, max_decode)
+        omega, weights = self._calibration_on(device)
         R = page_table.shape[0]
         phase = mean_phase(round_starts, omega)
         scores = score_rows(k_pools, page_table, cache_lengths, prompt_lengths, phase, cal, self.mode,
-                            self.max_decode, self.normalize_scores, weights)
-        count = (cache_lengths - prompt_lengths).clamp(0, self.max_decode).to(torch.int32)
+                            max_decode, self.normalize_scores, weights)
+        count = (cache_lengths - prompt_lengths).clamp(0, max_decode).to(torch.int32)
         picked = topk(scores.view(R * self.rows, -1), count.repeat_interleave(self.rows), self.budget)
         picked = picked.view(R, self.rows, self.budget)
         return torch.where(picked >= 0, picked + prompt_lengths.view(R, 1, 1).to(torch.int32), picked)
+
+
+def _check_round(what: str, k_pools: Sequence[torch.Tensor], page_table: torch.Tensor, cache_lengths: torch.Tensor,
+                 prompt_lengths: torch.Tensor, max_decode: int) -> None:
+    """The lengths and the page-table entries a round reads, read back on the host (a sync)."""
+    P, T = k_pools[0].shape[0], k_pools[0].shape[3]
+    n, p, table = cache_lengths.long().cpu(), prompt_lengths.long().cpu(), page_table.long().cpu()
+
+    def fail(bad: torch.Tensor, message) -> None:
+        if bool(bad.any()):
+            r = int(bad.nonzero()[0])
+            raise ValueError(f"{what}: request {r} (prompt {int(p[r])}, cache length {int(n[r])}): {message}")
+
+    fail((p < 0) | (n < p), "prompt_lengths and cache_lengths need 0 <= prompt <= cache length")
+    fail(n > table.shape[1] * T, f"the cache length exceeds the page table ({table.shape[1]} pages of {T})")
+    fail(n - p > max_decode, f"more decode tokens than max_decode={max_decode}; they would not be scored")
+    cols = torch.arange(table.shape[1])
+    read = (cols >= (p // T)[:, None]) & (cols * T < n[:, None])
+    fail((read & ((table < 0) | (table >= P))).any(1), f"a page-table entry it reads is outside [0, {P})")

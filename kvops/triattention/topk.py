@@ -10,7 +10,10 @@ from __future__ import annotations
 
 import torch
 
+from .._checks import check_device, check_int, check_int32, overlap
 from . import _cute
+
+MAX_K = 2**31 - 1  # indices are int32
 
 
 def compile_topk(device: torch.device | None, vector: bool = True):
@@ -64,21 +67,24 @@ def topk(scores: torch.Tensor, lengths: torch.Tensor, k: int, out: torch.Tensor 
     device, clamped to [0, N]); k >= 0. Pass `out` to write into a bound buffer (graph-capturable once warm).
     """
     what = "topk"
-    if not isinstance(scores, torch.Tensor) or scores.dtype != torch.float32 or scores.dim() != 2:
-        raise ValueError(f"{what}: scores must be a 2-D float32 tensor, got "
-                         f"{getattr(scores, 'dtype', type(scores).__name__)} {tuple(getattr(scores, 'shape', ()))}")
+    device = check_device(what, scores=scores)
+    if scores.dtype != torch.float32 or scores.dim() != 2:
+        raise ValueError(f"{what}: scores must be a 2-D float32 tensor, got {scores.dtype} {tuple(scores.shape)}")
     if scores.stride(1) != 1 and scores.shape[1] > 1:
         raise ValueError(f"{what}: scores needs a contiguous last dim, got strides {scores.stride()}")
-    if lengths.dtype != torch.int32 or tuple(lengths.shape) != (scores.shape[0],) or lengths.device != scores.device:
-        raise ValueError(f"{what}: lengths must be int32 [{scores.shape[0]}] on {scores.device}, got {lengths.dtype} "
-                         f"{tuple(lengths.shape)} on {lengths.device}")
-    if isinstance(k, bool) or not isinstance(k, int) or k < 0:
-        raise ValueError(f"{what}: k must be a non-negative int, got {k!r}")
+    check_int32(what, device, lengths=(lengths, 1))
+    if lengths.shape[0] != scores.shape[0]:
+        raise ValueError(f"{what}: lengths must be int32 [{scores.shape[0]}] (one per row), got {tuple(lengths.shape)}")
+    check_int(what, "k", k, 0, MAX_K)
     shape = (scores.shape[0], k)
     if out is None:
-        out = torch.empty(shape, dtype=torch.int32, device=scores.device)
-    elif out.dtype != torch.int32 or tuple(out.shape) != shape or not out.is_contiguous() or out.device != scores.device:
-        raise ValueError(f"{what}: out must be a contiguous int32 {list(shape)} tensor on {scores.device}")
+        out = torch.empty(shape, dtype=torch.int32, device=device)
+    else:
+        check_int32(what, device, out=(out, 2))
+        if tuple(out.shape) != shape or not out.is_contiguous():
+            raise ValueError(f"{what}: out must be a contiguous int32 {list(shape)} tensor, got {tuple(out.shape)}")
+        if out.shape[0] and (overlap(out, scores) or overlap(out, lengths)):
+            raise ValueError(f"{what}: out shares memory with scores or lengths")
     if k and scores.shape[0]:
         _topk_op(scores, lengths, k, out)
     return out
