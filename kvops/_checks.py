@@ -28,7 +28,13 @@ def check_device(what: str, device: torch.device | None = None, **tensors) -> to
     """Every keyword is a tensor or a sequence of tensors; all must sit on one real device (`device` when given,
     else the first tensor's), never on "meta" (that would run the fake kernels and change nothing). Returns it."""
     for name, value in tensors.items():
-        items = [(name, value)] if isinstance(value, torch.Tensor) or not isinstance(value, (list, tuple)) \
+        seq = value if isinstance(value, (list, tuple)) else (value,)
+        if all(isinstance(t, torch.Tensor) for t in seq):  # fast path: one pass, messages only on failure
+            found = {t.device for t in seq}
+            if len(found) == 1 and (device is None or device in found) and next(iter(found)).type != "meta":
+                device = next(iter(found))
+                continue
+        items = [(name, value)] if not isinstance(value, (list, tuple)) \
             else [(f"{name}[{i}]", t) for i, t in enumerate(value)]
         for label, t in items:
             if not isinstance(t, torch.Tensor):
@@ -114,16 +120,16 @@ def check_disjoint(what: str, name: str, tensors: Sequence[torch.Tensor],
     twice would be moved or encoded twice. Eager only: traced (fake) tensors have no addresses."""
     if torch.compiler.is_compiling():
         return
-    by_storage: dict[tuple, list[int]] = {}
-    for i, t in enumerate(tensors):
-        by_storage.setdefault((t.device, t.untyped_storage().data_ptr()), []).append(i)
-    for group in by_storage.values():
-        for x in range(len(group)):
-            for y in range(x + 1, len(group)):
-                i, j = group[x], group[y]
-                if overlap(tensors[i], tensors[j]):
-                    raise ValueError(f"{what}: {name}[{i}] and {name}[{j}] share memory; each must be its own "
-                                     f"tensor (the same pool passed twice would be changed twice)")
+    others = list(others)
+    storages = [t.untyped_storage().data_ptr() for t in tensors]
+    shared = set(storages)
+    if len(shared) == len(storages) and not any(t.untyped_storage().data_ptr() in shared for _, t in others):
+        return  # the usual case: every pool its own allocation
+    for i in range(len(tensors)):
+        for j in range(i + 1, len(tensors)):
+            if storages[i] == storages[j] and overlap(tensors[i], tensors[j]):
+                raise ValueError(f"{what}: {name}[{i}] and {name}[{j}] share memory; each must be its own "
+                                 f"tensor (the same pool passed twice would be changed twice)")
     for other, t in others:
         for i, p in enumerate(tensors):
             if overlap(p, t):

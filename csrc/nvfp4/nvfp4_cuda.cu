@@ -388,12 +388,10 @@ __global__ void __launch_bounds__(kDecodeThreads, 4) decode_pages_kernel(const _
   const int32_t cr = P.chunk_rows[u.pool];
   const ChunkStaging st(d, cr);
   const int32_t qb = d.q_len / kBlock, rb = d.r_len / kBlock;
-  // Issued first, tested once the first chunk's loads are in flight. A scale encode never writes (a slot never
-  // encoded: 0) leaves the plane untouched; every thread sees the same g, so all leave together.
-  const float g = *reinterpret_cast<const float*>(section + 4 * u.plane);
-  const bool refused = !valid_global_scale(g);
-  const bool fast = is_fast_scale(g);
-  const float g_inv = fast ? __frcp_rn(g) : 0.f;
+  const float* g_at = reinterpret_cast<const float*>(section + 4 * u.plane);
+  // A global scale encode never writes (a slot never encoded: 0) leaves the plane untouched. Every thread reads
+  // the same g, so all leave together, before anything is written.
+  bool refused = d.q_len == 0 && !valid_global_scale(*g_at);
   for (int32_t r0 = 0; r0 < d.plane_rows && d.q_len; r0 += cr) {
     const int32_t rows = min(cr, d.plane_rows - r0);
     load_to_smem(smem + st.codes, pb + d.off_codes + int64_t(r0) * d.q_len / 2, int64_t(rows) * d.q_len / 2);
@@ -402,7 +400,11 @@ __global__ void __launch_bounds__(kDecodeThreads, 4) decode_pages_kernel(const _
       load_to_smem(smem + st.rcodes, pb + d.off_rcodes + int64_t(r0) * d.r_len / 2, int64_t(rows) * d.r_len / 2);
       load_to_smem(smem + st.rscales, pb + d.off_rscales + int64_t(r0) * rb, int64_t(rows) * rb);
     }
+    const float g = *g_at;  // after the loads are in flight
+    refused = !valid_global_scale(g);
     if (refused) break;
+    const bool fast = is_fast_scale(g);
+    const float g_inv = fast ? __frcp_rn(g) : 0.f;
     __syncthreads();
     const int32_t nvec = rows * qvpr;
     for (int32_t v = threadIdx.x; v < nvec; v += blockDim.x) {

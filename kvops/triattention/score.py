@@ -246,17 +246,36 @@ def _reduce_torch(raw, stats, prompt_lengths, cache_lengths, rows, mode, num_kv_
 
 
 @triton.jit
-def _reduce_kernel(raw, stats, prompt_lengths, cache_lengths, rows, n, NC, ROWS, L: tl.constexpr, Hq: tl.constexpr,
+def _moments_kernel(stats, prompt_lengths, cache_lengths, moments, n, NC, planes, CHUNK: tl.constexpr,
+                    STATS: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_C: tl.constexpr):
+    """moments[r, plane] = (mean, max(std, 1e-6)) of the finite scores of (r, layer, head), merged from the
+    scorer's chunk partials (Chan et al.): once per plane, not once per column block of the reduce."""
+    r = tl.program_id(0)
+    plane = tl.program_id(1) * BLOCK_P + tl.arange(0, BLOCK_P)
+    count = tl.minimum(tl.maximum(tl.load(cache_lengths + r) - tl.load(prompt_lengths + r), 0), n)
+    c = tl.arange(0, BLOCK_C)
+    live = (plane < planes)[:, None] & ((c < NC) & (c * CHUNK < count))[None, :]  # partials the scorer wrote
+    part = stats + ((r.to(tl.int64) * planes + plane)[:, None] * NC + c[None, :]) * STATS    # [BLOCK_P, BLOCK_C]
+    m = tl.load(part, mask=live, other=0.0)
+    m2 = tl.load(part + 1, mask=live, other=0.0)
+    w = tl.load(part + 2, mask=live, other=0.0)  # the partial's finite scores
+    total = tl.maximum(tl.sum(w, 1), 1.0)
+    mean = tl.sum(m * w, 1) / total
+    var = tl.sum(m2 + w * (m - mean[:, None]) * (m - mean[:, None]), 1) / total
+    out = moments + (r.to(tl.int64) * planes + plane) * 2
+    tl.store(out, mean, mask=plane < planes)
+    tl.store(out + 1, tl.maximum(tl.sqrt(var), 1e-6), mask=plane < planes)
+
+
+@triton.jit
+def _reduce_kernel(raw, moments, prompt_lengths, cache_lengths, rows, n, ROWS, L: tl.constexpr, Hq: tl.constexpr,
                    G: tl.constexpr, GP: tl.constexpr, MODE: tl.constexpr, NORMALIZE: tl.constexpr,
-                   CHUNK: tl.constexpr, STATS: tl.constexpr, BLOCK_J: tl.constexpr, BLOCK_C: tl.constexpr):
+                   BLOCK_J: tl.constexpr):
     r = tl.program_id(0)
     row = tl.program_id(1)
     j = tl.program_id(2) * BLOCK_J + tl.arange(0, BLOCK_J)
     count = tl.minimum(tl.maximum(tl.load(cache_lengths + r) - tl.load(prompt_lengths + r), 0), n)
     valid = j < count
-    c = tl.arange(0, BLOCK_C)
-    live_c = (c < NC) & (c * CHUNK < count)  # partials the scorer wrote
-    poisoned = j < 0  # all False: a column with a non-finite score in any (layer, head) it reduces over
     dh = tl.arange(0, GP)  # a KV head's G query heads (padded to a power of two), loaded as one tile
     live_h = dh < G
     # The (layer, group) blocks this row reduces. Trip counts are constexprs (Triton 3.6's interpreter cannot
@@ -272,19 +291,14 @@ def _reduce_kernel(raw, stats, prompt_lengths, cache_lengths, rows, n, NC, ROWS,
         for dg in range(0, Hq // G if MODE == 0 else 1):
             plane = (r.to(tl.int64) * L + l_lo + dl) * Hq + h_lo + dg * G + dh                  # [GP]
             s = tl.load(raw + plane[:, None] * n + j[None, :], mask=live_h[:, None] & valid[None, :], other=0.0)
-            finite = tl.abs(s) < float("inf")  # False for NaN too: such a token is poisoned, not scored
-            poisoned |= tl.max((live_h[:, None] & ~finite).to(tl.int32), 0) > 0
-            s = tl.where(finite, s, 0.0)
-            if NORMALIZE:  # merge the chunk partials (Chan et al.): population mean and std of (r, layer, h)
-                part = stats + (plane[:, None] * NC + c[None, :]) * STATS                        # [GP, BLOCK_C]
-                live = live_h[:, None] & live_c[None, :]
-                m = tl.load(part, mask=live, other=0.0)
-                m2 = tl.load(part + 1, mask=live, other=0.0)
-                w = tl.load(part + 2, mask=live, other=0.0)  # the partial's finite scores
-                total = tl.maximum(tl.sum(w, 1), 1.0)
-                mean = tl.sum(m * w, 1) / total
-                var = tl.sum(m2 + w * (m - mean[:, None]) * (m - mean[:, None]), 1) / total
-                s = (s - mean[:, None]) / tl.maximum(tl.sqrt(var), 1e-6)[:, None]
+            # A non-finite score (NaN too) becomes +inf: it survives the max over heads, the max or sum over
+            # layers, and the normalization, so +inf at the end marks the column poisoned (one compare, no
+            # reduction of its own). The statistics count only finite scores.
+            s = tl.where(tl.abs(s) < float("inf"), s, float("inf"))
+            if NORMALIZE:  # (r, layer, h)'s mean and std, merged once by _moments_kernel
+                mean = tl.load(moments + plane * 2, mask=live_h, other=0.0)
+                std = tl.load(moments + plane * 2 + 1, mask=live_h, other=1.0)
+                s = (s - mean[:, None]) / std[:, None]
             best = tl.max(tl.where(live_h[:, None], s, -float("inf")), 0)  # max over the group's heads
             if MODE == 1:
                 acc += best
@@ -292,8 +306,8 @@ def _reduce_kernel(raw, stats, prompt_lengths, cache_lengths, rows, n, NC, ROWS,
                 acc = tl.maximum(acc, best)
     if MODE == 1:
         acc = acc / L
-    tl.store(rows + (r.to(tl.int64) * ROWS + row) * n + j, tl.where(valid & ~poisoned, acc, -float("inf")),
-             mask=j < n)
+    out = tl.where(valid & (acc < float("inf")), acc, -float("inf"))
+    tl.store(rows + (r.to(tl.int64) * ROWS + row) * n + j, out, mask=j < n)
 
 
 @triton_op("kvops::triattention_reduce_", mutates_args={"rows"})
@@ -304,12 +318,17 @@ def _reduce_op(raw: torch.Tensor, stats: torch.Tensor, prompt_lengths: torch.Ten
         _reduce_torch(raw, stats, prompt_lengths, cache_lengths, rows, mode, num_kv_heads, normalize)
         return
     R, L, Hq, n = raw.shape
+    moments = raw.new_empty(R, L * Hq, 2) if normalize else raw
+    if normalize:
+        block_p = 32
+        triton_launcher(_moments_kernel, raw.device)[(R, triton.cdiv(L * Hq, block_p))](
+            stats, prompt_lengths, cache_lengths, moments, n, stats.shape[3], L * Hq, CHUNK=CHUNK, STATS=STATS,
+            BLOCK_P=block_p, BLOCK_C=max(triton.next_power_of_2(stats.shape[3]), 2))
     block_j = 1024
     launch[(R, rows.shape[1], triton.cdiv(n, block_j))](
-        raw, stats, prompt_lengths, cache_lengths, rows, n, stats.shape[3], rows.shape[1], L=L, Hq=Hq,
+        raw, moments, prompt_lengths, cache_lengths, rows, n, rows.shape[1], L=L, Hq=Hq,
         G=Hq // num_kv_heads, GP=triton.next_power_of_2(Hq // num_kv_heads),
-        MODE=MODES.index(mode), NORMALIZE=normalize, CHUNK=CHUNK, STATS=STATS, BLOCK_J=block_j,
-        BLOCK_C=max(triton.next_power_of_2(stats.shape[3]), 2))
+        MODE=MODES.index(mode), NORMALIZE=normalize, BLOCK_J=block_j)
 
 
 def reduce_rows(raw: torch.Tensor, stats: torch.Tensor, cache_lengths: torch.Tensor, prompt_lengths: torch.Tensor,

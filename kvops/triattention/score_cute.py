@@ -215,18 +215,20 @@ class Scorer:
                             held = [held[0] + cute.arch.shuffle_sync_bfly(held[0], span)]
                     mine = step + u * self.TOKENS + slot_in_step
                     if owner and mine < todo:
-                        absent = sPage[(prompt + first + mine) // self.T - page0] < 0
                         for j in cutlass.range_constexpr(len(held)):
                             if first_head + j < self.G:
-                                value = held[j]
-                                if absent:
-                                    value = Float32(float("nan"))
-                                sScore[first_head + j, mine] = value
+                                sScore[first_head + j, mine] = held[j]
                 for u in cutlass.range_constexpr(self.UNROLL):
                     kr[u].store(nr[u].load())
                     ki[u].store(ni[u].load())
             cute.arch.sync_threads()
 
+            # Tokens of absent pages score NaN (marked here, off the main loop; each thread then reads back only
+            # the tokens it marked).
+            for t in cutlass.range(tidx, todo, self.THREADS):
+                if sPage[(prompt + first + t) // self.T - page0] < 0:
+                    for h in cutlass.range_constexpr(self.G):
+                        sScore[h, t] = Float32(float("nan"))
             # Chunk statistics per head over the finite scores (count, mean, then M2 about it: no cancellation;
             # x * 0 == 0 is false for NaN and Inf), and the coalesced write-out.
             for h in cutlass.range_constexpr(self.G):
