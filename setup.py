@@ -43,9 +43,11 @@ setup(
     version="0.1.0",
     description="KV-cache compression kernels for LLM inference engines (torch.ops.kvops)",
     packages=find_packages(include=["kvops", "kvops.*"]),
+    # shipped TriAttention calibrations (Apache-2.0, see NOTICE.md there)
+    package_data={"kvops": ["data/triattention/*.pt", "data/triattention/NOTICE.md"]},
     python_requires=">=3.10",
     install_requires=["torch", "numpy", "nvidia-cutlass-dsl"],
-    extras_require={"dev": ["pytest", "hypothesis", "ninja"]},
+    extras_require={"transformers": ["transformers>=5.0"], "dev": ["pytest", "hypothesis", "ninja"]},
     ext_modules=[_extension()],
     cmdclass={"build_ext": BuildExtension.with_options(use_ninja=True)},
     options={"bdist_wheel": {"py_limited_api": "cp39"}},

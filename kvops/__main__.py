@@ -1,4 +1,5 @@
-"""python -m kvops <command>: `demo` runs the long-decoding workload of kvops/demo.py."""
+"""python -m kvops <command>: `demo` runs the long-decoding workload of kvops/demo.py, `calibrate` writes
+TriAttention statistics for a local Hugging Face model (kvops/calibrate.py), `info` says what runs here."""
 
 import sys
 
@@ -36,15 +37,20 @@ def main(argv=None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     if not argv or argv[0] in ("-h", "--help"):
         print("usage: kvops demo [--preset tiny|gpu] [--device cpu|cuda] [--dtype D] [--json FILE]\n"
+              "       kvops calibrate MODEL_DIR --text FILE --out FILE.pt [--max-tokens N] [--window W]\n"
               "       kvops info")
         return 0 if argv else 2
     if argv[0] == "demo":
         from .demo import main as demo
 
         return demo(argv[1:])
+    if argv[0] == "calibrate":
+        from .calibrate import main as calibrate
+
+        return calibrate(argv[1:])
     if argv[0] == "info":
         return info()
-    print(f"kvops: unknown command {argv[0]!r}; try `kvops demo` or `kvops info`", file=sys.stderr)
+    print(f"kvops: unknown command {argv[0]!r}; try `kvops demo`, `kvops calibrate` or `kvops info`", file=sys.stderr)
     return 2
 
 

@@ -17,6 +17,7 @@ import torch
 
 from ._checks import check_bool, check_int
 from .nvfp4.layout import DEFAULT_SCALE, RowSpec, _check_spec
+from .triattention.calibration import SHIPPED, calibration_file
 from .triattention.reference import MODES
 
 
@@ -102,7 +103,8 @@ class NVFP4ColdPageConfig(KvCacheCompressionConfig):
 @dataclass(frozen=True)
 class TriAttentionConfig(KvCacheCompressionConfig):
     """TriAttention eviction (kvops.triattention): every `beta` generated tokens past `budget`, keep the
-    `budget` best-scored generated tokens per row of `eviction_mode`, then compact the cache in place."""
+    `budget` best-scored generated tokens per row of `eviction_mode`, then compact the cache in place.
+    `calibration_path`: a calibration file or a shipped name (``kvops.triattention.SHIPPED``, e.g. "qwen3-8b")."""
 
     algorithm: ClassVar[str] = "triattention"
     changes_physical_kv_length: ClassVar[bool] = True
@@ -122,13 +124,15 @@ class TriAttentionConfig(KvCacheCompressionConfig):
         if self.calibration_path is None:
             raise ValueError("TriAttentionConfig.calibration_path: a calibration file is required")
         if not isinstance(self.calibration_path, (str, os.PathLike)):
-            raise TypeError(f"TriAttentionConfig.calibration_path: must be a path, got "
-                            f"{type(self.calibration_path).__name__}")
+            raise TypeError(f"TriAttentionConfig.calibration_path: must be a path or a shipped name "
+                            f"{sorted(SHIPPED)}, got {type(self.calibration_path).__name__}")
         object.__setattr__(self, "calibration_path", os.fspath(self.calibration_path))  # JSON-serializable
-        if not os.path.isfile(self.calibration_path):
-            raise ValueError(f"TriAttentionConfig.calibration_path: no file at {self.calibration_path!r}")
+        path = calibration_file(self.calibration_path)
+        if not os.path.isfile(path):
+            raise ValueError(f"TriAttentionConfig.calibration_path: no file at {self.calibration_path!r} (and not "
+                             f"one of the shipped calibrations {sorted(SHIPPED)})")
         try:
-            data = torch.load(self.calibration_path, map_location="cpu", weights_only=True)
+            data = torch.load(path, map_location="cpu", weights_only=True)
         except Exception as e:
             raise ValueError(f"TriAttentionConfig.calibration_path: {self.calibration_path!r} is not a readable "
                              f"calibration file: {e}") from e

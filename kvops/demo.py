@@ -1,8 +1,8 @@
 """The main job: a long-decoding workload on the reference paged cache with TriAttention eviction and NVFP4
 cold pages.
 
-Qwen3-8B geometry (36 layers, 32 query / 8 KV heads, head_dim 128) with the real Qwen3-8B calibration from
-../shared/data/triattention/ (synthetic statistics, said so, when the file is absent). Prefill, decode steps with
+Qwen3-8B geometry (36 layers, 32 query / 8 KV heads, head_dim 128) with the real Qwen3-8B calibration shipped in
+the package ("qwen3-8b"). Prefill, decode steps with
 TriAttention rounds (selection + in-place compaction), then the finished requests' pages go to the host tier
 through NVFP4 and come back. Presets: `tiny` (the CPU default) and `gpu` (the CUDA default).
 """
@@ -10,57 +10,46 @@ through NVFP4 and come back. Presets: `tiny` (the CPU default) and `gpu` (the CU
 from __future__ import annotations
 
 import json
-import os
 import statistics
 import time
 
 import torch
 
+from ._checks import cdiv
 from .cache import PagedKVCache
 from .config import NVFP4ColdPageConfig, TriAttentionConfig
 from .manager import Request, create_compression_manager
+from .triattention import SHIPPED
 
-QWEN3_8B = dict(num_hidden_layers=36, num_attention_heads=32, num_key_value_heads=8, head_dim=128, rope_theta=1e6)
-CALIBRATION = os.path.join(os.path.dirname(__file__), "..", "..", "shared", "data", "triattention",
-                           "qwen3_8b_aime25.pt")
+CALIBRATION = "qwen3-8b"  # shipped with kvops (kvops.triattention.SHIPPED)
+MODEL = SHIPPED[CALIBRATION].model_config
+L, HKV, D = MODEL["num_hidden_layers"], MODEL["num_key_value_heads"], MODEL["head_dim"]
 PRESETS = {  # requests, prompt, decode steps, budget, beta, page size
     "tiny": dict(requests=2, prompt=48, steps=80, budget=32, beta=16, page_size=16),
     "gpu": dict(requests=8, prompt=1024, steps=1536, budget=1024, beta=128, page_size=32),
 }
 
 
-def _calibration_path(tmp_dir: str) -> tuple[str, str]:
-    if os.path.isfile(CALIBRATION):
-        return CALIBRATION, "real Qwen3-8B statistics"
-    L, Hq, F = 36, 32, 64
-    path = os.path.join(tmp_dir, "synthetic_calibration.pt")
-    torch.save({"E_q": torch.randn(L, Hq, F, dtype=torch.complex64), "E_q_norm": torch.rand(L, Hq, F) + 1}, path)
-    return path, "SYNTHETIC statistics (../shared/data/triattention/qwen3_8b_aime25.pt not found)"
-
-
 def _kv(n: int, device: str, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-    k = torch.randn(n, 8, 128, device=device)
+    k = torch.randn(n, HKV, D, device=device)
     k = k.sign() * torch.exp(torch.randn_like(k) * 0.7)  # heavy-tailed K with outlier channels, small V
     k[..., :8] *= 8
-    return k.to(dtype), (torch.randn(n, 8, 128, device=device) * 0.05).to(dtype)
+    return k.to(dtype), (torch.randn(n, HKV, D, device=device) * 0.05).to(dtype)
 
 
 def run(preset: str = "tiny", device: str | None = None, dtype: torch.dtype = torch.bfloat16, log=print) -> dict:
-    import tempfile
-
     device = device or ("cuda" if torch.cuda.is_available() else "cpu")
     p = PRESETS[preset]
     sync = torch.cuda.synchronize if device == "cuda" else (lambda: None)
-    with tempfile.TemporaryDirectory() as tmp:
-        cal_path, cal_note = _calibration_path(tmp)
-        tri = TriAttentionConfig(budget=p["budget"], beta=p["beta"], calibration_path=cal_path)
-        nvfp4 = NVFP4ColdPageConfig(row_size=128)
-        max_len = p["prompt"] + tri.budget + 2 * tri.beta + 16
-        pages_per = -(-max_len // p["page_size"])
-        cache = PagedKVCache(36, 8, 128, p["page_size"], num_pages=p["requests"] * pages_per + 4,
-                             host_slots=p["requests"] * pages_per, dtype=dtype, device=device,
-                             codec_specs=[nvfp4.row_spec()] * 36)
-        manager = create_compression_manager(tri, cache, QWEN3_8B)
+    cal_note = f"real Qwen3-8B statistics (shipped: {CALIBRATION!r})"
+    tri = TriAttentionConfig(budget=p["budget"], beta=p["beta"], calibration_path=CALIBRATION)
+    nvfp4 = NVFP4ColdPageConfig(row_size=D)
+    max_len = p["prompt"] + tri.budget + 2 * tri.beta + 16
+    pages_per = cdiv(max_len, p["page_size"])
+    cache = PagedKVCache(L, HKV, D, p["page_size"], num_pages=p["requests"] * pages_per + 4,
+                         host_slots=p["requests"] * pages_per, dtype=dtype, device=device,
+                         codec_specs=[nvfp4.row_spec()] * L)
+    manager = create_compression_manager(tri, cache, MODEL)
     log(f"kvops demo ({preset}) on {device}: Qwen3-8B geometry, {p['requests']} requests, prompt {p['prompt']}, "
         f"{p['steps']} decode steps, budget {tri.budget}, beta {tri.beta}; calibration: {cal_note}")
     rids = list(range(p["requests"]))
@@ -69,7 +58,7 @@ def run(preset: str = "tiny", device: str | None = None, dtype: torch.dtype = to
         manager.on_request_init(Request(rid, p["prompt"]))
         cache.append(rid, *_kv(p["prompt"], device, dtype))
     manager.on_context_step_end([Request(r, p["prompt"]) for r in rids])
-    token_bytes = 36 * 2 * 8 * 128 * torch.empty((), dtype=dtype).element_size()
+    token_bytes = L * 2 * HKV * D * dtype.itemsize
     generated, round_seconds = 0, []
     for step in range(p["steps"]):
         manager.on_generation_step_begin(rids)

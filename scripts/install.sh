@@ -6,5 +6,5 @@ cd "$(dirname "$0")/.."
 if [ -z "${CUDA_HOME:-}" ] && [ -x /usr/local/cuda/bin/nvcc ]; then
   export CUDA_HOME=/usr/local/cuda  # without it torch looks in /usr/local and the link fails
 fi
-python -m pip install -q "torch==2.14.1" numpy ninja pytest hypothesis nvidia-cutlass-dsl
+python -m pip install -q "torch==2.14.1" numpy ninja pytest hypothesis nvidia-cutlass-dsl "transformers>=5.0"
 MAX_JOBS=${MAX_JOBS:-$(nproc)} python -m pip install -q --no-build-isolation -e .

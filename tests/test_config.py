@@ -6,8 +6,8 @@ import pytest
 import torch
 
 from kvops.config import NVFP4ColdPageConfig, TriAttentionConfig, config_from_dict, config_from_json
+from kvops.triattention import SHIPPED
 
-QWEN = os.path.join(os.path.dirname(__file__), "..", "..", "shared", "data", "triattention", "qwen3_8b_aime25.pt")
 
 
 @pytest.fixture
@@ -40,11 +40,10 @@ def test_round_trips_and_contract(calibration):
                                   rope_theta=1e4))
 
 
-@pytest.mark.skipif(not os.path.isfile(QWEN), reason="real calibration data not present")
-def test_real_calibration_file():
-    tri = TriAttentionConfig(calibration_path=QWEN)
-    assert tri.load_calibration(dict(num_hidden_layers=36, num_attention_heads=32, num_key_value_heads=8,
-                                     head_dim=128, rope_theta=1e6)).num_layers == 36
+def test_shipped_calibration_by_name():
+    tri = TriAttentionConfig(calibration_path="qwen3-8b")
+    assert tri.load_calibration(SHIPPED["qwen3-8b"].model_config).num_layers == 36
+    assert config_from_json(tri.to_json()) == tri  # the name, not a path, is what the config holds
 
 
 def test_invalid_values_name_the_field(tmp_path, calibration):

@@ -7,25 +7,17 @@ import pickle
 import pytest
 import torch
 
-from kvops.triattention.calibration import load_calibration
+from kvops.triattention.calibration import SHIPPED, load_calibration
 from kvops.triattention.reference import mean_phase_reference, normalize_reference, reduce_reference, topk_reference
 from kvops.triattention.rope import rope_parameters
 
-DATA = os.path.join(os.path.dirname(__file__), "..", "..", "shared", "data", "triattention")
-QWEN3_8B = dict(num_hidden_layers=36, num_attention_heads=32, num_key_value_heads=8, head_dim=128, rope_theta=1e6)
-GPT_OSS_120B = dict(num_hidden_layers=36, num_attention_heads=64, num_key_value_heads=8, head_dim=64,
-                    rope_theta=150000, rope_scaling={"rope_type": "yarn", "factor": 32.0, "beta_fast": 32.0,
-                                                     "beta_slow": 1.0, "original_max_position_embeddings": 4096,
-                                                     "truncate": False})
-REAL = [("qwen3_8b_aime25.pt", QWEN3_8B), ("gpt_oss_120b.pt", GPT_OSS_120B)]
-needs_data = pytest.mark.skipif(not os.path.isdir(DATA), reason="../shared/data/triattention not present")
+QWEN3_8B, GPT_OSS_120B = (SHIPPED[name].model_config for name in ("qwen3-8b", "gpt-oss-120b"))
 
 
-@needs_data
-@pytest.mark.parametrize("name,config", REAL)
-def test_real_files_load_and_match_the_file(name, config):
-    path = os.path.join(DATA, name)
-    cal = load_calibration(path, config)
+@pytest.mark.parametrize("name", sorted(SHIPPED))
+def test_shipped_files_load_and_match_the_file(name):
+    config, path = SHIPPED[name].model_config, SHIPPED[name].path
+    cal = load_calibration(name, config)
     L, Hq, D = config["num_hidden_layers"], config["num_attention_heads"], config["head_dim"]
     assert (cal.num_layers, cal.num_query_heads, cal.num_freqs, cal.num_kv_heads) == (L, Hq, D // 2, 8)
     raw = torch.load(path, weights_only=True)["stats"]

@@ -1,16 +1,14 @@
 """The TriAttention scoring ops: raw scores and chunk statistics from the paged pools (CuTe DSL on the GPU), and
 the normalize-and-reduce (Triton), each against the float64 reference."""
 
-import os
-
 import pytest
 import torch
 
 from conftest import DEVICES, bytes_of, opcheck, poison_, requires_cuda, run_python
-from kvops.triattention import load_calibration, mean_phase
+from kvops.triattention import SHIPPED, load_calibration, mean_phase
 from kvops.triattention.reference import normalize_reference, raw_scores_reference, reduce_reference, gather_keys
 from kvops.triattention.score import CHUNK, STATS, reduce_rows, score
-from test_triattention_select import DATA, MODELS, _paged, _synthetic_calibration
+from test_triattention_select import _paged, _synthetic_calibration
 
 
 # Synthetic geometries cover every kernel shape class (the GPU machine has no calibration files):
@@ -25,14 +23,13 @@ def _cases():
     cases = [(name, None, layout, dtype) for name in SYNTHETIC_SHAPES for layout in ("HND", "NHD")
              for dtype in (torch.bfloat16, torch.float16)]
     cases.append(("small", None, "HND", torch.float8_e4m3fn))  # fp8 pools: the torch path on either device
-    if os.path.isdir(DATA):
-        cases += [(name, MODELS[name], "NHD", torch.bfloat16) for name in sorted(MODELS)]
+    cases += [(name, SHIPPED[name].model_config, "NHD", torch.bfloat16) for name in sorted(SHIPPED)]
     return cases
 
 
 def _load(name, config):
     if config is not None:
-        return load_calibration(os.path.join(DATA, name), config)
+        return load_calibration(name, config)
     L, Hq, Hkv, F = SYNTHETIC_SHAPES[name]
     return load_calibration({"E_q": torch.randn(L, Hq, F, dtype=torch.complex64), "E_q_norm": torch.rand(L, Hq, F) + 1},
                             dict(num_hidden_layers=L, num_attention_heads=Hq, num_key_value_heads=Hkv, head_dim=2 * F,

@@ -1,24 +1,13 @@
 """TriAttention selection (mean phase -> scores -> reductions -> top-k) against the float64 reference."""
 
-import os
-
 import pytest
 import torch
 
 from conftest import DEVICES, requires_cuda
-from kvops.triattention import load_calibration, mean_phase
+from kvops.triattention import SHIPPED, load_calibration, mean_phase
 from kvops.triattention.reference import select_reference
 from kvops.triattention.select import TriAttentionSelector, score_rows
 
-DATA = os.path.join(os.path.dirname(__file__), "..", "..", "shared", "data", "triattention")
-MODELS = {
-    "qwen3_8b_aime25.pt": dict(num_hidden_layers=36, num_attention_heads=32, num_key_value_heads=8, head_dim=128,
-                               rope_theta=1e6),
-    "gpt_oss_120b.pt": dict(num_hidden_layers=36, num_attention_heads=64, num_key_value_heads=8, head_dim=64,
-                            rope_theta=150000, rope_scaling={"rope_type": "yarn", "factor": 32.0, "beta_fast": 32.0,
-                                                             "beta_slow": 1.0, "truncate": False,
-                                                             "original_max_position_embeddings": 4096}),
-}
 SYNTHETIC = dict(num_hidden_layers=3, num_attention_heads=8, num_key_value_heads=2, head_dim=32, rope_theta=1e4)
 
 
@@ -65,12 +54,11 @@ def _check(cal, device, mode, budget, prompt, cache, T=16, normalize=True):
     return kept
 
 
-@pytest.mark.skipif(not os.path.isdir(DATA), reason="../shared/data/triattention not present")
-@pytest.mark.parametrize("name", sorted(MODELS))
+@pytest.mark.parametrize("name", sorted(SHIPPED))
 @pytest.mark.parametrize("mode", ["union", "per_head", "per_layer_perhead"])
 @pytest.mark.parametrize("device", DEVICES)
 def test_real_calibrations_all_modes(name, mode, device):
-    cal = load_calibration(os.path.join(DATA, name), MODELS[name])
+    cal = load_calibration(name, SHIPPED[name].model_config)
     # ragged; a prompt longer than the budget; one request with N - P <= budget (nothing evicted)
     kept = _check(cal, device, mode, budget=24, prompt=[5, 60, 0, 9], cache=[70, 101, 33, 30])
     assert kept[3, :, :21].tolist() == [list(range(9, 30))] * kept.shape[1]  # 21 decode tokens <= 24: all kept

@@ -8,6 +8,10 @@ Two file formats (both read with ``torch.load(weights_only=True)``):
   "freq_scale_sq": f32 [F]}``.
 
 ``F = rotary_dim / 2``; frequency f pairs dims f and f + F ("half" RoPE). Nothing is fitted at run time.
+
+Shipped calibrations (``kvops/data/triattention``, Apache-2.0, see its NOTICE.md) are named in ``SHIPPED``: pass
+the name wherever a calibration path is taken (``load_calibration("qwen3-8b", ...)``,
+``TriAttentionConfig(calibration_path="qwen3-8b")``). ``kvops calibrate`` (kvops/calibrate.py) makes new ones.
 """
 
 from __future__ import annotations
@@ -20,6 +24,40 @@ import torch
 
 from .._checks import check_int
 from .rope import head_dim_of, rope_parameters, rotary_dim
+
+
+DATA_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "data", "triattention")
+
+
+@dataclass(frozen=True)
+class ShippedCalibration:
+    """A calibration file in the package and the Hugging Face config fields of the model it describes."""
+
+    file: str
+    model_config: Mapping[str, Any]
+
+    @property
+    def path(self) -> str:
+        return os.path.join(DATA_DIR, self.file)
+
+
+SHIPPED = {
+    "qwen3-8b": ShippedCalibration("qwen3_8b_aime25.pt", dict(
+        num_hidden_layers=36, num_attention_heads=32, num_key_value_heads=8, head_dim=128, rope_theta=1e6)),
+    "gpt-oss-120b": ShippedCalibration("gpt_oss_120b.pt", dict(
+        num_hidden_layers=36, num_attention_heads=64, num_key_value_heads=8, head_dim=64, rope_theta=150000,
+        rope_scaling={"rope_type": "yarn", "factor": 32.0, "beta_fast": 32.0, "beta_slow": 1.0, "truncate": False,
+                      "original_max_position_embeddings": 4096})),
+}
+
+
+def calibration_file(source: str | os.PathLike) -> str:
+    """The file behind a calibration source: a shipped name (``SHIPPED``) or a path, returned as a string."""
+    if isinstance(source, str) and source in SHIPPED:
+        return SHIPPED[source].path
+    if not isinstance(source, (str, os.PathLike)):
+        raise TypeError(f"calibration: expected a path or one of {sorted(SHIPPED)}, got {type(source).__name__}")
+    return os.fspath(source)
 
 
 @dataclass(frozen=True)
@@ -123,13 +161,15 @@ def load_calibration(source: str | os.PathLike | Mapping[str, Any], model_config
                      omega: torch.Tensor | None = None, freq_scale_sq: torch.Tensor | None = None) -> Calibration:
     """Load and validate calibration statistics for a model.
 
-    source: a path (loaded with ``torch.load(weights_only=True)``) or the loaded dict. model_config: a Hugging
+    source: a shipped name (``SHIPPED``), a path (loaded with ``torch.load(weights_only=True)``) or the loaded
+    dict. model_config: a Hugging
     Face-style config dict (num_hidden_layers, num_attention_heads, num_key_value_heads, head_dim or
     hidden_size, rope_theta, partial_rotary_factor, rope_scaling). omega / freq_scale_sq, when given, take
     precedence over the file's (flat format) and over the config's RoPE.
     """
     L, Hq, Hkv, D, F = _geometry(model_config)
     if isinstance(source, (str, os.PathLike)):
+        source = calibration_file(source)
         try:
             data = torch.load(source, map_location="cpu", weights_only=True)
         except FileNotFoundError as e:

@@ -1,0 +1,197 @@
+"""``kvops calibrate``: TriAttention statistics for a local Hugging Face causal LM.
+
+Runs text through the model and records, per layer and query head, what the selector needs: the complex mean
+E[q_f] of the pre-RoPE query at frequency f (dims f and f + F paired, as rotate-half RoPE pairs them; after any
+q-norm) and E|q_f|. The file is the official format (kvops.triattention.calibration), which ``load_calibration``
+reads back::
+
+    python -m kvops calibrate MODEL_DIR --text FILE [--max-tokens N] [--window W] --out FILE.pt
+
+transformers (>= 5.0) is an optional extra of kvops: this module imports it only when it runs. Models load from
+local directories only. The query is taken where the model computes it (the output of ``q_norm`` when the
+attention has one, else of ``q_proj``), so any attention that projects queries with ``q_proj`` and rotates the
+whole head with rotate-half RoPE is measured as the model runs it; other attentions are refused before any
+statistic is written.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any, Iterable, Mapping
+
+import torch
+
+from .triattention.rope import head_dim_of, rope_parameters
+
+MIN_TRANSFORMERS = (5, 0)
+# Families whose attention projects q with q_proj (q_norm in Qwen3) and applies rotate-half RoPE to the whole head.
+SUPPORTED_MODEL_TYPES = ("llama", "mistral", "mixtral", "qwen2", "qwen2_moe", "qwen3", "qwen3_moe")
+
+
+def check_model_config(config: Mapping[str, Any]) -> None:
+    """Refuse, with the reason, a model whose pre-RoPE queries this tool cannot take as the model uses them."""
+    kind = config.get("model_type")
+    if config.get("kv_lora_rank") or config.get("q_lora_rank"):
+        raise ValueError(f"kvops calibrate: {kind!r} uses multi-head latent attention (MLA); its decoupled RoPE "
+                         "queries are not the q_proj outputs this tool measures")
+    rope = config.get("rope_parameters") or config.get("rope_scaling") or {}
+    partial = rope.get("partial_rotary_factor", config.get("partial_rotary_factor", 1.0))
+    if partial != 1.0:
+        raise ValueError(f"kvops calibrate: {kind!r} rotates only part of each head (partial_rotary_factor="
+                         f"{partial}); TriAttention statistics need RoPE over the whole head")
+    if kind not in SUPPORTED_MODEL_TYPES:
+        raise ValueError(f"kvops calibrate: model_type {kind!r} is not one whose attention this tool can hook; "
+                         f"supported: {', '.join(SUPPORTED_MODEL_TYPES)}")
+    rope_parameters(config)  # a RoPE kvops can reproduce (raises ValueError naming the problem)
+
+
+def _transformers():
+    try:
+        import transformers
+    except ImportError as e:
+        raise ImportError("kvops calibrate needs transformers: pip install 'kvops[transformers]' "
+                          "(or pip install 'transformers>=5.0')") from e
+    version = tuple(int(x) for x in transformers.__version__.split(".")[:2])
+    if version < MIN_TRANSFORMERS:
+        raise ImportError(f"kvops calibrate needs transformers >= {'.'.join(map(str, MIN_TRANSFORMERS))}, found "
+                          f"{transformers.__version__}")
+    return transformers
+
+
+class QueryStatistics:
+    """Running float64 sums of the pre-RoPE queries, per layer, head and frequency, fed by forward hooks."""
+
+    def __init__(self, model):
+        config = model.config.to_dict()
+        check_model_config(config)
+        self.num_layers, self.num_heads = config["num_hidden_layers"], config["num_attention_heads"]
+        self.head_dim = head_dim_of(config)
+        self.num_freqs = self.head_dim // 2
+        shape = (self.num_layers, self.num_heads, self.num_freqs)
+        self.real, self.imag, self.magnitude = (torch.zeros(shape, dtype=torch.float64) for _ in range(3))
+        self.tokens = 0
+        self._handles = []
+        attentions = {}
+        for module in model.modules():
+            if hasattr(module, "q_proj") and isinstance(getattr(module, "layer_idx", None), int):
+                attentions[module.layer_idx] = module
+        if sorted(attentions) != list(range(self.num_layers)):
+            raise ValueError(f"kvops calibrate: found q_proj attention in layers {sorted(attentions)}, the model has "
+                             f"{self.num_layers}; its attention is not one this tool can hook")
+        for layer, attention in attentions.items():
+            # the query as the model feeds it to RoPE: after q_norm where there is one
+            source = attention.q_norm if getattr(attention, "q_norm", None) is not None else attention.q_proj
+            self._handles.append(source.register_forward_hook(self._hook(layer)))
+
+    def _hook(self, layer: int):
+        def record(module, args, output):
+            q = output.detach().reshape(-1, self.num_heads, self.head_dim).double().cpu()  # [tokens, H, D]
+            F = self.num_freqs
+            re, im = q[..., :F], q[..., F:2 * F]
+            self.real[layer] += re.sum(0)
+            self.imag[layer] += im.sum(0)
+            self.magnitude[layer] += torch.sqrt(re * re + im * im).sum(0)
+            if layer == 0:
+                self.tokens += q.shape[0]
+        return record
+
+    def remove(self) -> None:
+        for handle in self._handles:
+            handle.remove()
+
+    def to_file_format(self, metadata: Mapping[str, Any] | None = None) -> dict:
+        """The official format: metadata + stats/layerLL_headHH/{q_mean_real, q_mean_imag, q_abs_mean}."""
+        if self.tokens == 0:
+            raise ValueError("kvops calibrate: no tokens were run through the model")
+        n = float(self.tokens)
+        stats = {f"layer{layer:02d}_head{head:02d}": {
+            "q_mean_real": (self.real[layer, head] / n).float(),
+            "q_mean_imag": (self.imag[layer, head] / n).float(),
+            "q_abs_mean": (self.magnitude[layer, head] / n).float()}
+            for layer in range(self.num_layers) for head in range(self.num_heads)}
+        meta = {"head_dim": self.head_dim, "num_layers": self.num_layers, "num_attention_heads": self.num_heads,
+                "rope_style": "half", "tokens": self.tokens,
+                "sampled_heads": [[layer, head] for layer in range(self.num_layers) for head in range(self.num_heads)],
+                **(metadata or {})}
+        return {"metadata": meta, "stats": stats}
+
+
+@torch.no_grad()
+def calibrate(model, token_ids: torch.Tensor, window: int = 2048, progress: bool = False,
+              metadata: Mapping[str, Any] | None = None) -> dict:
+    """Run `token_ids` (int64 [n]) through `model` in windows of `window` tokens (each its own sequence, batch 1)
+    and return the calibration in the official format (save it with ``torch.save``)."""
+    if not isinstance(token_ids, torch.Tensor) or token_ids.dim() != 1 or token_ids.dtype != torch.int64:
+        raise ValueError("calibrate: token_ids must be a 1-D int64 tensor")
+    if isinstance(window, bool) or not isinstance(window, int) or window < 1:
+        raise ValueError(f"calibrate: window must be a positive int, got {window!r}")
+    stats = QueryStatistics(model)
+    device = next(model.parameters()).device
+    starts = range(0, token_ids.numel(), window)
+    bar = None
+    if progress:
+        from tqdm.auto import tqdm  # a dependency of transformers
+
+        bar = tqdm(total=token_ids.numel(), unit="tok", desc="kvops calibrate")
+    try:
+        model.eval()
+        for start in starts:
+            chunk = token_ids[start:start + window].to(device)[None]
+            model(input_ids=chunk, use_cache=False)
+            if bar is not None:
+                bar.update(chunk.shape[1])
+    finally:
+        stats.remove()
+        if bar is not None:
+            bar.close()
+    return stats.to_file_format(metadata)
+
+
+def main(argv: list[str] | None = None) -> int:
+    import argparse
+
+    ap = argparse.ArgumentParser(prog="kvops calibrate", description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("model_dir", help="a local Hugging Face model directory (config, weights, tokenizer)")
+    ap.add_argument("--text", required=True, help="a UTF-8 text file to run through the model")
+    ap.add_argument("--out", required=True, help="where to write the calibration (.pt)")
+    ap.add_argument("--max-tokens", type=int, default=None, help="use at most this many tokens of the text")
+    ap.add_argument("--window", type=int, default=2048, help="tokens per forward pass (default 2048)")
+    ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    ap.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], default=None,
+                    help="model dtype (default: bfloat16 on a GPU, float32 on the CPU)")
+    a = ap.parse_args(argv)
+    if not os.path.isdir(a.model_dir) or not os.path.isfile(os.path.join(a.model_dir, "config.json")):
+        ap.error(f"{a.model_dir}: not a local model directory (no config.json); models load from local files only")
+    if not os.path.isfile(a.text):
+        ap.error(f"--text {a.text}: no such file")
+    if a.max_tokens is not None and a.max_tokens < 1:
+        ap.error("--max-tokens must be positive")
+    if a.window < 1:
+        ap.error("--window must be positive")
+    if a.device.startswith("cuda") and not torch.cuda.is_available():
+        ap.error(f"--device {a.device}: no CUDA GPU is visible to torch")
+    try:  # fail now, not after the run
+        with open(a.out, "ab"):
+            pass
+    except OSError as e:
+        ap.error(f"--out {a.out}: cannot write there ({e.strerror})")
+    transformers = _transformers()
+    config = transformers.AutoConfig.from_pretrained(a.model_dir, local_files_only=True)
+    try:
+        check_model_config(config.to_dict())
+    except ValueError as e:
+        ap.error(str(e))
+    dtype = getattr(torch, a.dtype) if a.dtype else (torch.bfloat16 if a.device.startswith("cuda") else torch.float32)
+    tokenizer = transformers.AutoTokenizer.from_pretrained(a.model_dir, local_files_only=True)
+    model = transformers.AutoModelForCausalLM.from_pretrained(a.model_dir, local_files_only=True, dtype=dtype)
+    model.to(a.device)
+    with open(a.text, encoding="utf-8") as f:
+        text = f.read()
+    ids = torch.tensor(tokenizer(text)["input_ids"], dtype=torch.int64)[:a.max_tokens]
+    data = calibrate(model, ids, a.window, progress=True,
+                     metadata={"model_name": getattr(config, "_name_or_path", None) or os.path.basename(
+                         os.path.abspath(a.model_dir)), "text": os.path.basename(a.text)})
+    torch.save(data, a.out)
+    print(f"kvops calibrate: {data['metadata']['tokens']} tokens, {len(data['stats'])} heads -> {a.out}")
+    return 0

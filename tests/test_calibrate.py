@@ -1,0 +1,133 @@
+"""kvops calibrate: statistics of the pre-RoPE queries of tiny random transformers models, against the queries
+captured where the model applies RoPE; the file round trip; the refusals."""
+
+import json
+import sys
+
+import pytest
+import torch
+
+from conftest import run_python
+
+transformers = pytest.importorskip("transformers")
+
+from kvops.calibrate import calibrate, check_model_config, main  # noqa: E402
+from kvops.triattention import TriAttentionSelector, load_calibration  # noqa: E402
+
+TINY = dict(vocab_size=512, hidden_size=64, intermediate_size=96, num_hidden_layers=2, max_position_embeddings=256)
+MODELS = {  # (config class, modeling module, fields): the families and RoPE variants calibrate must measure
+    "qwen3": ("Qwen3Config", "qwen3", dict(num_attention_heads=4, num_key_value_heads=2, head_dim=16)),
+    "llama3": ("LlamaConfig", "llama", dict(num_attention_heads=4, num_key_value_heads=2, rope_parameters=dict(
+        rope_type="llama3", rope_theta=500000.0, factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0,
+        original_max_position_embeddings=64))),
+    "qwen2_gqa7": ("Qwen2Config", "qwen2", dict(hidden_size=112, num_attention_heads=7, num_key_value_heads=1)),
+}
+
+
+def _model(name):
+    cls, _, fields = MODELS[name]
+    torch.manual_seed(0)
+    config = getattr(transformers, cls)(**{**TINY, **fields})
+    return transformers.AutoModelForCausalLM.from_config(config).float().eval()
+
+
+def _captured_queries(name, model, ids, window):
+    """Every query the attention hands to RoPE, [tokens, H, D] per layer, captured by wrapping the modeling
+    module's apply_rotary_pos_emb (independent of the hooks calibrate uses)."""
+    module = sys.modules[f"transformers.models.{MODELS[name][1]}.modeling_{MODELS[name][1]}"]
+    seen, original = [], module.apply_rotary_pos_emb
+
+    def capture(q, k, cos, sin, *args, **kwargs):
+        seen.append(q.detach().transpose(1, 2).reshape(-1, q.shape[1], q.shape[3]).double())  # [tokens, H, D]
+        return original(q, k, cos, sin, *args, **kwargs)
+
+    module.apply_rotary_pos_emb = capture
+    try:
+        with torch.no_grad():
+            for start in range(0, ids.numel(), window):
+                model(input_ids=ids[start:start + window][None], use_cache=False)
+    finally:
+        module.apply_rotary_pos_emb = original
+    L = model.config.num_hidden_layers
+    return [torch.cat(seen[layer::L]) for layer in range(L)]  # the layers run in order, once per window
+
+
+@pytest.mark.parametrize("name", sorted(MODELS))
+def test_statistics_equal_the_queries_attention_rotates(name):
+    model = _model(name)
+    ids = torch.randint(0, TINY["vocab_size"], (300,))
+    data = calibrate(model, ids, window=128)
+    queries = _captured_queries(name, model, ids, 128)
+    config = model.config.to_dict()
+    F = 8  # every tiny model has head_dim 16
+    assert data["metadata"]["tokens"] == 300 and len(data["stats"]) == 2 * model.config.num_attention_heads
+    for layer, q in enumerate(queries):
+        for head in range(model.config.num_attention_heads):
+            re, im = q[:, head, :F], q[:, head, F:2 * F]
+            s = data["stats"][f"layer{layer:02d}_head{head:02d}"]
+            torch.testing.assert_close(s["q_mean_real"].double(), re.mean(0), rtol=1e-5, atol=1e-6)
+            torch.testing.assert_close(s["q_mean_imag"].double(), im.mean(0), rtol=1e-5, atol=1e-6)
+            torch.testing.assert_close(s["q_abs_mean"].double(), (re * re + im * im).sqrt().mean(0), rtol=1e-5,
+                                       atol=1e-6)
+    cal = load_calibration(data, config)  # the dict as the file holds it
+    assert cal.num_freqs == F and cal.num_kv_heads == model.config.num_key_value_heads
+
+
+def _tokenizer(text, directory):
+    from tokenizers import Tokenizer, models, pre_tokenizers, trainers
+
+    tok = Tokenizer(models.BPE(unk_token="[UNK]"))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel()
+    tok.train_from_iterator([text], trainers.BpeTrainer(vocab_size=300, special_tokens=["[UNK]"],
+                                                        initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
+    transformers.PreTrainedTokenizerFast(tokenizer_object=tok).save_pretrained(directory)
+
+
+def test_command_writes_a_file_the_selector_runs_on(tmp_path, capsys):
+    text = "def f(x):\n    return [y * 2 for y in range(x) if y % 3]\n" * 60
+    (tmp_path / "text.txt").write_text(text)
+    model_dir = tmp_path / "model"
+    _model("qwen3").save_pretrained(model_dir)
+    _tokenizer(text, model_dir)
+    out = tmp_path / "cal.pt"
+    assert main([str(model_dir), "--text", str(tmp_path / "text.txt"), "--max-tokens", "200", "--window", "64",
+                 "--out", str(out), "--device", "cpu"]) == 0
+    assert "200 tokens" in capsys.readouterr().out
+    config = json.loads((model_dir / "config.json").read_text())
+    cal = load_calibration(str(out), config)
+    assert torch.load(out, weights_only=True)["metadata"]["tokens"] == 200
+    assert torch.isfinite(cal.q_abs_mean).all() and (cal.q_abs_mean > 0).all()
+    L, Hkv, T, D = 2, 2, 8, 16
+    pools = [torch.randn(6, 2, Hkv, T, D).bfloat16() for _ in range(L)]
+    table = torch.arange(6, dtype=torch.int32)[None]
+    i32 = lambda *v: torch.tensor(v, dtype=torch.int32)  # noqa: E731
+    kept = TriAttentionSelector(cal, 8).select(pools, table, i32(40), i32(4), i32(40).long(), validate=True)
+    assert kept.shape == (1, 1, 8) and (kept >= 4).all() and (kept < 40).all()
+
+
+@pytest.mark.parametrize("config, match", [
+    (dict(model_type="phi", partial_rotary_factor=0.5, rope_theta=1e4), "partial_rotary_factor=0.5"),
+    (dict(model_type="deepseek_v3", kv_lora_rank=512, q_lora_rank=1536, rope_theta=1e4), "latent attention"),
+    (dict(model_type="gpt2"), "model_type 'gpt2' is not one"),
+    (dict(model_type="qwen3", head_dim=16, rope_parameters={"rope_type": "dynamic", "rope_theta": 1e4,
+                                                             "factor": 2.0}), "not supported"),
+])
+def test_refuses_attention_it_cannot_measure(tmp_path, config, match):
+    with pytest.raises(ValueError, match=match):
+        check_model_config(config)
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    (tmp_path / "t.txt").write_text("x")
+    with pytest.raises(SystemExit) as e:  # refused before any weight is loaded
+        main([str(tmp_path), "--text", str(tmp_path / "t.txt"), "--out", str(tmp_path / "c.pt")])
+    assert e.value.code == 2 and not (tmp_path / "c.pt").stat().st_size
+
+
+def test_bad_command_lines(tmp_path):
+    for argv in (["/nonexistent", "--text", "x", "--out", "y"], [str(tmp_path), "--text", "x", "--out", "y"]):
+        with pytest.raises(SystemExit) as e:
+            main(argv)
+        assert e.value.code == 2
+
+
+def test_import_kvops_does_not_import_transformers():
+    run_python("import sys, kvops\nassert 'transformers' not in sys.modules, 'import kvops imported transformers'")
