@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import torch
 
-from kvops.compaction import build_compaction_params, compact, pack_move_sources
+from kvops.compaction import build_compaction_params, compact, decision_rows, pack_move_sources
 
 from .common import Row, device_copy_gbps, time_us
 
@@ -95,9 +95,8 @@ def run(quick: bool = False) -> tuple[list[Row], list[str]]:
     for R, L in configs:
         for dtype in (torch.bfloat16, torch.float8_e4m3fn):
             for T in (32, 128):
-                for mode, list_rows in (("union", 1),) + ((("per_layer_perhead", L * HEADS),)
-                                                          if (R, T, dtype) == (32, 32, torch.bfloat16) else ()):
-                    pools, params = _setup(storage, R, L, T, dtype, list_rows)
+                for mode in ("union",) + (("per_layer_perhead",) if (R, T, dtype) == (32, 32, torch.bfloat16) else ()):
+                    pools, params = _setup(storage, R, L, T, dtype, decision_rows(mode, L, HEADS))
                     shape = f"{R}req x16k {L}x[P,2,8,{T},128] keep {KEEP}+{TAIL} {mode}"
                     moved = 2 * R * L * 2 * HEADS * (KEEP + TAIL) * HEAD_DIM * dtype.itemsize
                     us = time_us(lambda: compact(params), iters=iters)

@@ -19,7 +19,9 @@ from __future__ import annotations
 from types import SimpleNamespace
 
 import torch
+import triton
 
+from kvops.compaction import decision_rows
 from kvops.triattention import Calibration, TriAttentionSelector, mean_phase
 from kvops.triattention.score import CHUNK, STATS, _reduce_torch, _score_torch, reduce_rows, score
 from kvops.triattention.topk import topk
@@ -93,15 +95,15 @@ def _round(rows_out: list[Row], copy_gbps: float, quick: bool) -> list[str]:
     raw, stats = score(pools, table, N, P, phase, weights, n)
     for mode in ("union", "per_head", "per_layer_perhead"):
         us = time_us(_graphed(lambda: reduce_rows(raw, stats, N, P, mode, Hkv)), iters=10)
-        out_rows = {"union": 1, "per_head": Hkv, "per_layer_perhead": L * Hkv}[mode]
+        out_rows = decision_rows(mode, L, Hkv)
         rows_out.append(Row.make(FAMILY, f"reduce_{mode}", shape, "float32", us, raw.numel() * 4 + R * out_rows * n * 4,
                                  copy_gbps))
 
     def eager_torch(mode):
         raw = torch.empty(R, L, Hq, n, device="cuda")
-        stats = torch.empty(R, L, Hq, -(-n // CHUNK), STATS, device="cuda")
+        stats = torch.empty(R, L, Hq, triton.cdiv(n, CHUNK), STATS, device="cuda")
         _score_torch(pools, table, P, N, phase, *weights, raw, stats)
-        rows = torch.empty(R, {"union": 1, "per_layer_perhead": L * Hkv}[mode], n, device="cuda")
+        rows = torch.empty(R, decision_rows(mode, L, Hkv), n, device="cuda")
         _reduce_torch(raw, stats, P, N, rows, mode, Hkv, True)
         return rows.view(-1, n).topk(budget, dim=1).indices.sort(dim=1)
 

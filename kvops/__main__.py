@@ -23,9 +23,11 @@ def info() -> int:
     if not torch.cuda.is_available():
         print("GPU: none; every op runs on the CPU (C++ kernels and torch)")
         return 0
+    from kvops.manager import SUPPORTED_ARCHS
+
     major, minor = torch.cuda.get_device_capability()
     print(f"GPU: {torch.cuda.get_device_name()} (sm_{major}{minor})")
-    supported = (major, minor) in ((9, 0), (10, 0))
+    supported = (major, minor) in SUPPORTED_ARCHS
     print(f"  NVFP4 codec, compaction (native CUDA): {'yes' if supported else 'no kernel for this arch'} "
           "(a build without nvcc raises a clear error on first use)")
     print("  TriAttention mean phase, pack, reduce (Triton): yes; scorer, top-k (CuTe DSL, compiled at first use): "

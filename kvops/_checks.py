@@ -134,7 +134,3 @@ def check_disjoint(what: str, name: str, tensors: Sequence[torch.Tensor],
         for i, p in enumerate(tensors):
             if overlap(p, t):
                 raise ValueError(f"{what}: {other} shares memory with {name}[{i}]")
-
-
-def cdiv(n: int, d: int) -> int:
-    return -(-n // d)

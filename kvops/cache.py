@@ -13,8 +13,9 @@ from dataclasses import dataclass, field
 from typing import Sequence
 
 import torch
+import triton
 
-from ._checks import cdiv, check_device, check_int
+from ._checks import check_device, check_int
 from .compaction import build_compaction_params, compact
 from .nvfp4 import ColdPageCodec, RowSpec
 
@@ -92,7 +93,7 @@ class PagedKVCache:
         return self._requests[rid]
 
     def _pages_for(self, length: int) -> int:
-        return cdiv(length, self.page_size)
+        return triton.cdiv(length, self.page_size)
 
     # -- lifecycle ----------------------------------------------------------------------------------------
     def add_request(self, rid) -> None:

@@ -18,7 +18,7 @@ import torch
 from ._checks import check_bool, check_int
 from .nvfp4.layout import DEFAULT_SCALE, RowSpec, _check_spec
 from .triattention.calibration import SHIPPED, calibration_file
-from .triattention.reference import MODES
+from .compaction.compact import MODES
 
 
 @dataclass(frozen=True)

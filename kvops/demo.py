@@ -14,8 +14,8 @@ import statistics
 import time
 
 import torch
+import triton
 
-from ._checks import cdiv
 from .cache import PagedKVCache
 from .config import NVFP4ColdPageConfig, TriAttentionConfig
 from .manager import Request, create_compression_manager
@@ -45,7 +45,7 @@ def run(preset: str = "tiny", device: str | None = None, dtype: torch.dtype = to
     tri = TriAttentionConfig(budget=p["budget"], beta=p["beta"], calibration_path=CALIBRATION)
     nvfp4 = NVFP4ColdPageConfig(row_size=D)
     max_len = p["prompt"] + tri.budget + 2 * tri.beta + 16
-    pages_per = cdiv(max_len, p["page_size"])
+    pages_per = triton.cdiv(max_len, p["page_size"])
     cache = PagedKVCache(L, HKV, D, p["page_size"], num_pages=p["requests"] * pages_per + 4,
                          host_slots=p["requests"] * pages_per, dtype=dtype, device=device,
                          codec_specs=[nvfp4.row_spec()] * L)
@@ -95,13 +95,13 @@ def run(preset: str = "tiny", device: str | None = None, dtype: torch.dtype = to
             diff_sq[plane] += float((a - b).pow(2).sum())
             ref_sq[plane] += float(a.pow(2).sum())
     err = {name: (diff_sq[plane] / ref_sq[plane]) ** 0.5 for plane, name in ((0, "K"), (1, "V"))}
-    pages = sum(-(-cache.length(r) // p["page_size"]) for r in rids)
+    pages = sum(triton.cdiv(cache.length(r), p["page_size"]) for r in rids)
     cache.check_invariants()
     return {
         "preset": preset, "device": device, "dtype": str(dtype).replace("torch.", ""), "calibration": cal_note,
         "kv_bytes_without_eviction": kv_without, "kv_bytes_with_eviction": kv_with,
         "eviction_rounds": manager.rounds,
-        "pages_freed_by_eviction": len(rids) * -(-(p["prompt"] + p["steps"]) // p["page_size"]) - pages,
+        "pages_freed_by_eviction": len(rids) * triton.cdiv(p["prompt"] + p["steps"], p["page_size"]) - pages,
         "hot_page_bytes": cache.codec.hot_page_bytes, "cold_page_bytes": cache.codec.cold_page_bytes,
         "offloaded_pages": pages, "codec_rel_rms_error": err,
         # the first round compiles the CuTe kernels (once per process); the steady state is the rest

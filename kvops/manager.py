@@ -19,6 +19,7 @@ from dataclasses import dataclass
 from typing import Any, Mapping, Sequence
 
 import torch
+import triton
 
 from ._checks import check_int
 from .compaction import build_compaction_params, compact
@@ -134,7 +135,7 @@ class TriAttentionManager(KVCacheCompressionManager):
         if max(tails) > self.max_tail:  # refuse before anything moves
             raise RuntimeError(f"TriAttentionManager: a step confirmed more than beta={self.config.beta} tokens past "
                                f"a due round ({max(tails)} unscored); call on_generation_step_end every step")
-        width = max(-(-n // cache.page_size) for n in lengths)  # page-table columns this round needs
+        width = max(triton.cdiv(n, cache.page_size) for n in lengths)  # page-table columns this round needs
         if self._round is None or not self._round.fits(len(rids), width):
             self._round = TriAttentionRound(self.selector, cache, len(rids), width, self.max_tail, self.cuda_graphs)
         self._round.run(cache.page_table(rids, self._round.width, device="cpu"),

@@ -4,8 +4,10 @@ import sys
 
 import pytest
 import torch
+import triton
 
 import kvops  # noqa: F401  (loads the ops)
+from kvops.triattention import load_calibration
 
 HAS_CUDA = torch.cuda.is_available()
 DEVICES = ["cpu"] + (["cuda"] if HAS_CUDA else [])
@@ -58,3 +60,32 @@ def run_python(code: str, **env: str) -> None:
     out = subprocess.run([sys.executable, "-c", code], env={**os.environ, **env}, capture_output=True, text=True,
                          timeout=600)
     assert out.returncode == 0, out.stderr[-3000:]
+
+
+# ---- TriAttention inputs shared by the selection and scoring tests ----------------------------------------
+
+SYNTHETIC = dict(num_hidden_layers=3, num_attention_heads=8, num_key_value_heads=2, head_dim=32, rope_theta=1e4)
+
+
+def synthetic_calibration():
+    """Random statistics for SYNTHETIC (3 layers, 8 query / 2 KV heads, F = 16)."""
+    L, Hq, F = 3, 8, 16
+    return load_calibration({"E_q": torch.randn(L, Hq, F, dtype=torch.complex64),
+                             "E_q_norm": torch.rand(L, Hq, F) * 2 + 1}, SYNTHETIC)
+
+
+def paged_pools(cal, prompt, cache, T, device, dtype=torch.bfloat16):
+    """(per-layer HND pools of random keys, page table on shuffled pages, cache lengths, prompt lengths)."""
+    R = len(prompt)
+    pages_per = [triton.cdiv(n, T) for n in cache]
+    P = sum(pages_per) + 3
+    perm = torch.randperm(P)
+    table = torch.full((R, max(pages_per)), -1, dtype=torch.int32)
+    at = 0
+    for r, n in enumerate(pages_per):
+        table[r, :n] = perm[at:at + n].int()
+        at += n
+    D = 2 * cal.num_freqs
+    pools = [torch.randn(P, 2, cal.num_kv_heads, T, D, device=device).to(dtype) for _ in range(cal.num_layers)]
+    i32 = lambda v: torch.tensor(v, dtype=torch.int32, device=device)  # noqa: E731
+    return pools, table.to(device), i32(cache), i32(prompt)

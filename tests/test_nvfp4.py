@@ -89,7 +89,7 @@ def test_special_values(device, dtype):
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float8_e4m3fn])
 def test_every_bit_pattern(device, dtype):
     """Every value of the dtype, 16 to a block, in bit-pattern order and shuffled."""
-    n = 1 << (8 * torch.empty((), dtype=dtype).element_size())
+    n = 1 << (8 * dtype.itemsize)
     bits = torch.arange(n, dtype=torch.int32).to(torch.int16 if n > 256 else torch.uint8)
     x = bits.view(dtype).reshape(-1, 16 * 16)
     for xs in (x, x.reshape(-1)[torch.randperm(n)].reshape(x.shape)):

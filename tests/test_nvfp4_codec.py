@@ -147,7 +147,7 @@ def _normal_scale_blocks(cold, codec):
 def test_every_bit_pattern_round_trip(device, dtype, policy):
     """Every bit pattern of the hot dtype, laid out in pages: reference bytes, lossless part exact,
     and no error accumulation: D(E(D(E(x)))) == D(E(x)) where block scales are normal (fp8: from trip 2)."""
-    n = 1 << (8 * torch.empty((), dtype=dtype).element_size())
+    n = 1 << (8 * dtype.itemsize)
     bits = torch.arange(n, dtype=torch.int32).to(torch.int16 if n > 256 else torch.uint8)
     x = bits.view(dtype)
     # [pages, 2 planes, 4 rows, 64]: every pattern once in the 32 quantized and once in the 32 lossless columns

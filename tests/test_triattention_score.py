@@ -3,12 +3,13 @@ the normalize-and-reduce (Triton), each against the float64 reference."""
 
 import pytest
 import torch
+import triton
 
-from conftest import DEVICES, bytes_of, opcheck, poison_, requires_cuda, run_python
+from conftest import (DEVICES, bytes_of, opcheck, paged_pools, poison_, requires_cuda, run_python,
+                      synthetic_calibration)
 from kvops.triattention import SHIPPED, load_calibration, mean_phase
 from kvops.triattention.reference import normalize_reference, raw_scores_reference, reduce_reference, gather_keys
 from kvops.triattention.score import CHUNK, STATS, reduce_rows, score
-from test_triattention_select import _paged, _synthetic_calibration
 
 
 # Synthetic geometries cover every kernel shape class (the GPU machine has no calibration files):
@@ -42,7 +43,7 @@ def _run_score(cal, pools, table, N, P, starts, n):
     phase = mean_phase(starts, cal.omega.to(device))
     R, L, Hq = table.shape[0], cal.num_layers, cal.num_query_heads
     raw = poison_(torch.empty(R, L, Hq, n, device=device))
-    stats = poison_(torch.empty(R, L, Hq, -(-n // CHUNK), STATS, device=device))
+    stats = poison_(torch.empty(R, L, Hq, triton.cdiv(n, CHUNK), STATS, device=device))
     raw_before, stats_before = raw.clone(), stats.clone()
     torch.ops.kvops.triattention_score_(pools, table, P, N, phase, *weights, raw, stats)
     return raw, stats, raw_before, stats_before
@@ -55,7 +56,7 @@ def test_raw_scores_and_chunk_stats(name, config, layout, dtype, device):
     # ragged: several chunks with a partial last one, a prompt, an empty request, a request shorter than a chunk
     long = CHUNK + 301 if config is None else 301
     prompt, cache, T = [7, 0, 30, 2], [7 + long, 0, 30 + 45, 2 + (2 * CHUNK if config is None else 200)], 16
-    pools, table, N, P = _paged(cal, prompt, cache, T, device, dtype)
+    pools, table, N, P = paged_pools(cal, prompt, cache, T, device, dtype)
     if layout == "NHD":  # same logical view over [page, plane, token, head, dim] storage
         pools = [p.transpose(2, 3).contiguous().transpose(2, 3) for p in pools]
     starts = (N + torch.randint(0, 2 ** 22, N.shape, device=device)).long()
@@ -85,7 +86,7 @@ def _stats_of(raw: torch.Tensor, count: torch.Tensor) -> torch.Tensor:
     """Chunk (mean, M2, count) of the finite values of raw [R, L, Hq, n] in float64, per (r, l, h), written
     independently of the kernels."""
     R, L, Hq, n = raw.shape
-    stats = torch.zeros(R, L, Hq, -(-n // CHUNK), STATS, dtype=torch.float64)
+    stats = torch.zeros(R, L, Hq, triton.cdiv(n, CHUNK), STATS, dtype=torch.float64)
     for r in range(R):
         for c in range(stats.shape[3]):
             for layer in range(L):
@@ -134,8 +135,8 @@ def test_reduce_triton_kernel_in_the_interpreter():
 
 @pytest.mark.parametrize("device", DEVICES)
 def test_opcheck(device):
-    cal = _synthetic_calibration()
-    pools, table, N, P = _paged(cal, [3, 0], [40, 600], 8, device)
+    cal = synthetic_calibration()
+    pools, table, N, P = paged_pools(cal, [3, 0], [40, 600], 8, device)
     weights = tuple(w.to(device) for w in cal.score_weights())
     phase = mean_phase(N.long() + 5, cal.omega.to(device))
     n = 610
@@ -149,8 +150,8 @@ def test_opcheck(device):
 
 @pytest.mark.parametrize("device", DEVICES)
 def test_bad_arguments(device):
-    cal = _synthetic_calibration()
-    pools, table, N, P = _paged(cal, [3], [40], 8, device)
+    cal = synthetic_calibration()
+    pools, table, N, P = paged_pools(cal, [3], [40], 8, device)
     weights = tuple(w.to(device) for w in cal.score_weights())
     phase = mean_phase(N.long(), cal.omega.to(device))
     ok = (pools, table, N, P, phase, weights, 40)
@@ -191,8 +192,8 @@ def test_bad_arguments(device):
 
 @requires_cuda
 def test_misaligned_pools_are_refused():
-    cal = _synthetic_calibration()
-    pools, table, N, P = _paged(cal, [3], [40], 8, "cuda")
+    cal = synthetic_calibration()
+    pools, table, N, P = paged_pools(cal, [3], [40], 8, "cuda")
     flat = [torch.empty(p.numel() + 8, dtype=p.dtype, device="cuda") for p in pools]
     shifted = [f[4:4 + p.numel()].view(p.shape) for f, p in zip(flat, pools)]  # 8 bytes off 16-byte alignment
     weights = tuple(w.cuda() for w in cal.score_weights())
@@ -244,9 +245,9 @@ def test_non_finite_scores_rank_last_and_leave_the_statistics_alone(mode, device
 def test_absent_pages_and_nan_keys_score_nan(device):
     """A page-table entry of -1 or past the pool, a cache length past the table, and a NaN key: NaN raw scores
     for exactly those tokens (the reference gathers NaN keys there), finite statistics over the rest."""
-    cal = _synthetic_calibration()
+    cal = synthetic_calibration()
     T = 8
-    pools, table, N, P = _paged(cal, [3, 2], [60, 45], T, device)
+    pools, table, N, P = paged_pools(cal, [3, 2], [60, 45], T, device)
     table = torch.cat([table, torch.full((2, 1), -1, dtype=torch.int32, device=device)], 1)
     table[0, 2] = -1                      # positions 16..23 of request 0
     table[1, 3] = pools[0].shape[0] + 5   # positions 24..31 of request 1: outside the pool

@@ -3,38 +3,14 @@
 import pytest
 import torch
 
-from conftest import DEVICES, requires_cuda
+from conftest import DEVICES, paged_pools, requires_cuda, synthetic_calibration
 from kvops.triattention import SHIPPED, load_calibration, mean_phase
 from kvops.triattention.reference import select_reference
 from kvops.triattention.select import TriAttentionSelector, score_rows
 
-SYNTHETIC = dict(num_hidden_layers=3, num_attention_heads=8, num_key_value_heads=2, head_dim=32, rope_theta=1e4)
-
-
-def _synthetic_calibration():
-    L, Hq, F = 3, 8, 16
-    return load_calibration({"E_q": torch.randn(L, Hq, F, dtype=torch.complex64),
-                             "E_q_norm": torch.rand(L, Hq, F) * 2 + 1}, SYNTHETIC)
-
-
-def _paged(cal, prompt, cache, T, device, dtype=torch.bfloat16):
-    R = len(prompt)
-    pages_per = [-(-n // T) for n in cache]
-    P = sum(pages_per) + 3
-    perm = torch.randperm(P)
-    table = torch.full((R, max(pages_per)), -1, dtype=torch.int32)
-    at = 0
-    for r, n in enumerate(pages_per):
-        table[r, :n] = perm[at:at + n].int()
-        at += n
-    D = 2 * cal.num_freqs
-    pools = [torch.randn(P, 2, cal.num_kv_heads, T, D, device=device).to(dtype) for _ in range(cal.num_layers)]
-    i32 = lambda v: torch.tensor(v, dtype=torch.int32, device=device)  # noqa: E731
-    return pools, table.to(device), i32(cache), i32(prompt)
-
 
 def _check(cal, device, mode, budget, prompt, cache, T=16, normalize=True):
-    pools, table, N, P = _paged(cal, prompt, cache, T, device)
+    pools, table, N, P = paged_pools(cal, prompt, cache, T, device)
     starts = (N + torch.randint(0, 2 ** 22, N.shape, device=device)).long()
     max_decode = max(n - p for n, p in zip(cache, prompt)) + 5
     selector = TriAttentionSelector(cal, budget, mode, normalize, max_decode=max_decode)
@@ -68,15 +44,15 @@ def test_real_calibrations_all_modes(name, mode, device):
 @pytest.mark.parametrize("mode", ["union", "per_head", "per_layer_perhead"])
 @pytest.mark.parametrize("normalize", [True, False])
 @pytest.mark.parametrize("device", DEVICES)
-def test_synthetic_calibration(mode, normalize, device):
-    _check(_synthetic_calibration(), device, mode, budget=10, prompt=[3, 0, 17], cache=[50, 12, 64], T=8,
+def testsynthetic_calibration(mode, normalize, device):
+    _check(synthetic_calibration(), device, mode, budget=10, prompt=[3, 0, 17], cache=[50, 12, 64], T=8,
            normalize=normalize)
 
 
 @pytest.mark.parametrize("device", DEVICES)
 def test_compile_fullgraph(device):
-    cal = _synthetic_calibration()
-    pools, table, N, P = _paged(cal, [3, 4], [40, 30], 8, device)
+    cal = synthetic_calibration()
+    pools, table, N, P = paged_pools(cal, [3, 4], [40, 30], 8, device)
     starts = N.long() + 7
     selector = TriAttentionSelector(cal, 8, "per_head", max_decode=40)
     eager = selector.select(pools, table, N, P, starts)
@@ -86,8 +62,8 @@ def test_compile_fullgraph(device):
 
 @requires_cuda
 def test_cuda_graph_replay_fresh_data():
-    cal = _synthetic_calibration()
-    pools, table, N, P = _paged(cal, [3, 4], [40, 30], 8, "cuda")
+    cal = synthetic_calibration()
+    pools, table, N, P = paged_pools(cal, [3, 4], [40, 30], 8, "cuda")
     starts = N.long() + 7
     selector = TriAttentionSelector(cal, 8, "union", max_decode=40)
     selector.select(pools, table, N, P, starts)  # warm-up (compiles the kernels)
@@ -103,7 +79,7 @@ def test_cuda_graph_replay_fresh_data():
 
 
 def test_bad_arguments():
-    cal = _synthetic_calibration()
+    cal = synthetic_calibration()
     with pytest.raises(ValueError, match="mode"):
         TriAttentionSelector(cal, 8, "per_token")
     with pytest.raises(ValueError, match="budget"):
@@ -116,7 +92,7 @@ def test_bad_arguments():
         TriAttentionSelector(cal, 8, normalize_scores="no")
     with pytest.raises(ValueError, match="max_decode"):
         TriAttentionSelector(cal, 8, max_decode=4)
-    pools, table, N, P = _paged(cal, [3], [20], 8, "cpu")
+    pools, table, N, P = paged_pools(cal, [3], [20], 8, "cpu")
     with pytest.raises(ValueError, match="pools"):
         TriAttentionSelector(cal, 8).select(pools[:2], table, N, P, N.long())
 
@@ -125,8 +101,8 @@ def test_bad_arguments():
 def test_without_max_decode_every_length_the_table_holds_is_scored(device):
     """No max_decode: the bound comes from the page table, so a request of 36 decode tokens with budget 8 keeps
     the reference's set (it used to score only the first 2 * budget)."""
-    cal = _synthetic_calibration()
-    pools, table, N, P = _paged(cal, [5, 3], [41, 20], 8, device)
+    cal = synthetic_calibration()
+    pools, table, N, P = paged_pools(cal, [5, 3], [41, 20], 8, device)
     starts = (N + 77).long()
     kept = TriAttentionSelector(cal, 8).select(pools, table, N, P, starts)
     ref, _ = select_reference([p.cpu() for p in pools], table.cpu(), N.cpu(), P.cpu(), starts.cpu(), cal, 8)
@@ -142,9 +118,9 @@ def test_absent_pages_rank_last_or_raise_with_validate(device):
     """A page-table entry of -1 (or past the pool) and a cache length past the table: with validate=True the
     selector raises naming the request; without it those positions are never kept while others exist, and the
     rest of the keep set is the reference's on the same (absent = NaN) keys."""
-    cal = _synthetic_calibration()
+    cal = synthetic_calibration()
     T = 8
-    pools, table, N, P = _paged(cal, [4, 2], [64, 50], T, device)
+    pools, table, N, P = paged_pools(cal, [4, 2], [64, 50], T, device)
     starts = (N + 5).long()
     table[0, 3] = -1                     # positions 24..31
     table[1, 4] = pools[0].shape[0]      # positions 32..39: outside the pool

@@ -56,20 +56,33 @@ class CompactionParams:
     max_tail: int
 
 
-def stream_rows(rows: int, layers: int, heads: int, layer_windows: Sequence[int] | None = None
-                ) -> tuple[tuple[int, ...], tuple[int, ...]]:
-    """(layer_row_base, head_row_stride) for a decision with `rows` rows per request:
-    1 = union, heads = per KV head, layers * heads = per (layer, head) with row = layer * heads + head.
-    Window layers read the extra window row (index `rows`) for every head."""
-    if rows == 1:
-        base, stride = [0] * layers, 0
-    elif rows == heads:
-        base, stride = [0] * layers, 1
-    elif rows == layers * heads:
-        base, stride = [layer * heads for layer in range(layers)], 1
-    else:
+MODES = ("union", "per_head", "per_layer_perhead")  # decision layouts: a keep set per request, per KV head, or
+                                                    # per (layer, KV head)
+
+
+def decision_rows(mode: str, layers: int, heads: int) -> int:
+    """Rows per request of a decision in `mode`: 1, `heads` or `layers * heads`."""
+    if mode not in MODES:
+        raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
+    return {"union": 1, "per_head": heads, "per_layer_perhead": layers * heads}[mode]
+
+
+def decision_row(rows: int, layers: int, heads: int, layer: int, head: int) -> int:
+    """The row of a decision with `rows` rows per request that (layer, KV head) keeps: row 0 (union), row `head`
+    (per KV head) or row ``layer * heads + head`` (per layer and KV head)."""
+    if rows not in (1, heads, layers * heads):
         raise ValueError(f"kept has {rows} rows per request; expected 1 (union), {heads} (one per KV head) or "
                          f"{layers * heads} (one per layer and KV head)")
+    return 0 if rows == 1 else head if rows == heads else layer * heads + head
+
+
+def stream_rows(rows: int, layers: int, heads: int, layer_windows: Sequence[int] | None = None
+                ) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """(layer_row_base, head_row_stride) for a decision with `rows` rows per request (``decision_row``): layer l,
+    head h reads list row ``layer_row_base[l] + head_row_stride[l] * h``. Window layers read the extra window row
+    (index `rows`) for every head."""
+    base = [decision_row(rows, layers, heads, layer, 0) for layer in range(layers)]
+    stride = decision_row(rows, layers, heads, 0, 1) - base[0] if heads > 1 else 0
     windows = list(layer_windows or [0] * layers)
     return (tuple(rows if w > 0 else b for b, w in zip(base, windows)),
             tuple(0 if w > 0 else stride for w in windows))

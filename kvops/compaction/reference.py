@@ -9,6 +9,8 @@ from typing import Sequence
 
 import torch
 
+from .compact import decision_row
+
 
 def compact_reference(pools: Sequence[torch.Tensor], page_table: torch.Tensor, kept: torch.Tensor,
                       scored_lengths: torch.Tensor, tail_lengths: torch.Tensor, destination_bases: torch.Tensor,
@@ -27,8 +29,7 @@ def compact_reference(pools: Sequence[torch.Tensor], page_table: torch.Tensor, k
                 if windows[layer] > 0:
                     src = torch.arange(scored - K, scored)
                 else:
-                    row = 0 if rows == 1 else head if rows == H else layer * H + head
-                    src = kept[r, row].long().cpu()
+                    src = kept[r, decision_row(rows, L, H, layer, head)].long().cpu()
                 src = torch.cat([src, tail_src])
                 dst = base + torch.arange(src.numel())
                 pt = page_table[r].long().cpu()

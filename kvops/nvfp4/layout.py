@@ -130,7 +130,7 @@ def _check_spec(i: int, shape: tuple[int, ...], dtype: torch.dtype, spec: RowSpe
     if len(shape) - 2 > MAX_MIDDLE_DIMS:
         bad(f"at most {MAX_MIDDLE_DIMS} dims between page and row are supported")
     row = shape[-1]
-    esize = torch.empty((), dtype=dtype).element_size()
+    esize = dtype.itemsize
     if (row * esize) % 16:
         bad(f"rows of {row * esize} bytes are not a multiple of 16")
     q0, ql = spec.quantized_range
@@ -173,7 +173,7 @@ def plan_layout(pools: list[tuple[tuple[int, ...], torch.dtype]], specs: list[Ro
         for k in range(1, len(shape) - 1):
             if k != spec.plane_dim:
                 rows *= shape[k]
-        esize = torch.empty((), dtype=dtype).element_size()
+        esize = dtype.itemsize
         q = spec.quantized_range[1]
         r = spec.residual_range[1] if spec.residual_range else 0
         off_codes = 0

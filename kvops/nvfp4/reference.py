@@ -169,7 +169,7 @@ def decode_page(section: torch.Tensor, lay: PoolLayout) -> torch.Tensor:
     for p in range(lay.planes):
         g = section[4 * p:4 * p + 4].view(torch.float32).item()
         base = lay.plane_offset + p * lay.plane_bytes
-        esize = torch.empty((), dtype=dtype).element_size()
+        esize = dtype.itemsize
         ll = (row - ql) * esize * lay.rows
         lossless = section[base + lay.off_lossless:][:ll].view(dtype).reshape(lay.rows, row - ql)
         out = torch.empty(lay.rows, row, dtype=dtype)

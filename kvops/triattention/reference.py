@@ -10,10 +10,10 @@ from typing import Sequence
 
 import torch
 
+from ..compaction.compact import MODES
 from .calibration import Calibration
 
 PHASE_OFFSETS = tuple(2 ** i for i in range(17))  # O = {1, 2, 4, ..., 65536}
-MODES = ("union", "per_head", "per_layer_perhead")
 
 
 def mean_phase_reference(round_starts: torch.Tensor, omega: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -25,16 +25,12 @@ from torch.library import triton_op
 from . import _cute
 from .._checks import check_device, check_float32, check_int, check_int32
 from .._triton import triton_launcher
-from .reference import MODES
+from ..compaction.compact import MODES, decision_rows
 
 CHUNK = 1024  # decode tokens per statistics partial (and per scorer CTA)
 STATS = 3     # per partial: mean, M2 and count of the chunk's finite scores
 KV_DTYPES = (torch.bfloat16, torch.float16)      # what the CuTe scorer reads (KV_TYPES in score_cute.py)
 POOL_DTYPES = KV_DTYPES + (torch.float8_e4m3fn,)  # fp8 pools: the torch path, on either device
-
-
-def num_rows(mode: str, num_layers: int, num_kv_heads: int) -> int:
-    return {"union": 1, "per_head": num_kv_heads, "per_layer_perhead": num_layers * num_kv_heads}[mode]
 
 
 # ---- scorer -------------------------------------------------------------------------------------------------
@@ -352,7 +348,7 @@ def reduce_rows(raw: torch.Tensor, stats: torch.Tensor, cache_lengths: torch.Ten
     check_int32(what, raw.device, cache_lengths=(cache_lengths, 1), prompt_lengths=(prompt_lengths, 1))
     if cache_lengths.shape[0] != R or prompt_lengths.shape[0] != R:
         raise ValueError(f"{what}: cache_lengths and prompt_lengths must have {R} entries (one per request)")
-    rows = torch.empty((R, num_rows(mode, L, num_kv_heads), n), dtype=torch.float32, device=raw.device)
+    rows = torch.empty((R, decision_rows(mode, L, num_kv_heads), n), dtype=torch.float32, device=raw.device)
     if R and n:
         _reduce_op(raw, stats, prompt_lengths, cache_lengths, rows, mode, num_kv_heads, normalize)
     return rows

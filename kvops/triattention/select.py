@@ -12,8 +12,8 @@ import torch
 from .._checks import check_bool, check_device, check_int, check_int32
 from .calibration import Calibration
 from .phase import mean_phase
-from .reference import MODES
-from .score import check_pools, num_rows, reduce_rows, score
+from ..compaction.compact import MODES, decision_rows
+from .score import check_pools, reduce_rows, score
 from .topk import topk
 
 
@@ -61,7 +61,7 @@ class TriAttentionSelector:
             check_int(what, "max_decode", max_decode, budget)
         self.calibration, self.budget, self.mode, self.normalize_scores = calibration, budget, mode, normalize_scores
         self.max_decode = max_decode
-        self.rows = num_rows(mode, calibration.num_layers, calibration.num_kv_heads)
+        self.rows = decision_rows(mode, calibration.num_layers, calibration.num_kv_heads)
         self._on_device: dict[torch.device, tuple] = {}
 
     def _calibration_on(self, device: torch.device) -> tuple:
