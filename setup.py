@@ -46,7 +46,7 @@ setup(
     # shipped TriAttention calibrations (Apache-2.0, see NOTICE.md there)
     package_data={"kvops": ["data/triattention/*.pt", "data/triattention/NOTICE.md"]},
     python_requires=">=3.10",
-    install_requires=["torch", "numpy", "nvidia-cutlass-dsl"],
+    install_requires=["torch", "nvidia-cutlass-dsl"],
     extras_require={"transformers": ["transformers>=5.0"], "dev": ["pytest", "hypothesis", "ninja"]},
     ext_modules=[_extension()],
     cmdclass={"build_ext": BuildExtension.with_options(use_ninja=True)},

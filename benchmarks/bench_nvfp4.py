@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import torch
 
-from kvops.nvfp4 import ColdPageCodec, RowSpec, dequantize, quantize
+from kvops.nvfp4 import PageBlobCodec, RowSpec, dequantize, quantize
 
 from .common import Row, device_copy_gbps, time_us
 
@@ -53,7 +53,7 @@ def bench_codec(rows, copy_gbps, quick):
     for geo in ("qwen3-8b", "mla"):
         for dtype in (torch.bfloat16, torch.float8_e4m3fn):
             pools, specs, shape = _geometry(geo, dtype, pages)
-            codec = ColdPageCodec(pools, specs)
+            codec = PageBlobCodec(pools, specs)
             n = pages
             hot = n * codec.hot_page_bytes
             blob = n * codec.cold_page_bytes
@@ -108,7 +108,7 @@ def codec_errors(quick):
     for dtype in (torch.bfloat16, torch.float8_e4m3fn):
         pool = _kv_pool((pages, 2, 8, 32, 128), dtype, plane_dim=1)
         for policy in ("identity", "per_page", "per_page_pow2"):
-            codec = ColdPageCodec([pool], [RowSpec.full(128, plane_dim=1, global_scale=policy)])
+            codec = PageBlobCodec([pool], [RowSpec.full(128, plane_dim=1, global_scale=policy)])
             cold = codec.allocate(pages, device="cuda")
             pairs = torch.stack([torch.arange(pages)] * 2, 1).int().cuda()
             back = torch.empty_like(pool)

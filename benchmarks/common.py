@@ -35,13 +35,27 @@ class Row:
                    100.0 * gbps / limit_gbps if limit_gbps else float("nan"), baseline, baseline_us, speedup)
 
 
-def time_us(fn, iters: int = 20, warmup: int = 3) -> float:
-    """Median microseconds of fn() on the current stream, by CUDA events after warm-up."""
+_FLUSH: list[torch.Tensor] = []
+
+
+def flush_l2() -> None:
+    """Evict the GPU's L2 (50 MB on the H200) by writing 256 MB, so a timed call reads its inputs from memory."""
+    if not _FLUSH:
+        _FLUSH.append(torch.empty(256 << 20, dtype=torch.uint8, device="cuda"))
+    _FLUSH[0].zero_()
+
+
+def time_us(fn, iters: int = 20, warmup: int = 3, flush: bool = True) -> float:
+    """Median microseconds of fn() on the current stream, by CUDA events after warm-up. With `flush` (the default)
+    L2 is evicted before each timed call, outside the timed region: inputs come from memory, as they do in use
+    unless a row says otherwise (flush=False, for inputs that real use has just written)."""
     for _ in range(warmup):
         fn()
     torch.cuda.synchronize()
     times = []
     for _ in range(iters):
+        if flush:
+            flush_l2()
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         start.record()
         fn()

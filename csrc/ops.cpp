@@ -16,15 +16,15 @@ TORCH_LIBRARY(kvops, m) {
   m.def("nvfp4_quantize(Tensor x, Tensor? global_scale=None) -> (Tensor packed, Tensor scales)");
   m.def("nvfp4_dequantize(Tensor packed, Tensor scales, Tensor? global_scale, ScalarType dtype) -> Tensor");
   // Cold-page codec: pools -> one fixed-size blob per page (plan from kvops/nvfp4/layout.py).
-  m.def("nvfp4_encode_pages(Tensor[] pools, Tensor(a!) cold_pages, Tensor page_pairs, int[] plan, "
+  m.def("nvfp4_encode_pages_(Tensor[] pools, Tensor(a!) cold_pages, Tensor page_pairs, int[] plan, "
         "bool validate=False) -> ()");
   // refused: int32 [1] on the pools' device, += 1 per (page, pool, plane) left untouched because its blob's
   // global scale is not positive and finite (a slot never encoded, or corrupt).
-  m.def("nvfp4_decode_pages(Tensor cold_pages, Tensor(a!)[] pools, Tensor page_pairs, int[] plan, "
+  m.def("nvfp4_decode_pages_(Tensor cold_pages, Tensor(a!)[] pools, Tensor page_pairs, int[] plan, "
         "bool validate=False, Tensor(b!)? refused=None) -> ()");
   // Compaction: position destination_bases[r] + m of each (layer, plane, head) stream receives source m of the
   // stream's move list, list row layer_row_base[l] + head_row_stride[l] * head (lists from kvops/compaction/pack.py).
-  m.def("compact_layers_(Tensor(a!)[] pools, Tensor page_table, Tensor sources, Tensor new_lengths, "
+  m.def("compaction_compact_layers_(Tensor(a!)[] pools, Tensor page_table, Tensor sources, Tensor new_lengths, "
         "Tensor destination_bases, int[] layer_row_base, int[] head_row_stride) -> ()");
 }
 
@@ -39,8 +39,8 @@ void not_built(const c10::OperatorHandle& op, torch::jit::Stack*) {
 }  // namespace
 
 TORCH_LIBRARY_IMPL(kvops, CUDA, m) {
-  for (const char* name : {"nvfp4_quantize", "nvfp4_dequantize", "nvfp4_encode_pages", "nvfp4_decode_pages",
-                           "compact_layers_"})
+  for (const char* name : {"nvfp4_quantize", "nvfp4_dequantize", "nvfp4_encode_pages_", "nvfp4_decode_pages_",
+                           "compaction_compact_layers_"})
     m.impl(name, torch::CppFunction::makeFromBoxedFunction<&not_built>());
 }
 #endif

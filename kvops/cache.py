@@ -17,7 +17,7 @@ import triton
 
 from ._checks import check_device, check_int
 from .compaction import build_compaction_params, compact
-from .nvfp4 import ColdPageCodec, RowSpec
+from .nvfp4 import PageBlobCodec, RowSpec
 
 
 @dataclass
@@ -44,7 +44,7 @@ class PagedKVCache:
             (num_pages, 2, page_size, num_kv_heads, head_dim)
         self.pools = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
         specs = list(codec_specs) if codec_specs is not None else [RowSpec.lossless(plane_dim=1)] * num_layers
-        self.codec = ColdPageCodec(self.pools, specs)
+        self.codec = PageBlobCodec(self.pools, specs)
         self.host = self.codec.allocate(host_slots)
         self._free_pages = list(range(num_pages - 1, -1, -1))  # pop() hands out low pages first
         self._free_slots = list(range(host_slots - 1, -1, -1))

@@ -16,11 +16,11 @@ from typing import Sequence
 import torch
 
 from .config import NVFP4ColdPageConfig
-from .nvfp4 import ColdPageCodec, RowSpec
+from .nvfp4 import PageBlobCodec, RowSpec
 
 
 @dataclass(frozen=True)
-class PoolDesc:
+class LayerGroupPools:
     """One layer group's pools: the tensors of a page (dim 0 is the page, the last dim the row) and the dim
     holding K/V (None when K and V are separate pools or there is one plane)."""
 
@@ -29,39 +29,40 @@ class PoolDesc:
     plane_dim: int | None = 1
 
 
-class ColdPageCodecBase:
-    """configure -> cold_page_bytes / batching_layer_group_id / page_index_location -> encode / decode."""
+class ColdPageCodec:
+    """The engine-facing interface: configure -> cold_page_bytes / batching_layer_group_id / page_index_location
+    -> encode / decode, per layer group. Each group is served by a kernel-level ``kvops.nvfp4.PageBlobCodec``."""
 
     def __init__(self):
-        self._codecs: dict[int, ColdPageCodec] = {}
+        self._codecs: dict[int, PageBlobCodec] = {}
         self._pools: dict[int, tuple[torch.Tensor, ...]] = {}
         self._batch_ids: dict[int, int] = {}
         self.configure_error: str | None = None  # why the last configure() returned False
 
-    def row_spec(self, desc: PoolDesc) -> RowSpec:
+    def row_spec(self, group: LayerGroupPools) -> RowSpec:
         raise NotImplementedError
 
-    def configure(self, pool_descs: Sequence[PoolDesc]) -> bool:
+    def configure(self, groups: Sequence[LayerGroupPools]) -> bool:
         """Plan every layer group; False (and nothing configured) when a group's layout cannot be expressed, with
         the reason in ``configure_error``."""
         codecs, signatures = {}, {}
         self.configure_error = None
-        for desc in pool_descs:
+        for group in groups:
             try:
-                codecs[desc.layer_group] = ColdPageCodec(desc.pools, [self.row_spec(desc)] * len(desc.pools))
+                codecs[group.layer_group] = PageBlobCodec(group.pools, [self.row_spec(group)] * len(group.pools))
             except ValueError as e:
-                self.configure_error = f"layer group {desc.layer_group}: {e}"
+                self.configure_error = f"layer group {group.layer_group}: {e}"
                 return False
             # Groups batch together only when everything the kernel reads from them is identical.
-            signatures[desc.layer_group] = tuple((tuple(p.shape), tuple(p.stride()), p.dtype, p.device)
-                                                 for p in desc.pools) + (self.row_spec(desc),)
+            signatures[group.layer_group] = tuple((tuple(p.shape), tuple(p.stride()), p.dtype, p.device)
+                                                  for p in group.pools) + (self.row_spec(group),)
         first: dict[tuple, int] = {}
         self._batch_ids = {g: first.setdefault(sig, g) for g, sig in signatures.items()}
         self._codecs = codecs
-        self._pools = {d.layer_group: tuple(d.pools) for d in pool_descs}
+        self._pools = {d.layer_group: tuple(d.pools) for d in groups}
         return True
 
-    def _codec(self, layer_group: int) -> ColdPageCodec:
+    def _codec(self, layer_group: int) -> PageBlobCodec:
         if layer_group not in self._codecs:
             raise ValueError(f"{type(self).__name__}: layer group {layer_group} is not configured")
         return self._codecs[layer_group]
@@ -96,20 +97,20 @@ class ColdPageCodecBase:
 
 
     def refused(self, layer_group: int) -> torch.Tensor:
-        """The group's decode refusal counter (``kvops.nvfp4.ColdPageCodec.refused``) on its pools' device."""
+        """The group's decode refusal counter (``kvops.nvfp4.PageBlobCodec.refused``) on its pools' device."""
         return self._codec(layer_group).refused(self._pools[layer_group][0].device)
 
 
-class LosslessColdPageCodec(ColdPageCodecBase):
-    def row_spec(self, desc: PoolDesc) -> RowSpec:
-        return RowSpec.lossless(plane_dim=desc.plane_dim)
+class LosslessColdPageCodec(ColdPageCodec):
+    def row_spec(self, group: LayerGroupPools) -> RowSpec:
+        return RowSpec.lossless(plane_dim=group.plane_dim)
 
 
-class NVFP4ColdPageCodec(ColdPageCodecBase):
+class NVFP4ColdPageCodec(ColdPageCodec):
     def __init__(self, config: NVFP4ColdPageConfig):
         super().__init__()
         self.config = config
 
-    def row_spec(self, desc: PoolDesc) -> RowSpec:
+    def row_spec(self, group: LayerGroupPools) -> RowSpec:
         spec = self.config.row_spec()
-        return RowSpec(spec.quantized_range, spec.residual_range, spec.global_scale, desc.plane_dim)
+        return RowSpec(spec.quantized_range, spec.residual_range, spec.global_scale, group.plane_dim)

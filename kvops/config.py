@@ -22,7 +22,7 @@ from .compaction.compact import MODES
 
 
 @dataclass(frozen=True)
-class KvCacheCompressionConfig:
+class KVCacheCompressionConfig:
     """Base of every method config. Subclasses set `algorithm` and the admission contract."""
 
     algorithm: ClassVar[str] = ""
@@ -42,7 +42,7 @@ class KvCacheCompressionConfig:
 
 
 @dataclass(frozen=True)
-class NVFP4ColdPageConfig(KvCacheCompressionConfig):
+class NVFP4ColdPageConfig(KVCacheCompressionConfig):
     """Cold pages in NVFP4 (kvops.nvfp4): rows of `row_size` elements, RoPE dims at `rope_range` (start,
     length) kept lossless (`skip_rope_quantization`) or carrying a 2FP4 residual on their first `residual_dim`
     dims, one global scale policy. The hot KV length is unchanged; only pages leaving the GPU shrink."""
@@ -101,7 +101,7 @@ class NVFP4ColdPageConfig(KvCacheCompressionConfig):
 
 
 @dataclass(frozen=True)
-class TriAttentionConfig(KvCacheCompressionConfig):
+class TriAttentionConfig(KVCacheCompressionConfig):
     """TriAttention eviction (kvops.triattention): every `beta` generated tokens past `budget`, keep the
     `budget` best-scored generated tokens per row of `eviction_mode`, then compact the cache in place.
     `calibration_path`: a calibration file or a shipped name (``kvops.triattention.SHIPPED``, e.g. "qwen3-8b")."""
@@ -155,7 +155,7 @@ class TriAttentionConfig(KvCacheCompressionConfig):
 CONFIGS = {cls.algorithm: cls for cls in (NVFP4ColdPageConfig, TriAttentionConfig)}
 
 
-def config_from_dict(data: Mapping[str, Any]) -> KvCacheCompressionConfig:
+def config_from_dict(data: Mapping[str, Any]) -> KVCacheCompressionConfig:
     """The config a dict describes (its "algorithm" picks the class); unknown fields raise."""
     if not isinstance(data, Mapping) or "algorithm" not in data:
         raise ValueError("config_from_dict: expected a dict with an 'algorithm' field")
@@ -170,5 +170,5 @@ def config_from_dict(data: Mapping[str, Any]) -> KvCacheCompressionConfig:
     return cls(**{k: v for k, v in data.items() if k != "algorithm"})
 
 
-def config_from_json(text: str) -> KvCacheCompressionConfig:
+def config_from_json(text: str) -> KVCacheCompressionConfig:
     return config_from_dict(json.loads(text))

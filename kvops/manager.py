@@ -23,7 +23,7 @@ import triton
 
 from ._checks import check_int
 from .compaction import build_compaction_params, compact
-from .config import KvCacheCompressionConfig, NVFP4ColdPageConfig, TriAttentionConfig
+from .config import KVCacheCompressionConfig, NVFP4ColdPageConfig, TriAttentionConfig
 from .triattention import TriAttentionSelector
 
 SUPPORTED_ARCHS = ((9, 0), (10, 0))  # sm_90a and sm_100a are the archs kvops builds kernels for
@@ -41,7 +41,7 @@ class Request:
 
 
 class KVCacheCompressionManager:
-    def __init__(self, config: KvCacheCompressionConfig, kv_cache, model_config: Mapping[str, Any]):
+    def __init__(self, config: KVCacheCompressionConfig, kv_cache, model_config: Mapping[str, Any]):
         self.config, self.kv_cache, self.model_config = config, kv_cache, model_config
 
     def on_request_init(self, request: Request) -> None:
@@ -203,7 +203,7 @@ class NVFP4ColdPageManager(KVCacheCompressionManager):
 MANAGERS = {TriAttentionConfig: TriAttentionManager, NVFP4ColdPageConfig: NVFP4ColdPageManager}
 
 
-def create_compression_manager(config: KvCacheCompressionConfig, kv_cache, model_config: Mapping[str, Any]
+def create_compression_manager(config: KVCacheCompressionConfig, kv_cache, model_config: Mapping[str, Any]
                                ) -> KVCacheCompressionManager:
     """The manager for `config` on `kv_cache`, after admission checks that raise a clear error: one method per
     instance, a method/cache combination the method supports, and kernels for the cache's GPU."""

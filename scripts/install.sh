@@ -1,10 +1,24 @@
 #!/usr/bin/env bash
-# Installs kvops and what it needs on a fresh machine, then builds kvops._C in place (idempotent).
+# Installs kvops and what it needs on a fresh machine, then builds kvops._C in place.
 # CUDA kernels are built when nvcc is found (CUDA_HOME, default /usr/local/cuda); otherwise CPU only.
+# A second run is a no-op while the dependencies import and the build inputs (csrc/, setup.py, torch, the build
+# environment) are unchanged: their hash is kept in build/kvops-build.sha256.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 if [ -z "${CUDA_HOME:-}" ] && [ -x /usr/local/cuda/bin/nvcc ]; then
   export CUDA_HOME=/usr/local/cuda  # without it torch looks in /usr/local and the link fails
 fi
-python -m pip install -q "torch==2.14.1" numpy ninja pytest hypothesis nvidia-cutlass-dsl "transformers>=5.0"
+if ! python -c "import torch, ninja, pytest, hypothesis, cutlass, transformers
+assert torch.__version__.startswith('2.14.1'), torch.__version__" 2>/dev/null; then
+  python -m pip install -q "torch==2.14.1" ninja pytest hypothesis nvidia-cutlass-dsl "transformers>=5.0"
+fi
+inputs=$( { python -c "import torch; print(torch.__version__, torch.version.cuda)"
+            echo "${CUDA_HOME:-} ${TORCH_CUDA_ARCH_LIST:-} ${KVOPS_NO_CUDA:-}"
+            cat setup.py; find csrc -type f | LC_ALL=C sort | xargs cat; } | sha256sum | cut -d' ' -f1)
+stamp=build/kvops-build.sha256
+if [ -f "$stamp" ] && [ "$(cat "$stamp")" = "$inputs" ] && python -c "import kvops" 2>/dev/null; then
+  echo "kvops._C is current (build inputs unchanged); nothing to build"
+  exit 0
+fi
 MAX_JOBS=${MAX_JOBS:-$(nproc)} python -m pip install -q --no-build-isolation -e .
+mkdir -p build && echo "$inputs" > "$stamp"

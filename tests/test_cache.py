@@ -8,7 +8,7 @@ from hypothesis import strategies as st
 
 from conftest import DEVICES
 from kvops.cache import PagedKVCache
-from kvops.nvfp4 import ColdPageCodec, RowSpec
+from kvops.nvfp4 import PageBlobCodec, RowSpec
 
 L, H, D, T = 2, 2, 32, 8
 
@@ -92,7 +92,7 @@ def test_nvfp4_host_tier_round_trip_equals_codec_decode(device):
     cache.add_request("r")
     cache.append("r", *_kv(29, device))
     pages = list(cache._requests["r"].pages)
-    codec = ColdPageCodec(cache.pools, specs)
+    codec = PageBlobCodec(cache.pools, specs)
     blob = codec.allocate(len(pages), device=device)
     codec.encode(cache.pools, blob, torch.tensor([[i, p] for i, p in enumerate(pages)], dtype=torch.int32,
                                                   device=device))

@@ -4,16 +4,16 @@ import torch
 
 from conftest import DEVICES
 import pytest
-from kvops.codecs import LosslessColdPageCodec, NVFP4ColdPageCodec, PoolDesc
+from kvops.codecs import LosslessColdPageCodec, NVFP4ColdPageCodec, LayerGroupPools
 from kvops.config import NVFP4ColdPageConfig
-from kvops.nvfp4 import ColdPageCodec, RowSpec
+from kvops.nvfp4 import PageBlobCodec, RowSpec
 
 
 def _groups(device):
     hnd = [torch.randn(6, 2, 2, 8, 64, device=device).bfloat16() for _ in range(2)]
     hnd2 = [torch.randn(6, 2, 2, 8, 64, device=device).bfloat16() for _ in range(2)]
     mla = [torch.randn(6, 8, 576, device=device).bfloat16()]
-    return [PoolDesc(0, tuple(hnd)), PoolDesc(1, tuple(hnd2)), PoolDesc(2, tuple(mla), plane_dim=None)]
+    return [LayerGroupPools(0, tuple(hnd)), LayerGroupPools(1, tuple(hnd2)), LayerGroupPools(2, tuple(mla), plane_dim=None)]
 
 
 @pytest.mark.parametrize("device", DEVICES)
@@ -45,7 +45,7 @@ def test_nvfp4_matches_the_codec_it_wraps(device):
     assert not codec.configure(groups)  # a 64-wide HND row cannot take the 576-wide MLA spec: refused whole
     assert codec.configure_error.startswith("layer group 0") and "outside the row of 64" in codec.configure_error
     assert codec.configure(groups[2:]) and codec.configure_error is None
-    direct = ColdPageCodec(groups[2].pools, [RowSpec((0, 512), plane_dim=None)])
+    direct = PageBlobCodec(groups[2].pools, [RowSpec((0, 512), plane_dim=None)])
     assert codec.cold_page_bytes(2) == direct.cold_page_bytes
     a = torch.zeros(2, direct.cold_page_bytes, dtype=torch.uint8, device=device)
     b = torch.zeros_like(a)

@@ -204,9 +204,9 @@ def _small(device, dtype=torch.bfloat16, mode_rows=1, windows=None, R=3, K=6):
 def test_opcheck(device, dtype):
     pools, table, kept, scored, tail, base = _small(device, dtype, mode_rows=2)
     params = build_compaction_params(pools, table, kept, scored, tail, base, max_tail=5, layer_windows=[0, 3, 0])
-    opcheck(torch.ops.kvops.pack_move_sources_.default,
+    opcheck(torch.ops.kvops.compaction_pack_move_sources_.default,
             (kept, scored, tail, base, params.sources, params.new_lengths))
-    opcheck(torch.ops.kvops.compact_layers_.default,
+    opcheck(torch.ops.kvops.compaction_compact_layers_.default,
             (params.pools, table, params.sources, params.new_lengths, base, list(params.layer_row_base),
              list(params.head_row_stride)))
 
@@ -357,7 +357,7 @@ def test_bad_arguments_raise_before_anything_moves(device):
     with pytest.raises(ValueError, match="16-byte aligned"):
         build(pools=unaligned)
     with pytest.raises(ValueError, match="reads list rows"):
-        torch.ops.kvops.compact_layers_(pools, table, params.sources, params.new_lengths, base, [0, 0, 1], [0, 0, 0])
+        torch.ops.kvops.compaction_compact_layers_(pools, table, params.sources, params.new_lengths, base, [0, 0, 1], [0, 0, 0])
     with pytest.raises(ValueError, match="sources shape"):
         pack_move_sources(kept, scored, tail, base, params.sources[:, :, :3].contiguous(), params.new_lengths)
     assert _unchanged(pools, before)
@@ -440,7 +440,7 @@ def test_aliased_or_meta_pools_are_refused(device):
         build_compaction_params(pools, table.to("meta"), *args[1:], max_tail=5)
     params = build_compaction_params(pools, *args, max_tail=5)
     with pytest.raises(ValueError, match="meta"):
-        torch.ops.kvops.compact_layers_(pools, table, params.sources.to("meta"), params.new_lengths, base,
+        torch.ops.kvops.compaction_compact_layers_(pools, table, params.sources.to("meta"), params.new_lengths, base,
                                         [0] * 3, [0] * 3)
     with pytest.raises(TypeError, match="pools\\[1\\] must be a tensor"):
         build_compaction_params([pools[0], "pool", pools[2]], *args, max_tail=5)

@@ -5,7 +5,7 @@ import torch
 
 import kvops
 
-from kvops.nvfp4 import ColdPageCodec, RowSpec
+from kvops.nvfp4 import PageBlobCodec, RowSpec
 from kvops.nvfp4 import reference as ref
 
 from conftest import DEVICES, bytes_of, opcheck, poison_, requires_cuda
@@ -54,7 +54,7 @@ def _pairs(n, limit_dst, limit_src, device="cpu"):
 @pytest.mark.parametrize("policy", POLICIES)
 def test_matches_reference_with_canaries(device, dtype, policy):
     for name, (pools, specs) in _geometries(dtype, device, policy).items():
-        codec = ColdPageCodec(pools, specs)
+        codec = PageBlobCodec(pools, specs)
         assert codec.cold_page_bytes % 16 == 0
         # A wider buffer: canary columns right of each blob and canary slots must survive.
         buf = poison_(torch.empty(12, codec.cold_page_bytes + 48, dtype=torch.uint8, device=device))
@@ -82,7 +82,7 @@ def test_planes_larger_than_a_tile(device, policy):
     """128-token pages: a 256 KiB bf16 plane spans four encode tiles (amax pass, then tile by tile)."""
     pool = _kv((3, 2, 8, 128, 128), torch.bfloat16, device, None)
     specs = [RowSpec.full(128, plane_dim=1, global_scale=policy)]
-    codec = ColdPageCodec([pool], specs)
+    codec = PageBlobCodec([pool], specs)
     cold = poison_(codec.allocate(3, device=device))
     pairs = torch.tensor([[2, 0], [0, 2]], dtype=torch.int32, device=device)
     codec.encode([pool], cold, pairs)
@@ -105,7 +105,7 @@ def test_lossless_bytes_and_non_finite(device):
     pool[1, 3, 17] = float("nan")
     pool[2, 5, 100] = float("inf")
     specs = [RowSpec.for_rope(576, (512, 64), skip_rope_quantization=True)]
-    codec = ColdPageCodec([pool], specs)
+    codec = PageBlobCodec([pool], specs)
     cold = codec.allocate(4, device=device)
     pairs = torch.tensor([[0, 0], [1, 1], [2, 2], [3, 3]], dtype=torch.int32, device=device)
     codec.encode([pool], cold, pairs)
@@ -154,7 +154,7 @@ def test_every_bit_pattern_round_trip(device, dtype, policy):
     q = x.reshape(-1, 2, 4 if n > 256 else 1, 32)  # fp8: small pages, so most hold no NaN
     pool = torch.cat([q, x[torch.randperm(n)].reshape(q.shape)], -1).contiguous().to(device)
     specs = [RowSpec((0, 32), plane_dim=1, global_scale=policy)]
-    codec = ColdPageCodec([pool], specs)
+    codec = PageBlobCodec([pool], specs)
     (y1,), cold1 = _roundtrip(codec, [pool], device)
     expect = torch.zeros_like(cold1.cpu())
     ref.encode_pages([pool.cpu()], specs, expect, torch.stack([torch.arange(pool.shape[0])] * 2, 1).int())
@@ -182,7 +182,7 @@ def test_every_bit_pattern_round_trip(device, dtype, policy):
 def test_batches(device, num_pages):
     pool = _kv((num_pages, 2, 1, 16, 64), torch.bfloat16, device, None)
     specs = [RowSpec.full(64, plane_dim=1)]
-    codec = ColdPageCodec([pool], specs)
+    codec = PageBlobCodec([pool], specs)
     cold = poison_(codec.allocate(num_pages + 3, device=device))
     perm = torch.randperm(num_pages + 3)[:num_pages]
     pairs = torch.stack([perm, torch.arange(num_pages)], 1).to(torch.int32).to(device)
@@ -207,7 +207,7 @@ def test_batches(device, num_pages):
 def test_pinned_host_blobs_no_sync_between(dtype):
     """Encode into pinned host memory and decode back, enqueued back to back with no sync."""
     pools, specs = _geometries(dtype, "cuda", "per_page_pow2", num_pages=40)["hnd"]
-    codec = ColdPageCodec(pools, specs)
+    codec = PageBlobCodec(pools, specs)
     host = poison_(codec.allocate(50, device="cpu", pin_memory=True))
     dev = poison_(codec.allocate(50, device="cuda"))
     pairs = _pairs(30, 50, 40, "cuda")
@@ -230,7 +230,7 @@ def test_pinned_host_blobs_no_sync_between(dtype):
 @pytest.mark.parametrize("dtype", HOT)
 def test_cpu_and_cuda_bytes_identical(dtype):
     for name, (pools, specs) in _geometries(dtype, "cpu", "per_page_pow2").items():
-        codec = ColdPageCodec(pools, specs)
+        codec = PageBlobCodec(pools, specs)
         pairs = _pairs(6, 8, pools[0].shape[0])
         a, b = codec.allocate(8), codec.allocate(8, device="cuda")
         codec.encode(pools, a, pairs)
@@ -242,14 +242,14 @@ def test_cpu_and_cuda_bytes_identical(dtype):
 def test_opcheck(device):
     for dtype in HOT:
         pools, specs = _geometries(dtype, device, "per_page_pow2")["mla_residual"]
-        codec = ColdPageCodec(pools, specs)
+        codec = PageBlobCodec(pools, specs)
         cold = codec.allocate(4, device=device)
         pairs = _pairs(3, 4, pools[0].shape[0], device)
-        opcheck(torch.ops.kvops.nvfp4_encode_pages.default, (pools, cold, pairs, codec.plan, False))
+        opcheck(torch.ops.kvops.nvfp4_encode_pages_.default, (pools, cold, pairs, codec.plan, False))
         dp = torch.stack([pairs[:, 1], pairs[:, 0]], 1).contiguous()
-        opcheck(torch.ops.kvops.nvfp4_decode_pages.default, (cold, [p.clone() for p in pools], dp, codec.plan, False))
+        opcheck(torch.ops.kvops.nvfp4_decode_pages_.default, (cold, [p.clone() for p in pools], dp, codec.plan, False))
         cold[0, :16] = 0  # slot 0's scales: refused, and counted
-        opcheck(torch.ops.kvops.nvfp4_decode_pages.default,
+        opcheck(torch.ops.kvops.nvfp4_decode_pages_.default,
                 (cold, [p.clone() for p in pools], dp, codec.plan, False, torch.zeros(1, dtype=torch.int32,
                                                                                     device=device)))
 
@@ -257,7 +257,7 @@ def test_opcheck(device):
 @pytest.mark.parametrize("device", DEVICES)
 def test_compile_fullgraph(device):
     pools, specs = _geometries(torch.bfloat16, device, "per_page_pow2")["hnd"]
-    codec = ColdPageCodec(pools, specs)
+    codec = PageBlobCodec(pools, specs)
 
     def offload_onboard(pools, cold, pairs, back, outs):
         codec.encode(pools, cold, pairs)
@@ -277,7 +277,7 @@ def test_compile_fullgraph(device):
 @requires_cuda
 def test_cuda_graph_replay_fresh_data():
     pools, specs = _geometries(torch.bfloat16, "cuda", "per_page_pow2", num_pages=16)["mla_residual"]
-    codec = ColdPageCodec(pools, specs)
+    codec = PageBlobCodec(pools, specs)
     host = codec.allocate(16, device="cpu", pin_memory=True)
     pairs = torch.zeros(8, 2, dtype=torch.int32, device="cuda")
     back = torch.zeros(8, 2, dtype=torch.int32, device="cuda")
@@ -321,23 +321,23 @@ def test_config_errors_name_the_pool():
     ]
     for spec, msg in cases:
         with pytest.raises(ValueError, match=rf"pools\[1\].*{msg}"):
-            ColdPageCodec([pool, pool], [RowSpec.lossless(), spec])
+            PageBlobCodec([pool, pool], [RowSpec.lossless(), spec])
     with pytest.raises(ValueError, match="can be quantized"):
-        ColdPageCodec([torch.zeros(4, 8, 64)], [RowSpec.full(64)])
+        PageBlobCodec([torch.zeros(4, 8, 64)], [RowSpec.full(64)])
     with pytest.raises(ValueError, match="not a multiple of 16"):
-        ColdPageCodec([torch.zeros(4, 8, 4, dtype=torch.bfloat16)], [RowSpec.lossless()])
+        PageBlobCodec([torch.zeros(4, 8, 4, dtype=torch.bfloat16)], [RowSpec.lossless()])
     with pytest.raises(ValueError, match="middle of a row"):
         RowSpec.for_rope(128, (32, 64), skip_rope_quantization=True)
     with pytest.raises(ValueError, match="whole row is RoPE"):
         RowSpec.for_rope(128, (0, 128), skip_rope_quantization=True)
     with pytest.raises(ValueError, match="2 pools"):
-        ColdPageCodec([pool, pool], [RowSpec.lossless()])
+        PageBlobCodec([pool, pool], [RowSpec.lossless()])
 
 
 @pytest.mark.parametrize("device", DEVICES)
 def test_call_errors_touch_nothing(device):
     pools, specs = _geometries(torch.bfloat16, device, "per_page_pow2")["split_kv"]
-    codec = ColdPageCodec(pools, specs)
+    codec = PageBlobCodec(pools, specs)
     cold = poison_(codec.allocate(4, device=device))
     saved = cold.clone()
     ok = torch.tensor([[0, 0]], dtype=torch.int32, device=device)
@@ -357,15 +357,15 @@ def test_call_errors_touch_nothing(device):
     expect(ValueError, "list of 2 pools", lambda: codec.encode(pools[:1], cold, ok))
     expect(ValueError, "pools\\[0\\] and pools\\[1\\] share memory", lambda: codec.encode([pools[0]] * 2, cold, ok))
     expect(ValueError, "meta", lambda: codec.encode(pools, cold, ok.to("meta")))
-    expect(ValueError, "meta", lambda: torch.ops.kvops.nvfp4_encode_pages(pools, cold, ok.to("meta"), codec.plan))
-    expect(ValueError, "plan has", lambda: torch.ops.kvops.nvfp4_encode_pages(pools, cold, ok, codec.plan[:-1]))
-    expect(ValueError, "cold_pages must be uint8", lambda: torch.ops.kvops.nvfp4_encode_pages(pools, cold.view(torch.int8), ok, codec.plan))
+    expect(ValueError, "meta", lambda: torch.ops.kvops.nvfp4_encode_pages_(pools, cold, ok.to("meta"), codec.plan))
+    expect(ValueError, "plan has", lambda: torch.ops.kvops.nvfp4_encode_pages_(pools, cold, ok, codec.plan[:-1]))
+    expect(ValueError, "cold_pages must be uint8", lambda: torch.ops.kvops.nvfp4_encode_pages_(pools, cold.view(torch.int8), ok, codec.plan))
     bad_plan = list(codec.plan)
     bad_plan[1] = 80  # quantized length past the row
-    expect(ValueError, "quantized range", lambda: torch.ops.kvops.nvfp4_encode_pages(pools, cold, ok, bad_plan))
+    expect(ValueError, "quantized range", lambda: torch.ops.kvops.nvfp4_encode_pages_(pools, cold, ok, bad_plan))
     bad_plan = list(codec.plan)
     bad_plan[7] = codec.cold_page_bytes  # section past the blob
-    expect(ValueError, "does not fit", lambda: torch.ops.kvops.nvfp4_encode_pages(pools, cold, ok, bad_plan))
+    expect(ValueError, "does not fit", lambda: torch.ops.kvops.nvfp4_encode_pages_(pools, cold, ok, bad_plan))
     outs = [p.clone() for p in pools]
     with pytest.raises(ValueError, match="slot 7 is out of range"):
         codec.decode(cold, outs, torch.tensor([[0, 7]], dtype=torch.int32))
@@ -387,7 +387,7 @@ def test_decode_refuses_scales_encode_never_writes(device, bad):
     """A slot never encoded (zeroed: global scale 0) or a corrupt scale: the plane is left untouched and counted;
     validate=True raises naming the slot before anything is written. The other pages decode as usual."""
     pools, specs = _geometries(torch.bfloat16, device, "per_page_pow2")["vllm_view_and_side"]
-    codec = ColdPageCodec(pools, specs)
+    codec = PageBlobCodec(pools, specs)
     cold = codec.allocate(3, device=device)
     codec.encode(pools, cold, torch.tensor([[0, 1], [2, 3]], dtype=torch.int32, device=device))
     cold[1].zero_()   # slot 1: never encoded
@@ -450,7 +450,7 @@ def _pool_and_spec(draw):
 def test_layout_property(pools_specs):
     pools = [_kv(shape, dtype, "cpu", None) for shape, dtype, _ in pools_specs]
     specs = [spec for _, _, spec in pools_specs]
-    codec = ColdPageCodec(pools, specs)
+    codec = PageBlobCodec(pools, specs)
     end = 0
     for lay in codec.layouts:
         offs = [lay.off_codes, lay.off_rcodes, lay.off_scales, lay.off_rscales, lay.off_lossless]
@@ -485,22 +485,22 @@ PLAN = dict(q_start=0, q_len=1, r_start=2, r_len=3, plane_dim=4, kind=5, g_bits=
 ])
 def test_bad_plans_are_rejected(field, value, msg):
     pool = _kv((4, 2, 16, 64), torch.bfloat16, "cpu", None)
-    codec = ColdPageCodec([pool], [RowSpec((0, 32), residual_range=(16, 16), global_scale=2.0, plane_dim=1)])
+    codec = PageBlobCodec([pool], [RowSpec((0, 32), residual_range=(16, 16), global_scale=2.0, plane_dim=1)])
     cold = poison_(codec.allocate(2))
     saved = cold.clone()
     plan = list(codec.plan)
     plan[PLAN[field]] = value
     with pytest.raises(ValueError, match=msg):
-        torch.ops.kvops.nvfp4_encode_pages([pool], cold, torch.tensor([[0, 1]], dtype=torch.int32), plan)
+        torch.ops.kvops.nvfp4_encode_pages_([pool], cold, torch.tensor([[0, 1]], dtype=torch.int32), plan)
     assert torch.equal(cold, saved)
 
 
 def test_bad_tensors_are_rejected():
     pool = _kv((4, 2, 16, 64), torch.bfloat16, "cpu", None)
-    codec = ColdPageCodec([pool], [RowSpec.full(64, plane_dim=1)])
+    codec = PageBlobCodec([pool], [RowSpec.full(64, plane_dim=1)])
     cold = codec.allocate(3)
     ok = torch.tensor([[0, 1], [1, 2]], dtype=torch.int32)
-    enc = torch.ops.kvops.nvfp4_encode_pages
+    enc = torch.ops.kvops.nvfp4_encode_pages_
     with pytest.raises(ValueError, match="pools is empty"):
         enc([], cold, ok, [])
     with pytest.raises(ValueError, match="rows \\(last dim\\) must be contiguous"):
@@ -511,7 +511,7 @@ def test_bad_tensors_are_rejected():
     with pytest.raises(ValueError, match="16-byte aligned"):
         enc([pool], wide[:, :codec.cold_page_bytes], ok, codec.plan)
     with pytest.raises(ValueError, match="at most 4 dims"):
-        ColdPageCodec([torch.zeros(2, 1, 1, 1, 1, 1, 64, dtype=torch.bfloat16)], [RowSpec.full(64)])
+        PageBlobCodec([torch.zeros(2, 1, 1, 1, 1, 1, 64, dtype=torch.bfloat16)], [RowSpec.full(64)])
     p, s = torch.ops.kvops.nvfp4_quantize(pool.reshape(-1, 64), None)
     with pytest.raises(ValueError, match="multiple of 8"):
         torch.ops.kvops.nvfp4_dequantize(p[:, :4], s[:, :1], None, torch.bfloat16)

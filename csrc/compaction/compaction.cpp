@@ -1,4 +1,4 @@
-// Host-side checks of kvops::compact_layers_, shared by the CPU and CUDA backends.
+// Host-side checks of kvops::compaction_compact_layers_, shared by the CPU and CUDA backends.
 #include "compaction.h"
 
 #include <limits>
@@ -7,7 +7,7 @@ namespace kvops {
 namespace compaction {
 
 namespace {
-constexpr const char* kOp = "compact_layers_";
+constexpr const char* kOp = "compaction_compact_layers_";
 
 bool movable_dtype(at::ScalarType t) {
   return t == at::kBFloat16 || t == at::kHalf || t == at::kFloat8_e4m3fn || t == at::kFloat8_e5m2;

@@ -49,7 +49,7 @@ struct MovePlan {
   }
 };
 
-// Checks every argument of kvops::compact_layers_ (shapes, dtypes, devices, strides, alignment,
+// Checks every argument of kvops::compaction_compact_layers_ (shapes, dtypes, devices, strides, alignment,
 // list-row ranges) and fills the plan; raises before anything is touched.
 MovePlan check_compact_args(at::TensorList pools, const at::Tensor& page_table, const at::Tensor& sources,
                             const at::Tensor& new_lengths, const at::Tensor& destination_bases,

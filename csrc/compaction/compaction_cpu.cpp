@@ -1,4 +1,4 @@
-// CPU backend of kvops::compact_layers_: the same stream walk as the CUDA kernel, one row at a time.
+// CPU backend of kvops::compaction_compact_layers_: the same stream walk as the CUDA kernel, one row at a time.
 #include <ATen/Parallel.h>
 #include <torch/library.h>
 
@@ -35,7 +35,7 @@ void compact_layers_cpu(at::TensorList pools, const at::Tensor& page_table, cons
   });
 }
 
-TORCH_LIBRARY_IMPL(kvops, CPU, m) { m.impl("compact_layers_", &compact_layers_cpu); }
+TORCH_LIBRARY_IMPL(kvops, CPU, m) { m.impl("compaction_compact_layers_", &compact_layers_cpu); }
 
 }  // namespace compaction
 }  // namespace kvops

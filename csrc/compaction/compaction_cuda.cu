@@ -1,4 +1,4 @@
-// CUDA backend of kvops::compact_layers_: every layer, plane and head of a batch in one launch.
+// CUDA backend of kvops::compaction_compact_layers_: every layer, plane and head of a batch in one launch.
 //
 // One warp owns one stream (request, layer, plane, head) and walks its move list in chunks of
 // whole token rows. Within a chunk all lanes load before any lane stores (__syncwarp), and
@@ -98,7 +98,7 @@ void compact_layers_cuda(at::TensorList pools, const at::Tensor& page_table, con
   const MovePlan plan = check_compact_args(pools, page_table, sources, new_lengths, destination_bases, layer_row_base,
                                            head_row_stride);
   const c10::cuda::CUDAGuard guard(pools[0].device());
-  prepare_kernel(compact_layers_kernel, "compact_layers_");
+  prepare_kernel(compact_layers_kernel, "compaction_compact_layers_");
   CompactParams p{};
   p.plan = plan;
   const int row_vecs = plan.pool.row_bytes / 16;
@@ -120,7 +120,7 @@ void compact_layers_cuda(at::TensorList pools, const at::Tensor& page_table, con
 
 }  // namespace
 
-TORCH_LIBRARY_IMPL(kvops, CUDA, m) { m.impl("compact_layers_", &compact_layers_cuda); }
+TORCH_LIBRARY_IMPL(kvops, CUDA, m) { m.impl("compaction_compact_layers_", &compact_layers_cuda); }
 
 }  // namespace compaction
 }  // namespace kvops

@@ -233,7 +233,7 @@ void check_global_scales(const std::vector<PoolDesc>& descs, const at::Tensor& c
 std::vector<PoolDesc> check_codec_call(at::TensorList pools, const at::Tensor& cold_pages, const at::Tensor& page_pairs,
                                        at::IntArrayRef plan, bool validate, bool encode,
                                        const c10::optional<at::Tensor>& refused) {
-  const char* what = encode ? "nvfp4_encode_pages" : "nvfp4_decode_pages";
+  const char* what = encode ? "nvfp4_encode_pages_" : "nvfp4_decode_pages_";
   check_cold_pages(cold_pages, what);
   std::vector<at::Tensor> pv(pools.begin(), pools.end());
   auto descs = make_pool_descs(pv, plan, cold_pages.size(1), what);

@@ -200,7 +200,7 @@ int decode_page(const PoolDesc& d, at::ScalarType t, const uint8_t* blob, int64_
 // Both directions: pools and pairs must be on the CPU; one pair per task.
 void run_codec_cpu(at::TensorList pools, const at::Tensor& cold_pages, const at::Tensor& page_pairs, at::IntArrayRef plan,
                    bool validate, bool encode, const c10::optional<at::Tensor>& refused = c10::nullopt) {
-  const char* what = encode ? "nvfp4_encode_pages" : "nvfp4_decode_pages";
+  const char* what = encode ? "nvfp4_encode_pages_" : "nvfp4_decode_pages_";
   TORCH_CHECK_VALUE(page_pairs.is_cpu(), what, ": page_pairs must be on the CPU for CPU pools");
   for (size_t p = 0; p < pools.size(); ++p) TORCH_CHECK_VALUE(pools[p].is_cpu(), what, ": pools[", p, "] is not on the CPU");
   const auto descs = check_codec_call(pools, cold_pages, page_pairs, plan, validate, encode, refused);
@@ -231,8 +231,8 @@ void decode_pages_cpu(const at::Tensor& cold_pages, at::TensorList pools, const 
 TORCH_LIBRARY_IMPL(kvops, CPU, m) {
   m.impl("nvfp4_quantize", &quantize_cpu);
   m.impl("nvfp4_dequantize", &dequantize_cpu);
-  m.impl("nvfp4_encode_pages", &encode_pages_cpu);
-  m.impl("nvfp4_decode_pages", &decode_pages_cpu);
+  m.impl("nvfp4_encode_pages_", &encode_pages_cpu);
+  m.impl("nvfp4_decode_pages_", &decode_pages_cpu);
 }
 
 }  // namespace nvfp4

@@ -479,7 +479,7 @@ void launch_codec(Kernel kernel, const char* what, bool encode, const std::vecto
 
 void run_codec(at::TensorList pools, const at::Tensor& cold_pages, const at::Tensor& page_pairs, at::IntArrayRef plan,
                bool validate, bool encode, const c10::optional<at::Tensor>& refused = c10::nullopt) {
-  const char* what = encode ? "nvfp4_encode_pages" : "nvfp4_decode_pages";
+  const char* what = encode ? "nvfp4_encode_pages_" : "nvfp4_decode_pages_";
   TORCH_CHECK_VALUE(!pools.empty(), what, ": pools is empty");
   const at::Device device = pools[0].device();
   for (size_t p = 0; p < pools.size(); ++p)
@@ -528,8 +528,8 @@ void decode_pages_cuda(const at::Tensor& cold_pages, at::TensorList pools, const
 TORCH_LIBRARY_IMPL(kvops, CUDA, m) {
   m.impl("nvfp4_quantize", &quantize_cuda);
   m.impl("nvfp4_dequantize", &dequantize_cuda);
-  m.impl("nvfp4_encode_pages", &encode_pages_cuda);
-  m.impl("nvfp4_decode_pages", &decode_pages_cuda);
+  m.impl("nvfp4_encode_pages_", &encode_pages_cuda);
+  m.impl("nvfp4_decode_pages_", &decode_pages_cuda);
 }
 
 }  // namespace nvfp4

@@ -4,5 +4,5 @@ from .compact import (MODES, CompactionParams, build_compaction_params, check_de
                       decision_row, decision_rows, stream_rows)
 from .pack import pack_move_sources
 
-__all__ = ["MODES", "CompactionParams", "build_compaction_params", "check_decisions", "compact", "compact_layers_",
+__all__ = ["MODES", "CompactionParams", "build_compaction_params", "check_decisions", "compact", "compaction_compact_layers_",
            "decision_row", "decision_rows", "pack_move_sources", "stream_rows"]

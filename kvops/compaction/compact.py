@@ -28,14 +28,14 @@ def compact_layers_(pools: Sequence[torch.Tensor], page_table: torch.Tensor, sou
     check_int32(what, device, page_table=(page_table, 2), sources=(sources, 3), new_lengths=(new_lengths, 1),
                 destination_bases=(destination_bases, 1))
     check_disjoint(what, "pools", list(pools))
-    torch.ops.kvops.compact_layers_(list(pools), page_table, sources, new_lengths, destination_bases,
-                                    list(layer_row_base), list(head_row_stride))
+    torch.ops.kvops.compaction_compact_layers_(list(pools), page_table, sources, new_lengths, destination_bases,
+                                               list(layer_row_base), list(head_row_stride))
 
 
-@torch.library.register_fake("kvops::compact_layers_")
+@torch.library.register_fake("kvops::compaction_compact_layers_")
 def _compact_layers_fake(pools, page_table, sources, new_lengths, destination_bases, layer_row_base,
                          head_row_stride):
-    check_no_meta_mix("compact_layers_", pools, page_table, sources, new_lengths, destination_bases)
+    check_no_meta_mix("compaction_compact_layers_", pools, page_table, sources, new_lengths, destination_bases)
 
 
 @dataclass
@@ -94,12 +94,29 @@ def build_compaction_params(pools: Sequence[torch.Tensor], page_table: torch.Ten
                             layer_windows: Sequence[int] | None = None) -> CompactionParams:
     """Bind the buffers of a compaction and allocate its move lists (the only allocation).
 
-    pools: per-layer 5-D views [page, plane (K=0, V=1), head, token, dim] (HND as is, NHD
-    ``.transpose(2, 3)``, vLLM [2, P, T, H, D] ``.permute(1, 0, 3, 2, 4)``). page_table: int32
-    [R_max, max_pages], shared by the layers. kept: int32 [R_max, rows, K], rows 1, H or L*H.
-    max_tail: the largest tail_lengths entry compact() may see. layer_windows: per-layer sliding
-    window (0 = full attention); a window layer keeps its latest K scored tokens instead of the
-    decision, so its whole window (<= K) survives and every layer ends at the same length.
+    Parameters
+    ----------
+    pools : list of torch.Tensor
+        Per-layer 5-D views ``[page, plane (K=0, V=1), head, token, dim]``, bf16, fp16 or fp8, one geometry for
+        every layer, no two sharing memory (HND as is, NHD ``.transpose(2, 3)``, vLLM ``[2, P, T, H, D]``
+        ``.permute(1, 0, 3, 2, 4)``).
+    page_table : torch.Tensor
+        int32 ``[R_max, max_pages]``, shared by the layers.
+    kept : torch.Tensor
+        int32 ``[R_max, rows, K]``: the decision the caller writes each round; rows is 1, H or L*H
+        (``decision_rows``).
+    scored_lengths, tail_lengths, destination_bases : torch.Tensor
+        int32 ``[R_max]`` each, written by the caller each round.
+    max_tail : int
+        The largest tail_lengths entry compact() acts on (a larger one leaves its request as it is).
+    layer_windows : list of int, optional
+        Per-layer sliding window (0 = full attention); a window layer keeps its latest K scored tokens instead of
+        the decision, so its whole window (<= K) survives and every layer ends at the same length.
+
+    Returns
+    -------
+    CompactionParams
+        The bound buffers and move lists, for ``compact``.
     """
     what = "build_compaction_params"
     if not isinstance(pools, (list, tuple)) or not pools:
@@ -139,18 +156,31 @@ def build_compaction_params(pools: Sequence[torch.Tensor], page_table: torch.Ten
 
 
 def compact(params: CompactionParams, request_count: int | None = None, *, validate: bool = False) -> torch.Tensor:
-    """Pack and move the first `request_count` requests of the bound buffers, in place, on the
-    current stream. Returns new_lengths[:request_count] (destination base + K + tail); contents past
-    the new length are unspecified, and the caller releases those pages.
+    """Pack and move the first `request_count` requests of the bound buffers, in place, on the current stream.
 
-    A request whose tail lies outside [0, max_tail] is left as it is: nothing of it moves and its new length
-    is scored + tail (its length before the call), so no token is dropped without the caller seeing it in the
+    Parameters
+    ----------
+    params : CompactionParams
+        From ``build_compaction_params``, with this round's decisions, lengths and page table written.
+    request_count : int, optional
+        How many leading rows of the bound buffers to act on (default: all of them).
+    validate : bool
+        Check the contract first (also with ``KVOPS_DEBUG=1``); syncs and raises ValueError naming the request,
+        before anything moves, on a non-ascending or overtaking decision, a bad tail, or an unusable or shared page.
+
+    Returns
+    -------
+    torch.Tensor
+        int32 ``[request_count]``, a view of the bound ``new_lengths``: destination base + K + tail. Contents past
+        the new length are unspecified, and the caller releases those pages.
+
+    Notes
+    -----
+    A request whose tail lies outside [0, max_tail] is left as it is: nothing of it moves and its new length is
+    scored + tail (its length before the call), so no token is dropped without the caller seeing it in the
     returned length. Without validation the kernels trust the rest: a decision that is not ascending or that
     overtakes (kept[m] < base + m) moves the wrong bytes, and a page-table entry shared by two requests (or two
     columns) is overwritten by one move while another reads it. Entries outside the pool are skipped.
-
-    validate=True (or KVOPS_DEBUG=1) checks all of that first; it syncs and raises ValueError, before anything
-    moves, on a non-ascending or overtaking decision, a bad tail, or an unusable or shared page.
     """
     R = params.kept.shape[0] if request_count is None else \
         check_int("compact", "request_count", request_count, 0, params.kept.shape[0])
@@ -159,9 +189,9 @@ def compact(params: CompactionParams, request_count: int | None = None, *, valid
     pack_move_sources(params.kept[:R], params.scored_lengths[:R], params.tail_lengths[:R],
                       params.destination_bases[:R], params.sources[:R], params.new_lengths[:R])
     # the bound buffers were checked by build_compaction_params: straight to the op
-    torch.ops.kvops.compact_layers_(params.pools, params.page_table[:R], params.sources[:R], params.new_lengths[:R],
-                                    params.destination_bases[:R], list(params.layer_row_base),
-                                    list(params.head_row_stride))
+    torch.ops.kvops.compaction_compact_layers_(params.pools, params.page_table[:R], params.sources[:R],
+                                               params.new_lengths[:R], params.destination_bases[:R],
+                                               list(params.layer_row_base), list(params.head_row_stride))
     return params.new_lengths[:R]
 
 

@@ -64,7 +64,7 @@ def _pack_torch(kept, scored_lengths, tail_lengths, destination_bases, sources, 
                                   destination_bases + K + tail_lengths))
 
 
-@triton_op("kvops::pack_move_sources_", mutates_args={"sources", "new_lengths"})
+@triton_op("kvops::compaction_pack_move_sources_", mutates_args={"sources", "new_lengths"})
 def _pack_op(kept: torch.Tensor, scored_lengths: torch.Tensor, tail_lengths: torch.Tensor,
              destination_bases: torch.Tensor, sources: torch.Tensor, new_lengths: torch.Tensor) -> None:
     R, rows, K = kept.shape

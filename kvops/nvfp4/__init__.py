@@ -1,7 +1,7 @@
 """NVFP4 primitives and the cold-page codec (docs/nvfp4.md)."""
 
-from .codec import ColdPageCodec
+from .codec import PageBlobCodec
 from .layout import DEFAULT_SCALE, RowSpec, plan_layout
 from .ops import dequantize, quantize
 
-__all__ = ["ColdPageCodec", "RowSpec", "plan_layout", "quantize", "dequantize", "DEFAULT_SCALE"]
+__all__ = ["PageBlobCodec", "RowSpec", "plan_layout", "quantize", "dequantize", "DEFAULT_SCALE"]

@@ -1,4 +1,4 @@
-"""ColdPageCodec: a paged-KV page <-> one fixed-size NVFP4 blob, in one fused kernel per direction."""
+"""PageBlobCodec: a paged-KV page <-> one fixed-size NVFP4 blob, in one fused kernel per direction."""
 
 from __future__ import annotations
 
@@ -11,8 +11,10 @@ from .._checks import check_device, check_device_or_host, check_disjoint
 from .layout import PoolLayout, RowSpec, plan_layout
 
 
-class ColdPageCodec:
-    """Encodes the rows of page indices across several hot pools into fixed-size cold pages.
+class PageBlobCodec:
+    """The kernel-level codec: encodes the rows of page indices across several hot pools into fixed-size blobs
+    (cold pages), one fused kernel per direction. Engines usually reach it through ``kvops.codecs``, whose
+    ``ColdPageCodec`` interface configures one per layer group.
 
     pools: the hot pools (or anything with .shape and .dtype): dim 0 is the page index, the last dim
         is the row (contiguous); any dims between. specs: one RowSpec per pool.
@@ -69,24 +71,50 @@ class ColdPageCodec:
 
     def encode(self, pools: Sequence[torch.Tensor], cold_pages: torch.Tensor, page_pairs: torch.Tensor,
                validate: bool = False) -> None:
-        """cold_pages[slot] <- encode(pages) for each (slot, page) row of int32 page_pairs [n, 2].
+        """Encode pages into blobs: ``cold_pages[slot] <- encode(pools[:][page])`` for each pair.
 
-        Enqueued on the current stream; no host sync, no allocation. cold_pages may be pinned host
-        memory (written directly by the kernel). page_pairs may be on the device or pinned host;
-        host-resident pairs are range-checked before launch, device-resident ones when validate=True.
+        Parameters
+        ----------
+        pools : list of torch.Tensor
+            The pools the codec was configured with (same shapes and dtypes; strides are read per call), on one
+            device, sharing no memory with each other or with cold_pages.
+        cold_pages : torch.Tensor
+            uint8 ``[slots, cold_page_bytes]`` on the pools' device or in pinned host memory (written in place by
+            the kernel).
+        page_pairs : torch.Tensor
+            int32 ``[n, 2]`` of (slot, page), on the device or pinned host.
+        validate : bool
+            Range-check device-resident pairs too (a sync); host-resident pairs are always checked.
+
+        Notes
+        -----
+        Enqueued on the current stream; no host sync, no allocation.
         """
-        self._check("ColdPageCodec.encode", pools, cold_pages, page_pairs)
-        torch.ops.kvops.nvfp4_encode_pages(list(pools), cold_pages, page_pairs, self.plan, validate)
+        self._check("PageBlobCodec.encode", pools, cold_pages, page_pairs)
+        torch.ops.kvops.nvfp4_encode_pages_(list(pools), cold_pages, page_pairs, self.plan, validate)
 
     def decode(self, cold_pages: torch.Tensor, pools: Sequence[torch.Tensor], page_pairs: torch.Tensor,
                validate: bool = False) -> None:
-        """pools[page] <- decode(cold_pages[slot]) for each (page, slot) row of page_pairs; hot dtype restored.
+        """Decode blobs into pages, hot dtype restored: ``pools[:][page] <- decode(cold_pages[slot])``.
 
-        A plane whose blob holds a global scale that encode never writes (not positive and finite: a zeroed slot
-        that was never encoded, or corruption) is left untouched and counted in ``refused(device)``. With
-        validate=True such a scale (and a bad pair) raises ValueError naming the slot before anything is written;
-        that reads the blobs' scales back (a sync).
+        Parameters
+        ----------
+        cold_pages : torch.Tensor
+            uint8 ``[slots, cold_page_bytes]`` written by ``encode``, on the pools' device or pinned host.
+        pools : list of torch.Tensor
+            As for ``encode``; written in place.
+        page_pairs : torch.Tensor
+            int32 ``[n, 2]`` of (page, slot), on the device or pinned host.
+        validate : bool
+            Check device-resident pairs and read every pair's global scales back (a sync); a bad one raises
+            ValueError naming the slot before anything is written.
+
+        Notes
+        -----
+        Without validate, a plane whose blob holds a global scale that encode never writes (not positive and
+        finite: a zeroed slot that was never encoded, or corruption) is left untouched and counted in
+        ``refused(device)``.
         """
-        self._check("ColdPageCodec.decode", pools, cold_pages, page_pairs)
-        torch.ops.kvops.nvfp4_decode_pages(cold_pages, list(pools), page_pairs, self.plan, validate,
+        self._check("PageBlobCodec.decode", pools, cold_pages, page_pairs)
+        torch.ops.kvops.nvfp4_decode_pages_(cold_pages, list(pools), page_pairs, self.plan, validate,
                                            self.refused(pools[0].device))

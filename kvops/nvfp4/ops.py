@@ -10,11 +10,21 @@ _ops = torch.ops.kvops
 
 
 def quantize(x: torch.Tensor, global_scale: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """NVFP4-quantize the last dim of x (a multiple of 16).
+    """NVFP4-quantize the last dim of x in blocks of 16.
 
-    Returns (packed uint8 [..., n/2], scales float8_e4m3fn [..., n/16]); element 2i is the low nibble.
-    In fp32: s = e4m3_rn_satfinite(amax * g / 6); c = e2m1_rne_satfinite(x * g / s), or 0 when s == 0.
-    A block holding a NaN gets scale 0x7f (E4M3 NaN) and all-zero codes, so it decodes to NaN.
+    Parameters
+    ----------
+    x : torch.Tensor
+        bf16, fp16, fp32 or fp8 e4m3 ``[..., n]``, n a multiple of 16.
+    global_scale : torch.Tensor, optional
+        A one-element float32 g (positive, finite) on x's device or the host; 1 when None.
+
+    Returns
+    -------
+    packed, scales : torch.Tensor
+        uint8 ``[..., n/2]`` (element 2i is the low nibble) and float8_e4m3fn ``[..., n/16]``. In fp32:
+        s = e4m3_rn_satfinite(amax * g / 6); c = e2m1_rne_satfinite(x * g / s), or 0 when s == 0. A block holding a
+        NaN gets scale 0x7f (E4M3 NaN) and all-zero codes, so it decodes to NaN.
     """
     _check_args("quantize", x=x, global_scale=global_scale)
     return _ops.nvfp4_quantize(x, global_scale)
@@ -22,7 +32,22 @@ def quantize(x: torch.Tensor, global_scale: torch.Tensor | None = None) -> tuple
 
 def dequantize(packed: torch.Tensor, scales: torch.Tensor, global_scale: torch.Tensor | None = None,
                dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
-    """e2m1(c) * s / g in fp32, rounded to dtype (bf16, fp16, fp32; fp8 e4m3 saturates)."""
+    """The inverse of ``quantize``: e2m1(c) * s / g in fp32, rounded to `dtype`.
+
+    Parameters
+    ----------
+    packed, scales : torch.Tensor
+        As ``quantize`` returns them: uint8 ``[..., n/2]`` and float8_e4m3fn ``[..., n/16]``, one device.
+    global_scale : torch.Tensor, optional
+        The g the data was quantized with (one-element float32, on the data's device or the host); 1 when None.
+    dtype : torch.dtype
+        bf16, fp16, fp32 or fp8 e4m3 (which saturates).
+
+    Returns
+    -------
+    torch.Tensor
+        ``[..., n]`` of `dtype`.
+    """
     _check_args("dequantize", packed=packed, scales=scales, global_scale=global_scale)
     return _ops.nvfp4_dequantize(packed, scales, global_scale, dtype)
 
@@ -49,11 +74,11 @@ def _dequantize_fake(packed, scales, global_scale, dtype):
     return packed.new_empty((*packed.shape[:-1], packed.shape[-1] * 2), dtype=dtype)
 
 
-@torch.library.register_fake("kvops::nvfp4_encode_pages")
+@torch.library.register_fake("kvops::nvfp4_encode_pages_")
 def _encode_pages_fake(pools, cold_pages, page_pairs, plan, validate=False):
-    check_no_meta_mix("nvfp4_encode_pages", pools, cold_pages, page_pairs)
+    check_no_meta_mix("nvfp4_encode_pages_", pools, cold_pages, page_pairs)
 
 
-@torch.library.register_fake("kvops::nvfp4_decode_pages")
+@torch.library.register_fake("kvops::nvfp4_decode_pages_")
 def _decode_pages_fake(cold_pages, pools, page_pairs, plan, validate=False, refused=None):
-    check_no_meta_mix("nvfp4_decode_pages", cold_pages, pools, page_pairs, refused)
+    check_no_meta_mix("nvfp4_decode_pages_", cold_pages, pools, page_pairs, refused)

@@ -161,11 +161,22 @@ def load_calibration(source: str | os.PathLike | Mapping[str, Any], model_config
                      omega: torch.Tensor | None = None, freq_scale_sq: torch.Tensor | None = None) -> Calibration:
     """Load and validate calibration statistics for a model.
 
-    source: a shipped name (``SHIPPED``), a path (loaded with ``torch.load(weights_only=True)``) or the loaded
-    dict. model_config: a Hugging
-    Face-style config dict (num_hidden_layers, num_attention_heads, num_key_value_heads, head_dim or
-    hidden_size, rope_theta, partial_rotary_factor, rope_scaling). omega / freq_scale_sq, when given, take
-    precedence over the file's (flat format) and over the config's RoPE.
+    Parameters
+    ----------
+    source : str, os.PathLike or dict
+        A shipped name (``SHIPPED``, e.g. "qwen3-8b"), a file (loaded with ``torch.load(weights_only=True)``), or
+        the loaded dict; official or flat format.
+    model_config : dict
+        Hugging Face config fields: num_hidden_layers, num_attention_heads, num_key_value_heads, head_dim (or
+        hidden_size), rope_theta, partial_rotary_factor, rope_scaling / rope_parameters.
+    omega, freq_scale_sq : torch.Tensor, optional
+        float32 ``[F]``; when given they take precedence over the file's (flat format) and the config's RoPE.
+
+    Returns
+    -------
+    Calibration
+        Validated against the model's geometry; raises ValueError (TypeError for a wrong kind of argument) naming
+        what does not match.
     """
     L, Hq, Hkv, D, F = _geometry(model_config)
     if isinstance(source, (str, os.PathLike)):

@@ -58,8 +58,22 @@ def _mean_phase_op(round_starts: torch.Tensor, omega: torch.Tensor, phase: torch
 
 
 def mean_phase(round_starts: torch.Tensor, omega: torch.Tensor, phase: torch.Tensor | None = None) -> torch.Tensor:
-    """phase float32 [R, 2, F]: phase[:, 0] = C, phase[:, 1] = S. round_starts: int32/int64 [R] (>= 0);
-    omega: float32 [F]. Pass `phase` to write into a bound buffer (no allocation, graph-capturable)."""
+    """The mean phase of each request's round: the means over the offsets O of cos and sin of (p + o) omega_f.
+
+    Parameters
+    ----------
+    round_starts : torch.Tensor
+        int32 or int64 ``[R]``: each request's logical position p (>= 0).
+    omega : torch.Tensor
+        float32 ``[F]``: the RoPE inverse frequencies, on the same device.
+    phase : torch.Tensor, optional
+        A bound float32 ``[R, 2, F]`` buffer to write (no allocation, graph-capturable).
+
+    Returns
+    -------
+    torch.Tensor
+        float32 ``[R, 2, F]``: ``phase[:, 0]`` = C, ``phase[:, 1]`` = S.
+    """
     what = "mean_phase"
     device = check_device(what, round_starts=round_starts, omega=omega)
     if round_starts.dtype not in (torch.int32, torch.int64) or round_starts.dim() != 1:

@@ -320,8 +320,8 @@ def _reduce_op(raw: torch.Tensor, stats: torch.Tensor, prompt_lengths: torch.Ten
         triton_launcher(_moments_kernel, raw.device)[(R, triton.cdiv(L * Hq, block_p))](
             stats, prompt_lengths, cache_lengths, moments, n, stats.shape[3], L * Hq, CHUNK=CHUNK, STATS=STATS,
             BLOCK_P=block_p, BLOCK_C=max(triton.next_power_of_2(stats.shape[3]), 2))
-    # H200, R=32 x 16k (benchmarks.bench_triattention): union 881 us at 1024 columns, 581 at 512 (more programs
-    # for its long serial loop over every (layer, group)); per_head 611 either way.
+    # A union program loops over every (layer, group): narrower blocks give it more programs to overlap those
+    # loops (docs/triattention.md, "Speed").
     block_j = 512 if mode == "union" else 1024
     launch[(R, rows.shape[1], triton.cdiv(n, block_j))](
         raw, moments, prompt_lengths, cache_lengths, rows, n, rows.shape[1], L=L, Hq=Hq,

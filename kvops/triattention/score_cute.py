@@ -22,15 +22,15 @@ from cutlass.cutlass_dsl import T, dsl_user_op
 from .score import CHUNK  # decode tokens per CTA, and per statistics partial
 
 THREADS = 64
-UNROLL = 4   # tokens per lane group per pipeline stage (the next stage's loads fly while these are scored);
-             # H200: 2/3/4/5/6/8 -> 12.6/12.4/11.6/12.0/12.4/12.0 ms (benchmarks.tune_scorer)
+UNROLL = 4   # tokens per lane group per pipeline stage: the next stage's loads fly while these are scored (the
+             # sweep that chose 4 is in docs/triattention.md, "Speed")
 FREQS_PER_LANE = None  # None: lane_split's choice (a tuning knob for the benchmark sweep)
 KV_TYPES = (cutlass.BFloat16, cutlass.Float16)  # passed by index: DSL 4.3.5 takes no type as a compile argument
 
 
 def lane_split(num_freqs: int, group: int) -> tuple[int, int]:
-    """(frequencies per lane, lanes per token): 8 frequencies (16-byte bf16 loads) for G <= 4, else 4 (chosen when
-    the coefficients lived in registers; the G > 4 case has not been re-tuned since)."""
+    """(frequencies per lane, lanes per token): 8 frequencies (one 16-byte bf16 load per rotary half) for G <= 4;
+    4 for larger groups, whose G accumulators per token leave fewer registers for a lane's keys."""
     fpl = FREQS_PER_LANE or (8 if group <= 4 else 4)
     return fpl, num_freqs // fpl
 

@@ -61,10 +61,25 @@ def _topk_fake(scores, lengths, k, out):
 
 
 def topk(scores: torch.Tensor, lengths: torch.Tensor, k: int, out: torch.Tensor | None = None) -> torch.Tensor:
-    """int32 [rows, k]: per row, the ascending indices of the k largest of scores[row, :lengths[row]].
+    """Per row, the ascending indices of the k largest of ``scores[row, :lengths[row]]``.
 
-    scores: float32 [rows, N] with a contiguous last dim; lengths: int32 [rows] on the same device (read on the
-    device, clamped to [0, N]); k >= 0. Pass `out` to write into a bound buffer (graph-capturable once warm).
+    Parameters
+    ----------
+    scores : torch.Tensor
+        float32 ``[rows, N]`` with a contiguous last dim. Ties go to the lowest index, NaN ranks below -inf and
+        -0.0 equals +0.0.
+    lengths : torch.Tensor
+        int32 ``[rows]`` on the same device, read on the device and clamped to [0, N].
+    k : int
+        Indices per row, >= 0; a row shorter than k is padded with -1.
+    out : torch.Tensor, optional
+        A bound int32 ``[rows, k]`` buffer to write (graph-capturable once warm); must not share memory with the
+        inputs.
+
+    Returns
+    -------
+    torch.Tensor
+        int32 ``[rows, k]`` (``out`` when given).
     """
     what = "topk"
     device = check_device(what, scores=scores)
