@@ -163,10 +163,12 @@ class PagedKVCache:
 
     # -- compaction -----------------------------------------------------------------------------------------
     def compact(self, rids: Sequence, kept: torch.Tensor, scored_lengths: torch.Tensor, tail_lengths: torch.Tensor,
-                destination_bases: torch.Tensor, *, max_tail: int, validate: bool = True) -> torch.Tensor:
+                destination_bases: torch.Tensor, *, max_tail: int, validate: bool = True,
+                order: str = "ordered") -> torch.Tensor:
         """Move each request's kept tokens down in place (kvops.compaction), then release the pages past the new
         lengths. Returns the new lengths. Validation (on by default here) raises before anything moves, also
-        when scored + tail differs from a request's length (tokens past it would be dropped)."""
+        when scored + tail differs from a request's length (tokens past it would be dropped). order: "ordered" or
+        "fill" (kvops.compaction.build_compaction_params)."""
         reqs = self._distinct("PagedKVCache.compact", rids)
         if any(r.slots is not None for r in reqs):
             raise ValueError("PagedKVCache.compact: offloaded requests cannot be compacted")
@@ -177,7 +179,7 @@ class PagedKVCache:
                 raise ValueError(f"PagedKVCache.compact: scored_lengths + tail_lengths ({ends}) must equal the "
                                  f"requests' lengths {[r.length for r in reqs]}")
         params = build_compaction_params(self.views(), self.page_table(rids), kept, scored_lengths, tail_lengths,
-                                         destination_bases, max_tail=max_tail)
+                                         destination_bases, max_tail=max_tail, order=order)
         new_lengths = compact(params, len(reqs), validate=validate).tolist()
         self.shrink(rids, new_lengths)
         return torch.tensor(new_lengths, dtype=torch.int32)

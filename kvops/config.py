@@ -18,7 +18,7 @@ import torch
 from ._checks import check_bool, check_int
 from .nvfp4.layout import DEFAULT_SCALE, RowSpec, _check_spec
 from .triattention.calibration import SHIPPED, calibration_file
-from .compaction.compact import MODES
+from .compaction.compact import MODES, ORDERS
 
 
 @dataclass(frozen=True)
@@ -113,6 +113,7 @@ class TriAttentionConfig(KVCacheCompressionConfig):
     eviction_mode: str = "union"
     normalize_scores: bool = True
     calibration_path: str | None = None
+    compaction_order: str = "ordered"  # "fill": move only what sits past the new length (kvops.compaction.ORDERS)
 
     def __post_init__(self):
         what = "TriAttentionConfig"
@@ -121,6 +122,8 @@ class TriAttentionConfig(KVCacheCompressionConfig):
         if self.eviction_mode not in MODES:
             raise ValueError(f"TriAttentionConfig.eviction_mode: {self.eviction_mode!r} is not one of {MODES}")
         check_bool(what, "normalize_scores", self.normalize_scores)
+        if self.compaction_order not in ORDERS:
+            raise ValueError(f"TriAttentionConfig.compaction_order: {self.compaction_order!r} is not one of {ORDERS}")
         if self.calibration_path is None:
             raise ValueError("TriAttentionConfig.calibration_path: a calibration file is required")
         if not isinstance(self.calibration_path, (str, os.PathLike)):

@@ -137,7 +137,8 @@ class TriAttentionManager(KVCacheCompressionManager):
                                f"a due round ({max(tails)} unscored); call on_generation_step_end every step")
         width = max(triton.cdiv(n, cache.page_size) for n in lengths)  # page-table columns this round needs
         if self._round is None or not self._round.fits(len(rids), width):
-            self._round = TriAttentionRound(self.selector, cache, len(rids), width, self.max_tail, self.cuda_graphs)
+            self._round = TriAttentionRound(self.selector, cache, len(rids), width, self.max_tail, self.cuda_graphs,
+                                            self.config.compaction_order)
         self._round.run(cache.page_table(rids, self._round.width, device="cpu"),
                         [n - t for n, t in zip(lengths, tails)], prompts, tails,
                         [self.logical_position(r) for r in rids])
@@ -157,7 +158,7 @@ class TriAttentionRound:
     their inputs into the bound buffers and replay. Capacities grow in powers of two (the manager rebinds)."""
 
     def __init__(self, selector: TriAttentionSelector, cache, requests: int, width: int, max_tail: int,
-                 cuda_graphs: bool):
+                 cuda_graphs: bool, order: str = "ordered"):
         self.selector, self.requests = selector, 1 << (requests - 1).bit_length()
         self.width = 1 << (width - 1).bit_length()
         device = cache.device
@@ -165,7 +166,7 @@ class TriAttentionRound:
         self.lengths = torch.zeros(4, self.requests, dtype=torch.int32, device=device)  # scored, prompt, tail, position
         kept = torch.zeros(self.requests, selector.rows, selector.budget, dtype=torch.int32, device=device)
         self.params = build_compaction_params(cache.views(), self.page_table, kept, self.lengths[0], self.lengths[2],
-                                              self.lengths[1], max_tail=max_tail)
+                                              self.lengths[1], max_tail=max_tail, order=order)
         self.graphs: dict[int, torch.cuda.CUDAGraph] | None = {} if cuda_graphs and device.type == "cuda" else None
 
     def fits(self, requests: int, width: int) -> bool:

@@ -6,8 +6,9 @@ import pytest
 import torch
 
 from conftest import DEVICES, bytes_of, opcheck, poison_, requires_cuda, run_python
-from kvops.compaction import build_compaction_params, compact, pack_move_sources, stream_rows
-from kvops.compaction.reference import compact_reference
+from kvops.compaction import (build_compaction_params, compact, decision_row, decision_rows, pack_move_sources,
+                              stream_rows)
+from kvops.compaction.reference import compact_reference, fill_order
 
 LAYOUTS = ("hnd", "nhd", "vllm")
 
@@ -60,13 +61,13 @@ def _defined_mask(table, new_lengths, P, T):
 
 
 def _run_case(device, layout="hnd", dtype=torch.bfloat16, T=16, D=64, H=2, L=3, R=3, K=7, mode="union",
-              windows=None, keep_all=False, max_tail=5):
-    rows = {"union": 1, "per_head": H, "per_layer_perhead": L * H}[mode]
+              windows=None, keep_all=False, max_tail=5, order="ordered"):
+    rows = decision_rows(mode, L, H)
     P, table, kept, scored, tail, base = _batch(R, T, K, rows, device, max_tail=max_tail, keep_all=keep_all)
     pools = _pools(layout, L, P, H, T, D, dtype, device)
-    expect, expect_len = compact_reference(pools, table, kept, scored, tail, base, windows)
+    expect, expect_len = compact_reference(pools, table, kept, scored, tail, base, windows, order)
     params = build_compaction_params(pools, table, kept, scored, tail, base, max_tail=max_tail,
-                                     layer_windows=windows)
+                                     layer_windows=windows, order=order)
     new_lengths = compact(params, R, validate=True)
     assert torch.equal(new_lengths.cpu(), expect_len.cpu())
     mask = _defined_mask(table, new_lengths, P, T).to(device)
@@ -80,27 +81,77 @@ def _run_case(device, layout="hnd", dtype=torch.bfloat16, T=16, D=64, H=2, L=3, 
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("mode", ["union", "per_head", "per_layer_perhead"])
 @pytest.mark.parametrize("layout", LAYOUTS)
-def test_matches_reference_modes_layouts(device, mode, layout):
-    _run_case(device, layout=layout, mode=mode, R=4, K=int(torch.randint(1, 40, ())))
+@pytest.mark.parametrize("order", ["ordered", "fill"])
+def test_matches_reference_modes_layouts(device, mode, layout, order):
+    _run_case(device, layout=layout, mode=mode, R=4, K=int(torch.randint(1, 40, ())), order=order)
 
 
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float8_e4m3fn])
 @pytest.mark.parametrize("T,D", [(16, 64), (32, 128), (64, 576), (128, 128)])
-def test_matches_reference_dtypes_geometries(device, dtype, T, D):
+@pytest.mark.parametrize("order", ["ordered", "fill"])
+def test_matches_reference_dtypes_geometries(device, dtype, T, D, order):
     H = 1 if D == 576 else 2  # MLA: one latent head
     _run_case(device, dtype=dtype, T=T, D=D, H=H, L=2, R=3, K=int(torch.randint(T // 2, 3 * T, ())),
-              mode="per_head", layout="nhd")
+              mode="per_head", layout="nhd", order=order)
 
 
 @pytest.mark.parametrize("device", DEVICES)
-def test_windows_empty_and_keep_everything(device):
-    _run_case(device, mode="per_layer_perhead", windows=[0, 6, 0], K=9)
-    _run_case(device, mode="union", windows=[4, 4, 4], K=4, layout="vllm")
-    _run_case(device, K=0)
-    _run_case(device, K=0, max_tail=0)
-    pools, params = _run_case(device, K=20, keep_all=True, mode="per_head")  # kept = every scored token
+@pytest.mark.parametrize("order", ["ordered", "fill"])
+def test_windows_empty_and_keep_everything(device, order):
+    _run_case(device, mode="per_layer_perhead", windows=[0, 6, 0], K=9, order=order)
+    _run_case(device, mode="union", windows=[4, 4, 4], K=4, layout="vllm", order=order)
+    _run_case(device, K=0, order=order)
+    _run_case(device, K=0, max_tail=0, order=order)
+    pools, params = _run_case(device, K=20, keep_all=True, mode="per_head", order=order)  # every scored token
     assert torch.equal(params.kept[:, :, 0], params.destination_bases[:, None].expand(-1, 2))
+
+
+def test_fill_order_written_out():
+    """The rule on a small case: 3 and 6 stay, the free slots 4 and 5 take 8 and 9, in order."""
+    assert fill_order([3, 6, 8, 9], base=3) == [3, 8, 9, 6]
+    assert fill_order([5, 6, 7], base=2) == [5, 6, 7]   # nothing below the new length: all move
+    assert fill_order([2, 3], base=2) == [2, 3]         # all stay: nothing moves
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("mode", ["union", "per_layer_perhead"])
+def test_fill_moves_only_tokens_past_the_new_length_and_attention_is_unchanged(device, mode):
+    """Fill and ordered compactions hold the same token set per (layer, plane, head), so the attention output of
+    a query over the compacted cache is the attention over the kept set (float32, up to summation order); fill
+    moves at most the kept tokens that sat at or past the new length."""
+    T, H, L, R, K, D = 16, 2, 2, 3, 24, 64
+    rows = decision_rows(mode, L, H)
+    P, table, kept, scored, tail, base = _batch(R, T, K, rows, device)
+    source = _pools("hnd", L, P, H, T, D, torch.bfloat16, device)
+    for p in source:
+        p.copy_(torch.randn_like(p, dtype=torch.float32))
+    query = torch.randn(D, device=device)
+    out = {}
+    for order in ("ordered", "fill"):
+        pools = [p.clone() for p in source]
+        params = build_compaction_params(pools, table, kept, scored, tail, base, max_tail=5, order=order)
+        new_lengths = compact(params, validate=True)
+        out[order] = (pools, new_lengths, params.sources.clone())
+    for r in range(R):
+        n, b = int(out["fill"][1][r]), int(base[r])
+        pt = table[r].long()
+        pos = torch.arange(b, n, device=device)
+        for layer in range(L):
+            for head in range(H):
+                row = kept[r, decision_row(rows, L, H, layer, head)].long()
+                kept_pos = torch.cat([row, torch.arange(int(scored[r]), int(scored[r] + tail[r]), device=device)])
+                want_k = source[layer][pt[kept_pos // T], 0, head, kept_pos % T].float()
+                want_v = source[layer][pt[kept_pos // T], 1, head, kept_pos % T].float()
+                want = torch.softmax(want_k @ query, 0) @ want_v
+                for order in ("ordered", "fill"):
+                    pools = out[order][0]
+                    k = pools[layer][pt[pos // T], 0, head, pos % T].float()
+                    v = pools[layer][pt[pos // T], 1, head, pos % T].float()
+                    torch.testing.assert_close(torch.softmax(k @ query, 0) @ v, want, rtol=1e-5, atol=1e-5)
+                lists = out["fill"][2][r, decision_row(rows, L, H, layer, head), :n - b]
+                moved = int((lists != pos).sum())
+                assert moved == int((kept_pos >= n).sum())  # exactly the tokens that sat past the new length
 
 
 @pytest.mark.parametrize("device", DEVICES)
@@ -179,7 +230,13 @@ def test_pack_triton_interpreter_matches_torch():
         "pack_move_sources(*args, a, na)\n"
         "_pack_torch(*args, b, nb)\n"
         "assert torch.equal(a, b) and torch.equal(na, nb), 'triton and torch packs differ on refused tails'\n"
-        "assert (a[1:] == -1).all() and na.tolist() == [5 + 37, 950 + 601, 990], na\n")
+        "assert (a[1:] == -1).all() and na.tolist() == [5 + 37, 950 + 601, 990], na\n"
+        "kept = torch.stack([torch.randperm(900)[:37].sort().values for _ in range(12)]).view(3, 4, 37).int() + 5\n"
+        "args = (kept, i(905, 950, 990), i(0, 9, 3), i(5, 6, 7))\n"
+        "pack_move_sources(*args, a, na, fill=True)\n"
+        "_pack_torch(*args, b, nb, True)\n"
+        "assert torch.equal(a, b) and torch.equal(na, nb), 'triton and torch fill packs differ'\n"
+        "assert not torch.equal(a[:, :4, :37], kept), 'fill lists equal the ordered ones'\n")
     run_python(code, TRITON_INTERPRET="1")
 
 
@@ -204,18 +261,20 @@ def _small(device, dtype=torch.bfloat16, mode_rows=1, windows=None, R=3, K=6):
 def test_opcheck(device, dtype):
     pools, table, kept, scored, tail, base = _small(device, dtype, mode_rows=2)
     params = build_compaction_params(pools, table, kept, scored, tail, base, max_tail=5, layer_windows=[0, 3, 0])
-    opcheck(torch.ops.kvops.compaction_pack_move_sources_.default,
-            (kept, scored, tail, base, params.sources, params.new_lengths))
+    for fill in (False, True):
+        opcheck(torch.ops.kvops.compaction_pack_move_sources_.default,
+                (kept, scored, tail, base, params.sources, params.new_lengths, fill))
     opcheck(torch.ops.kvops.compaction_compact_layers_.default,
             (params.pools, table, params.sources, params.new_lengths, base, list(params.layer_row_base),
              list(params.head_row_stride)))
 
 
 @pytest.mark.parametrize("device", DEVICES)
-def test_compile_fullgraph(device):
+@pytest.mark.parametrize("order", ["ordered", "fill"])
+def test_compile_fullgraph(device, order):
     pools, table, kept, scored, tail, base = _small(device, mode_rows=2)
-    expect, expect_len = compact_reference(pools, table, kept, scored, tail, base)
-    params = build_compaction_params(pools, table, kept, scored, tail, base, max_tail=5)
+    expect, expect_len = compact_reference(pools, table, kept, scored, tail, base, order=order)
+    params = build_compaction_params(pools, table, kept, scored, tail, base, max_tail=5, order=order)
 
     def round_(params):
         return compact(params, 3) + 1
@@ -229,12 +288,13 @@ def test_compile_fullgraph(device):
 
 
 @requires_cuda
-def test_cuda_graph_replay_fresh_decisions():
+@pytest.mark.parametrize("order", ["ordered", "fill"])
+def test_cuda_graph_replay_fresh_decisions(order):
     T, H, L, R, K = 32, 2, 3, 4, 12
     geometry = dict(max_pages=8, total_pages=40)
     P, table, kept, scored, tail, base = _batch(R, T, K, H, "cuda", **geometry)
     pools = _pools("hnd", L, P, H, T, 128, torch.bfloat16, "cuda")
-    params = build_compaction_params(pools, table, kept, scored, tail, base, max_tail=5)
+    params = build_compaction_params(pools, table, kept, scored, tail, base, max_tail=5, order=order)
     compact(params, R)  # warm up (Triton compile) outside the capture
     torch.cuda.synchronize()
     graph = torch.cuda.CUDAGraph()
@@ -245,7 +305,7 @@ def test_cuda_graph_replay_fresh_decisions():
             buf.copy_(new)
         for p in pools:
             poison_(p)
-        expect, expect_len = compact_reference(pools, table, kept, scored, tail, base)
+        expect, expect_len = compact_reference(pools, table, kept, scored, tail, base, order=order)
         graph.replay()
         torch.cuda.synchronize()
         assert torch.equal(out.cpu(), expect_len.cpu())
@@ -340,6 +400,7 @@ def test_bad_arguments_raise_before_anything_moves(device):
         (dict(max_tail=2.0), "max_tail"),
         (dict(layer_windows=[0, 1]), "one non-negative int per layer"),
         (dict(layer_windows=[0, 7, 0]), "exceeds the kept count"),
+        (dict(order="shuffled"), "order must be one of"),
     ]
     if device == "cuda":
         cases.append((dict(page_table=table.cpu()), "page_table is on cpu"))

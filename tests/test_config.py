@@ -77,6 +77,7 @@ def test_invalid_values_name_the_field(tmp_path, calibration):
         (lambda: NVFP4ColdPageConfig(global_scale=True), "global_scale"),
         (lambda: NVFP4ColdPageConfig(row_size=True), "row_size"),
         (lambda: TriAttentionConfig(calibration_path=3), "calibration_path"),
+        (lambda: TriAttentionConfig(calibration_path="qwen3-8b", compaction_order="sorted"), "compaction_order"),
     ]
     for make, match in cases:
         with pytest.raises((ValueError, TypeError), match=match):

@@ -7,6 +7,7 @@ from kvops.cache import PagedKVCache
 from kvops.config import NVFP4ColdPageConfig, TriAttentionConfig
 from kvops.manager import (KVCacheCompressionManager, NVFP4ColdPageManager, Request, TriAttentionManager,
                            create_compression_manager)
+from kvops.compaction.reference import fill_order
 from kvops.triattention.reference import select_reference
 
 MODEL = dict(num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=32, rope_theta=1e4)
@@ -27,8 +28,10 @@ def _kv(n):
     return torch.randn(n, 2, 32).bfloat16(), torch.randn(n, 2, 32).bfloat16()
 
 
-def test_rounds_follow_budget_and_beta_and_match_the_reference(calibration):
-    config = TriAttentionConfig(budget=12, beta=5, eviction_mode="per_head", calibration_path=calibration)
+@pytest.mark.parametrize("compaction_order", ["ordered", "fill"])
+def test_rounds_follow_budget_and_beta_and_match_the_reference(calibration, compaction_order):
+    config = TriAttentionConfig(budget=12, beta=5, eviction_mode="per_head", calibration_path=calibration,
+                                compaction_order=compaction_order)
     cache = _cache()
     manager = create_compression_manager(config, cache, MODEL)
     assert isinstance(manager, TriAttentionManager)
@@ -64,7 +67,10 @@ def test_rounds_follow_budget_and_beta_and_match_the_reference(calibration):
             assert cache.length(r) == prompt + 12 + len(tail)
             assert manager.logical_position(r) == start  # evicted tokens still count for positions
             for head in range(2):
-                order = torch.cat([torch.arange(prompt), kept[head].long(), tail])
+                survivors = torch.cat([kept[head].long(), tail])
+                if compaction_order == "fill":
+                    survivors = torch.tensor(fill_order(survivors.tolist(), prompt))
+                order = torch.cat([torch.arange(prompt), survivors])
                 assert torch.equal(cache.read(r)[:, :, :, head], data[:, :, order, head])
             rounds.append((step, r))
         cache.check_invariants()

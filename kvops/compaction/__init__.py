@@ -1,8 +1,8 @@
 """Physical KV compaction: move kept tokens down, in place, in every layer (docs/compaction.md)."""
 
-from .compact import (MODES, CompactionParams, build_compaction_params, check_decisions, compact, compact_layers_,
-                      decision_row, decision_rows, stream_rows)
+from .compact import (MODES, ORDERS, CompactionParams, build_compaction_params, check_decisions, compact,
+                      compact_layers_, decision_row, decision_rows, stream_rows)
 from .pack import pack_move_sources
 
-__all__ = ["MODES", "CompactionParams", "build_compaction_params", "check_decisions", "compact", "compaction_compact_layers_",
-           "decision_row", "decision_rows", "pack_move_sources", "stream_rows"]
+__all__ = ["MODES", "ORDERS", "CompactionParams", "build_compaction_params", "check_decisions", "compact",
+           "compact_layers_", "decision_row", "decision_rows", "pack_move_sources", "stream_rows"]

@@ -54,8 +54,10 @@ class CompactionParams:
     layer_row_base: tuple[int, ...]
     head_row_stride: tuple[int, ...]
     max_tail: int
+    order: str = "ordered"           # or "fill" (ORDERS)
 
 
+ORDERS = ("ordered", "fill")  # how kept tokens land below the new length (kvops/compaction/pack.py)
 MODES = ("union", "per_head", "per_layer_perhead")  # decision layouts: a keep set per request, per KV head, or
                                                     # per (layer, KV head)
 
@@ -91,7 +93,7 @@ def stream_rows(rows: int, layers: int, heads: int, layer_windows: Sequence[int]
 def build_compaction_params(pools: Sequence[torch.Tensor], page_table: torch.Tensor, kept: torch.Tensor,
                             scored_lengths: torch.Tensor, tail_lengths: torch.Tensor,
                             destination_bases: torch.Tensor, *, max_tail: int,
-                            layer_windows: Sequence[int] | None = None) -> CompactionParams:
+                            layer_windows: Sequence[int] | None = None, order: str = "ordered") -> CompactionParams:
     """Bind the buffers of a compaction and allocate its move lists (the only allocation).
 
     Parameters
@@ -112,6 +114,12 @@ def build_compaction_params(pools: Sequence[torch.Tensor], page_table: torch.Ten
     layer_windows : list of int, optional
         Per-layer sliding window (0 = full attention); a window layer keeps its latest K scored tokens instead of
         the decision, so its whole window (<= K) survives and every layer ends at the same length.
+    order : str
+        ``"ordered"``: the kept tokens and the tail end in their old order (every token behind the first evicted
+        one moves down). ``"fill"``: only the kept tokens at or past the new length move, each into an evicted
+        slot below it (at most K + tail - (kept tokens already below the new length) moves per row), so the
+        order of the kept tokens changes; full attention does not care, since keys carry their RoPE phase.
+        Window layers always compact in order. ``params.sources`` holds the permutation either way.
 
     Returns
     -------
@@ -129,6 +137,8 @@ def build_compaction_params(pools: Sequence[torch.Tensor], page_table: torch.Ten
     check_int32(what, device, page_table=(page_table, 2), kept=(kept, 3), scored_lengths=(scored_lengths, 1),
                 tail_lengths=(tail_lengths, 1), destination_bases=(destination_bases, 1))
     check_int(what, "max_tail", max_tail)
+    if order not in ORDERS:
+        raise ValueError(f"{what}: order must be one of {ORDERS}, got {order!r}")
     check_disjoint(what, "pools", pools)
     L, H = len(pools), pools[0].shape[2]
     R, rows, K = kept.shape
@@ -148,7 +158,7 @@ def build_compaction_params(pools: Sequence[torch.Tensor], page_table: torch.Ten
         pools, page_table, kept, scored_lengths, tail_lengths, destination_bases,
         sources=torch.full((R, list_rows, K + max_tail), -1, dtype=torch.int32, device=device),
         new_lengths=torch.zeros(R, dtype=torch.int32, device=device),
-        layer_row_base=row_base, head_row_stride=row_stride, max_tail=max_tail)
+        layer_row_base=row_base, head_row_stride=row_stride, max_tail=max_tail, order=order)
     # A dry run with no requests: the op checks the pools (geometry, dtype, strides, alignment) now, once.
     compact_layers_(pools, page_table[:0], params.sources[:0], params.new_lengths[:0], destination_bases[:0],
                     row_base, row_stride)
@@ -187,7 +197,8 @@ def compact(params: CompactionParams, request_count: int | None = None, *, valid
     if validate or os.environ.get("KVOPS_DEBUG") == "1":
         check_decisions(params, R)
     pack_move_sources(params.kept[:R], params.scored_lengths[:R], params.tail_lengths[:R],
-                      params.destination_bases[:R], params.sources[:R], params.new_lengths[:R])
+                      params.destination_bases[:R], params.sources[:R], params.new_lengths[:R],
+                      fill=params.order == "fill")
     # the bound buffers were checked by build_compaction_params: straight to the op
     torch.ops.kvops.compaction_compact_layers_(params.pools, params.page_table[:R], params.sources[:R],
                                                params.new_lengths[:R], params.destination_bases[:R],

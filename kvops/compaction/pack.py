@@ -7,6 +7,14 @@ Request r gets `list_rows` lists of equal length n_r = K + tail_lengths[r], stor
 - row ``rows`` (only when sources has one more row than kept): the window row, the latest K scored
   tokens ``scored_length - K .. scored_length``, then the tail.
 
+Lists in order (the default) move every kept token behind the first evicted one down. In fill order
+(``fill=True``; the decision rows only, since a sliding-window layer needs its tokens in order) only the
+tokens that sit at or past the new length move, each into an evicted slot below it: with U = the kept
+positions then the tail (ascending) and s of them below the new length, those s stay where they are
+(their list entry is their own position, which the move skips), and the j-th free slot below the new
+length, in ascending order, takes U[s + j]. Either way ``sources[r, row, m]`` is the old position of the
+token that ends at ``destination_bases[r] + m``: the permutation an engine needs for per-slot metadata.
+
 ``new_lengths[r] = destination_bases[r] + n_r``. A request whose tail does not fit (outside
 [0, capacity - K]) gets lists of -1 (nothing moves) and ``new_lengths[r] = scored_length + tail``, its
 length before the round. Padding (rather than ragged offsets) keeps every
@@ -20,36 +28,83 @@ import triton
 import triton.language as tl
 from torch.library import triton_op
 
-from .._checks import check_int32
+from .._checks import check_bool, check_int32
 from .._triton import triton_launcher
 
 _BLOCK = 512
 
 
 @triton.jit
+def _kept_or_tail(kept_row, i, K, scored):
+    """U[i] of a decision row: kept[i] below K, then the tail's positions scored, scored + 1, ..."""
+    return tl.where(i < K, tl.load(kept_row + i, mask=(i >= 0) & (i < K), other=0), scored + (i - K))
+
+
+@triton.jit
 def _pack_kernel(kept, kept_stride_r, kept_stride_row, scored_lengths, tail_lengths, destination_bases,
-                 sources, new_lengths, rows, K, capacity, BLOCK: tl.constexpr):
+                 sources, new_lengths, rows, K, capacity, FILL: tl.constexpr, KP: tl.constexpr, LOG: tl.constexpr,
+                 BLOCK: tl.constexpr):
     r = tl.program_id(0)
     row = tl.program_id(1)
     list_rows = tl.num_programs(1)
     m = tl.program_id(2) * BLOCK + tl.arange(0, BLOCK)
     scored = tl.load(scored_lengths + r)
     tail = tl.load(tail_lengths + r)
+    base = tl.load(destination_bases + r)
     refused = (tail < 0) | (tail > capacity - K)  # a tail the lists cannot hold: the request stays as it is
     in_kept = m < K
+    kept_row = kept + r.to(tl.int64) * kept_stride_r + row * kept_stride_row
     if row < rows:
-        head = tl.load(kept + r.to(tl.int64) * kept_stride_r + row * kept_stride_row + m, mask=in_kept, other=-1)
+        head = tl.load(kept_row + m, mask=in_kept, other=-1)
     else:  # window row: the latest K scored tokens, ascending
         head = scored - K + m
     src = tl.where(in_kept, head, tl.where(m < K + tail, scored + (m - K), -1))
+    if FILL:
+        if row < rows:
+            # Fill: U = kept + tail (ascending), new length base + n. U[0..s) lie below it and stay; the j-th
+            # free position below it (ascending) takes U[s + j]. Position base + m is U[lo] when it stays, where
+            # lo = #stays below it (a binary search over U[0..s)), else the (m - lo)-th free position.
+            n = K + tail
+            end = base + n
+            ks = tl.arange(0, KP)
+            kv = tl.load(kept_row + ks, mask=ks < K, other=2147483647)
+            s = tl.sum((kv < end).to(tl.int32), 0) + tl.minimum(tl.maximum(end - scored, 0), tail)
+            d = base + m
+            lo = tl.zeros([BLOCK], dtype=tl.int32)
+            hi = lo + s
+            for _ in tl.static_range(LOG):
+                active = lo < hi
+                mid = (lo + hi) // 2
+                right = _kept_or_tail(kept_row, mid, K, scored) < d
+                lo = tl.where(active & right, mid + 1, lo)
+                hi = tl.where(active & ~right, mid, hi)
+            stays = (lo < s) & (_kept_or_tail(kept_row, lo, K, scored) == d)
+            src = tl.where(stays, d, _kept_or_tail(kept_row, s + m - lo, K, scored))
+            src = tl.where(m < n, src, -1)
     src = tl.where(refused, -1, src)
     tl.store(sources + (r.to(tl.int64) * list_rows + row) * capacity + m, src, mask=m < capacity)
     if (row == 0) & (tl.program_id(2) == 0):
-        length = tl.where(refused, scored + tl.maximum(tail, 0), tl.load(destination_bases + r) + K + tail)
+        length = tl.where(refused, scored + tl.maximum(tail, 0), base + K + tail)
         tl.store(new_lengths + r, length)
 
 
-def _pack_torch(kept, scored_lengths, tail_lengths, destination_bases, sources, new_lengths):
+def _fill_torch(kept, scored_lengths, tail_lengths, destination_bases, capacity):
+    """The fill-mode lists of the decision rows, [R, rows, capacity] (the kernel's rule, with searchsorted)."""
+    R, rows, K = kept.shape
+    i = torch.arange(capacity, device=kept.device)
+    scored, tail, base = (t.long()[:, None, None] for t in (scored_lengths, tail_lengths, destination_bases))
+    n, big = K + tail, torch.iinfo(torch.int64).max
+    U = torch.where(i < K, torch.nn.functional.pad(kept.long(), (0, capacity - K)), scored + i - K)
+    U = torch.where(i < n, U, big)                                                   # kept + tail, ascending
+    s = (U < base + n).sum(-1, keepdim=True)                                         # how many stay
+    d = base + i
+    lo = torch.searchsorted(torch.where(i < s, U, big).contiguous(), d.expand(R, rows, capacity).contiguous())
+    stays = (lo < s) & (U.gather(-1, lo.clamp(max=capacity - 1)) == d)
+    mover = U.gather(-1, (s + i - lo).clamp(0, capacity - 1))
+    return torch.where(i < n, torch.where(stays, d, mover), -1).int()
+
+
+def _pack_torch(kept, scored_lengths, tail_lengths, destination_bases, sources, new_lengths, fill=False):
     R, rows, K = kept.shape
     m = torch.arange(sources.shape[2], device=kept.device, dtype=torch.int32)
     scored, tail = scored_lengths[:, None], tail_lengths[:, None]
@@ -58,6 +113,8 @@ def _pack_torch(kept, scored_lengths, tail_lengths, destination_bases, sources, 
     if sources.shape[1] > rows:
         sources[:, rows, :K] = scored - K + m[:K]
     sources[:, :, K:] = tail_part[:, None, :]
+    if fill:
+        sources[:, :rows] = _fill_torch(kept, scored_lengths, tail_lengths, destination_bases, sources.shape[2])
     refused = (tail_lengths < 0) | (tail_lengths > sources.shape[2] - K)
     sources.masked_fill_(refused[:, None, None], -1)
     new_lengths.copy_(torch.where(refused, scored_lengths + tail_lengths.clamp(min=0),
@@ -66,26 +123,30 @@ def _pack_torch(kept, scored_lengths, tail_lengths, destination_bases, sources, 
 
 @triton_op("kvops::compaction_pack_move_sources_", mutates_args={"sources", "new_lengths"})
 def _pack_op(kept: torch.Tensor, scored_lengths: torch.Tensor, tail_lengths: torch.Tensor,
-             destination_bases: torch.Tensor, sources: torch.Tensor, new_lengths: torch.Tensor) -> None:
+             destination_bases: torch.Tensor, sources: torch.Tensor, new_lengths: torch.Tensor, fill: bool) -> None:
     R, rows, K = kept.shape
     capacity = sources.shape[2]
     launch = triton_launcher(_pack_kernel, kept.device)
     if launch is None:
-        _pack_torch(kept, scored_lengths, tail_lengths, destination_bases, sources, new_lengths)
+        _pack_torch(kept, scored_lengths, tail_lengths, destination_bases, sources, new_lengths, fill)
         return
     grid = (R, sources.shape[1], max(1, triton.cdiv(capacity, _BLOCK)))  # >= 1: new_lengths even when K + max_tail == 0
     launch[grid](kept, kept.stride(0), kept.stride(1), scored_lengths, tail_lengths,
-                 destination_bases, sources, new_lengths, rows, K, capacity, BLOCK=_BLOCK)
+                 destination_bases, sources, new_lengths, rows, K, capacity, FILL=fill,
+                 KP=triton.next_power_of_2(max(K, 1)), LOG=capacity.bit_length(), BLOCK=_BLOCK)
 
 
 def pack_move_sources(kept: torch.Tensor, scored_lengths: torch.Tensor, tail_lengths: torch.Tensor,
-                      destination_bases: torch.Tensor, sources: torch.Tensor, new_lengths: torch.Tensor) -> None:
+                      destination_bases: torch.Tensor, sources: torch.Tensor, new_lengths: torch.Tensor,
+                      fill: bool = False) -> None:
     """Write the move lists of a batch into ``sources`` [R, list_rows, capacity] and ``new_lengths`` [R].
 
     kept: int32 [R, rows, K]; scored_lengths, tail_lengths, destination_bases: int32 [R].
     list_rows is rows (no window row) or rows + 1; capacity >= K (capacity - K is the tail room).
+    fill: the decision rows' lists in fill order (module docstring); the window row stays in order.
     """
     what = "pack_move_sources"
+    check_bool(what, "fill", fill)
     check_int32(what, kept=(kept, 3), scored_lengths=(scored_lengths, 1), tail_lengths=(tail_lengths, 1),
                 destination_bases=(destination_bases, 1), sources=(sources, 3), new_lengths=(new_lengths, 1))
     R, rows, K = kept.shape
@@ -98,4 +159,4 @@ def pack_move_sources(kept: torch.Tensor, scored_lengths: torch.Tensor, tail_len
     if sources.shape[0] != R or sources.shape[1] not in (rows, rows + 1) or sources.shape[2] < K:
         raise ValueError(f"{what}: sources shape {tuple(sources.shape)} cannot hold the lists of kept "
                          f"{tuple(kept.shape)}: expected [{R}, {rows} or {rows + 1}, >= {K}]")
-    _pack_op(kept, scored_lengths, tail_lengths, destination_bases, sources, new_lengths)
+    _pack_op(kept, scored_lengths, tail_lengths, destination_bases, sources, new_lengths, fill)
