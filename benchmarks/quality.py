@@ -1,0 +1,228 @@
+"""Quality of KV eviction on a real model: next-token agreement with the full cache and loss, teacher-forced.
+
+    python -m benchmarks.quality --model DIR --text FILE [--budgets 64,128,256] [--beta 16] [--window 1024]
+        [--windows 4] [--csv out.csv] [--plot out.png]
+
+Each method is simulated exactly with one attention mask per query row: in decoding with eviction, the token at
+position t attends to what the cache holds at t (the prompt, the kept tokens, the tokens since the last round),
+and its own keys and values come from that same restricted context, so a forward pass whose row t is masked to
+that set computes what decoding with that cache computes, token for token. TriAttention's keep sets come from
+kvops' ``TriAttentionSelector`` on the keys the model computed under the masks of the rows before each round
+(one prefix forward per round), with the calibration measured by ``kvops calibrate`` on the text's first tokens
+(a separate part from the evaluation windows) unless ``--calibration`` names one. Rounds follow the manager: every
+``beta`` tokens once the decode tokens exceed ``budget``.
+
+Methods: ``full``; ``triattention`` in ``union`` and ``per_head`` modes (per_layer_perhead needs a mask per layer,
+which a transformers forward does not take); ``recent`` (the last budget tokens), ``sinks`` (4 sink tokens + the
+last budget - 4) and ``random`` (budget random decode tokens, redrawn each round). On a random-weight model the
+numbers show only that the mechanics run (the output says so).
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import inspect
+import os
+import sys
+
+import torch
+
+from kvops.calibrate import _transformers, calibrate
+from kvops.triattention import TriAttentionSelector, load_calibration
+
+SINKS = 4
+METHODS = ("full", "triattention_union", "triattention_per_head", "recent", "sinks", "random")
+
+
+def _forward(model, ids: torch.Tensor, allowed: torch.Tensor, want_keys: bool):
+    """Logits [n, vocab] (and the per-layer keys [Hkv, n, D] as cached, post-RoPE) with query row t restricted to
+    allowed[h, t, :] (a bool [Hq or 1, n, n] mask)."""
+    transformers = _transformers()
+    mask = torch.zeros(allowed.shape, dtype=model.dtype, device=ids.device)
+    mask.masked_fill_(~allowed, torch.finfo(model.dtype).min)
+    cache = transformers.DynamicCache(config=model.config) if want_keys else None
+    kwarg = "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
+    out = model(input_ids=ids[None], attention_mask=mask[None], use_cache=want_keys, **{kwarg: cache})
+    keys = [layer.keys[0] for layer in cache.layers] if want_keys else None
+    return out.logits[0].float(), keys
+
+
+class Simulation:
+    """Keep sets of one evaluation window, round by round, as a bool mask [heads, n, n] (heads: 1 or Hq)."""
+
+    def __init__(self, model, ids: torch.Tensor, prompt: int, budget: int, beta: int):
+        self.model, self.ids, self.prompt, self.budget, self.beta = model, ids, prompt, budget, beta
+        config = model.config
+        self.Hq, self.Hkv = config.num_attention_heads, config.num_key_value_heads
+        self.n = ids.numel()
+        self.causal = torch.ones(self.n, self.n, dtype=torch.bool, device=ids.device).tril()
+
+    def rounds(self):
+        """(round time t, decode tokens held before it): a round runs before query t once the decode tokens
+        exceed the budget and beta arrived since the last round."""
+        t, held, since = self.prompt, 0, 0
+        while t < self.n:
+            if held > self.budget and since >= self.beta:
+                yield t
+                held, since = self.budget, 0
+            held, since, t = held + 1, since + 1, t + 1
+
+    def run(self, method: str, selector: TriAttentionSelector | None = None, seed: int = 0) -> torch.Tensor:
+        heads = self.Hq if method == "triattention_per_head" else 1
+        allowed = self.causal.expand(heads, -1, -1).clone()
+        if method == "full":
+            return allowed
+        gen = torch.Generator().manual_seed(seed)
+        kept = [torch.arange(self.prompt, self.prompt, device=self.ids.device)] * heads  # decode tokens kept
+        last = self.prompt
+        for t in self.rounds():
+            new = torch.arange(last, t, device=self.ids.device)
+            held = [torch.cat([k, new]) for k in kept]
+            if method.startswith("triattention"):
+                kept = self._select(allowed, t, held, selector)
+            elif method in ("recent", "sinks"):
+                keep = self.budget - (SINKS if method == "sinks" else 0)
+                kept = [h[-keep:] for h in held]
+            else:  # random
+                kept = [h[torch.randperm(h.numel(), generator=gen)[:self.budget].sort().values.to(h.device)]
+                        for h in held]
+            visible = torch.zeros(heads, self.n, dtype=torch.bool, device=self.ids.device)
+            visible[:, :self.prompt] = True
+            if method == "sinks":
+                visible[:, self.prompt:self.prompt + SINKS] = True
+            for h in range(heads):
+                visible[h, kept[h]] = True
+            visible[:, t:] = True                                        # tokens from this round on
+            allowed[:, t:, :] = self.causal[t:] & visible[:, None, :]    # rows until the end; later rounds narrow
+            last = t
+        return allowed
+
+    def _select(self, allowed: torch.Tensor, t: int, held: list[torch.Tensor], selector) -> list[torch.Tensor]:
+        """kvops' keep sets at round t, from the keys the model computed under the rows before t."""
+        _, keys = _forward(self.model, self.ids[:t], allowed[:, :t, :t], want_keys=True)
+        rows, G = len(held), self.Hq // self.Hkv
+        n = self.prompt + held[0].numel()
+        # physical pools [page 0, plane, kv head, slot, dim]: the prompt, then the held decode tokens in order (per
+        # KV head for per_head: a query head's group shares its KV head's keep set)
+        pools = []
+        for k in keys:
+            pool = torch.zeros(1, 2, self.Hkv, n, k.shape[-1], dtype=torch.float32, device=k.device)
+            for g in range(self.Hkv):
+                order = torch.cat([torch.arange(self.prompt, device=k.device), held[min(g * G, rows - 1)]])
+                pool[0, 0, g] = k[g, order].float()
+            pools.append(pool.to(torch.bfloat16))
+        i32 = lambda v: torch.tensor([v], dtype=torch.int32, device=k.device)  # noqa: E731
+        picked = selector.select(pools, i32(0)[None], i32(n), i32(self.prompt), i32(t).long())[0]  # [rows', budget]
+        if rows == 1:
+            return [held[0][picked[0].long() - self.prompt]]
+        return [held[h][picked[h // G].long() - self.prompt] for h in range(rows)]
+
+
+def evaluate(model, windows: list[torch.Tensor], calibration, budgets, beta: int, prompt: int,
+             methods=METHODS, log=print) -> list[dict]:
+    """One row per (method, budget): next-token agreement with the full cache and mean loss over the positions
+    after each window's first round at that budget (the full cache's row at each budget covers the same positions),
+    and the most KV tokens the cache holds."""
+    rows = []
+    for budget in budgets:
+        for method in methods:
+            selector = None
+            if method.startswith("triattention"):
+                selector = TriAttentionSelector(calibration, budget, method.split("_", 1)[1])
+            agree = loss = count = 0
+            held = 0
+            for w, ids in enumerate(windows):
+                sim = Simulation(model, ids, prompt, budget, beta)
+                first = next(sim.rounds(), sim.n)
+                with torch.no_grad():
+                    full, _ = _forward(model, ids, sim.causal[None], want_keys=False)
+                    logits, _ = _forward(model, ids, sim.run(method, selector, seed=w), want_keys=False)
+                span = slice(first, sim.n - 1)
+                agree += int((logits[span].argmax(-1) == full[span].argmax(-1)).sum())
+                loss += float(torch.nn.functional.cross_entropy(logits[span], ids[first + 1:], reduction="sum"))
+                count += sim.n - 1 - first
+                held = sim.n if method == "full" else prompt + budget + beta
+            row = {"method": method, "budget": budget, "beta": beta,
+                   "agreement": agree / max(count, 1), "loss": loss / max(count, 1), "positions": count,
+                   "kv_tokens_max": held}
+            log(f"  {method:>22} budget {row['budget']:>5}: agreement {row['agreement']:.3f}, "
+                f"loss {row['loss']:.3f} over {count} positions")
+            rows.append(row)
+    return rows
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m benchmarks.quality", description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", required=True, help="a local Hugging Face model directory")
+    ap.add_argument("--text", required=True, help="UTF-8 text: calibration part first, evaluation windows after")
+    ap.add_argument("--calibration", help="a calibration file or shipped name (default: calibrate on the text)")
+    ap.add_argument("--calibration-tokens", type=int, default=65536)
+    ap.add_argument("--budgets", default="64,128,256")
+    ap.add_argument("--beta", type=int, default=16)
+    ap.add_argument("--prompt", type=int, default=16, help="prompt tokens of each window (never evicted)")
+    ap.add_argument("--window", type=int, default=1024, help="tokens per evaluation window")
+    ap.add_argument("--windows", type=int, default=4)
+    ap.add_argument("--methods", default=",".join(METHODS))
+    ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    ap.add_argument("--csv")
+    ap.add_argument("--plot")
+    a = ap.parse_args(argv)
+    methods = a.methods.split(",")
+    if set(methods) - set(METHODS):
+        ap.error(f"--methods: unknown {sorted(set(methods) - set(METHODS))}; choose from {METHODS}")
+    budgets = [int(b) for b in a.budgets.split(",")]
+    transformers = _transformers()
+    tokenizer = transformers.AutoTokenizer.from_pretrained(a.model, local_files_only=True)
+    model = transformers.AutoModelForCausalLM.from_pretrained(a.model, local_files_only=True, dtype=torch.float32,
+                                                              attn_implementation="eager").to(a.device).eval()
+    with open(a.text, encoding="utf-8") as f:
+        ids = torch.tensor(tokenizer(f.read())["input_ids"], dtype=torch.int64)
+    config = model.config.to_dict()
+    if a.calibration:
+        calibration = load_calibration(a.calibration, config)
+        evaluation = ids
+    else:
+        split = min(a.calibration_tokens, ids.numel() // 2)
+        calibration = load_calibration(calibrate(model, ids[:split].to(a.device)), config)
+        evaluation = ids[split:]
+    windows = [evaluation[i * a.window:(i + 1) * a.window].to(a.device) for i in range(a.windows)]
+    windows = [w for w in windows if w.numel() == a.window]
+    if not windows:
+        ap.error(f"--text holds fewer than {a.window} evaluation tokens")
+    trained = os.path.isfile(os.path.join(a.model, "model.safetensors")) or os.path.isfile(
+        os.path.join(a.model, "pytorch_model.bin"))
+    print(f"benchmarks.quality: {a.model}, {len(windows)} windows of {a.window} tokens, prompt {a.prompt}, "
+          f"beta {a.beta}" + ("" if trained else " (random weights: mechanics only)"))
+    rows = evaluate(model, windows, calibration, budgets, a.beta, a.prompt, methods)
+    if a.csv:
+        with open(a.csv, "w", newline="") as f:
+            writer = csv.DictWriter(f, fieldnames=list(rows[0]))
+            writer.writeheader()
+            writer.writerows(rows)
+    if a.plot:
+        try:
+            import matplotlib
+
+            matplotlib.use("Agg")
+            import matplotlib.pyplot as plt
+        except ImportError:
+            print("--plot needs matplotlib; skipped", file=sys.stderr)
+        else:
+            fig, ax = plt.subplots(figsize=(6, 4))
+            for method in methods:
+                pts = [(r["budget"], r["loss"]) for r in rows if r["method"] == method]
+                if pts:
+                    ax.plot(*zip(*pts), marker="o", label=method)
+            ax.set_xscale("log", base=2)
+            ax.set_xlabel("budget (decode tokens kept)")
+            ax.set_ylabel("teacher-forced loss (nats/token)")
+            ax.legend()
+            fig.tight_layout()
+            fig.savefig(a.plot)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
