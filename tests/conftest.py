@@ -89,3 +89,25 @@ def paged_pools(cal, prompt, cache, T, device, dtype=torch.bfloat16):
     pools = [torch.randn(P, 2, cal.num_kv_heads, T, D, device=device).to(dtype) for _ in range(cal.num_layers)]
     i32 = lambda v: torch.tensor(v, dtype=torch.int32, device=device)  # noqa: E731
     return pools, table.to(device), i32(cache), i32(prompt)
+
+
+# ---- tiny transformers models (kvops calibrate and the quality harness; transformers imported on use) -------
+
+TINY = dict(vocab_size=512, hidden_size=64, intermediate_size=96, num_hidden_layers=2, max_position_embeddings=256)
+TINY_MODELS = {  # (config class, modeling module, fields): the families and RoPE variants calibrate must measure
+    "qwen3": ("Qwen3Config", "qwen3", dict(num_attention_heads=4, num_key_value_heads=2, head_dim=16)),
+    "llama3": ("LlamaConfig", "llama", dict(num_attention_heads=4, num_key_value_heads=2, rope_parameters=dict(
+        rope_type="llama3", rope_theta=500000.0, factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0,
+        original_max_position_embeddings=64))),
+    "qwen2_gqa7": ("Qwen2Config", "qwen2", dict(hidden_size=112, num_attention_heads=7, num_key_value_heads=1)),
+}
+
+
+def tiny_model(name):
+    """A tiny randomly initialised transformers model of one of TINY_MODELS' families, float32, eval mode."""
+    import transformers
+
+    cls, _, fields = TINY_MODELS[name]
+    torch.manual_seed(0)
+    config = getattr(transformers, cls)(**{**TINY, **fields})
+    return transformers.AutoModelForCausalLM.from_config(config).float().eval()

@@ -7,34 +7,18 @@ import sys
 import pytest
 import torch
 
-from conftest import run_python
+from conftest import TINY, TINY_MODELS, run_python, tiny_model
 
 transformers = pytest.importorskip("transformers")
 
 from kvops.calibrate import calibrate, check_model_config, main  # noqa: E402
 from kvops.triattention import TriAttentionSelector, load_calibration  # noqa: E402
 
-TINY = dict(vocab_size=512, hidden_size=64, intermediate_size=96, num_hidden_layers=2, max_position_embeddings=256)
-MODELS = {  # (config class, modeling module, fields): the families and RoPE variants calibrate must measure
-    "qwen3": ("Qwen3Config", "qwen3", dict(num_attention_heads=4, num_key_value_heads=2, head_dim=16)),
-    "llama3": ("LlamaConfig", "llama", dict(num_attention_heads=4, num_key_value_heads=2, rope_parameters=dict(
-        rope_type="llama3", rope_theta=500000.0, factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0,
-        original_max_position_embeddings=64))),
-    "qwen2_gqa7": ("Qwen2Config", "qwen2", dict(hidden_size=112, num_attention_heads=7, num_key_value_heads=1)),
-}
-
-
-def _model(name):
-    cls, _, fields = MODELS[name]
-    torch.manual_seed(0)
-    config = getattr(transformers, cls)(**{**TINY, **fields})
-    return transformers.AutoModelForCausalLM.from_config(config).float().eval()
-
 
 def _captured_queries(name, model, ids, window):
     """Every query the attention hands to RoPE, [tokens, H, D] per layer, captured by wrapping the modeling
     module's apply_rotary_pos_emb (independent of the hooks calibrate uses)."""
-    module = sys.modules[f"transformers.models.{MODELS[name][1]}.modeling_{MODELS[name][1]}"]
+    module = sys.modules[f"transformers.models.{TINY_MODELS[name][1]}.modeling_{TINY_MODELS[name][1]}"]
     seen, original = [], module.apply_rotary_pos_emb
 
     def capture(q, k, cos, sin, *args, **kwargs):
@@ -52,9 +36,9 @@ def _captured_queries(name, model, ids, window):
     return [torch.cat(seen[layer::L]) for layer in range(L)]  # the layers run in order, once per window
 
 
-@pytest.mark.parametrize("name", sorted(MODELS))
+@pytest.mark.parametrize("name", sorted(TINY_MODELS))
 def test_statistics_equal_the_queries_attention_rotates(name):
-    model = _model(name)
+    model = tiny_model(name)
     ids = torch.randint(0, TINY["vocab_size"], (300,))
     data = calibrate(model, ids, window=128)
     queries = _captured_queries(name, model, ids, 128)
@@ -87,7 +71,7 @@ def test_command_writes_a_file_the_selector_runs_on(tmp_path, capsys):
     text = "def f(x):\n    return [y * 2 for y in range(x) if y % 3]\n" * 60
     (tmp_path / "text.txt").write_text(text)
     model_dir = tmp_path / "model"
-    _model("qwen3").save_pretrained(model_dir)
+    tiny_model("qwen3").save_pretrained(model_dir)
     _tokenizer(text, model_dir)
     out = tmp_path / "cal.pt"
     assert main([str(model_dir), "--text", str(tmp_path / "text.txt"), "--max-tokens", "200", "--window", "64",
@@ -132,30 +116,3 @@ def test_bad_command_lines(tmp_path):
 def test_import_kvops_does_not_import_transformers():
     run_python("import sys, kvops\nassert 'transformers' not in sys.modules, 'import kvops imported transformers'")
 
-
-def test_quality_harness_runs_and_full_cache_agrees_with_itself(tmp_path):
-    """benchmarks.quality on a tiny random model: the mechanics (rounds, masks, kvops keep sets) run, the full cache
-    agrees with itself, and every query row sees exactly the prompt, the budget and itself after a round."""
-    from benchmarks.quality import Simulation, evaluate
-
-    model = _model("qwen3")
-    model.config._attn_implementation = "eager"
-    ids = torch.randint(0, TINY["vocab_size"], (96,))
-    cal = load_calibration(calibrate(model, torch.randint(0, TINY["vocab_size"], (128,))), model.config.to_dict())
-    rows = evaluate(model, [ids], cal, [16], beta=4, prompt=8, log=lambda *a: None)
-    by = {r["method"]: r for r in rows}
-    assert by["full"]["agreement"] == 1.0 and set(by) == {"full", "triattention_union", "triattention_per_head",
-                                                          "recent", "sinks", "random"}
-    assert all(0.0 <= r["agreement"] <= 1.0 and r["loss"] > 0 for r in rows)
-    sim = Simulation(model, ids, prompt=8, budget=16, beta=4)
-    times = list(sim.rounds())
-    assert times[0] == 8 + 17 and all(b - a == 4 for a, b in zip(times, times[1:]))
-    allowed = sim.run("recent")
-    t = times[-1]
-    assert allowed[0, t, :8].all() and allowed[0, t, t - 16:t + 1].all()  # the prompt, the last 16 and itself
-    assert int(allowed[0, t].sum()) == 8 + 16 + 1
-    per_head = sim.run("triattention_per_head", TriAttentionSelector(cal, 16, "per_head"))
-    assert per_head.shape[0] == model.config.num_attention_heads
-    assert (per_head[:, t].sum(-1) == 8 + 16 + 1).all()
-    G = model.config.num_attention_heads // model.config.num_key_value_heads
-    assert torch.equal(per_head[0], per_head[G - 1])  # a KV head's query heads share its keep set
