@@ -22,13 +22,13 @@ from __future__ import annotations
 
 import argparse
 import csv
-import inspect
 import os
 import sys
 
 import torch
 
 from kvops.calibrate import _transformers, calibrate
+from kvops.integrations.transformers import cache_keyword
 from kvops.triattention import TriAttentionSelector, load_calibration
 
 SINKS = 4
@@ -42,8 +42,7 @@ def _forward(model, ids: torch.Tensor, allowed: torch.Tensor, want_keys: bool):
     mask = torch.zeros(allowed.shape, dtype=model.dtype, device=ids.device)
     mask.masked_fill_(~allowed, torch.finfo(model.dtype).min)
     cache = transformers.DynamicCache(config=model.config) if want_keys else None
-    kwarg = "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
-    out = model(input_ids=ids[None], attention_mask=mask[None], use_cache=want_keys, **{kwarg: cache})
+    out = model(input_ids=ids[None], attention_mask=mask[None], use_cache=want_keys, **{cache_keyword(model): cache})
     keys = [layer.keys[0] for layer in cache.layers] if want_keys else None
     return out.logits[0].float(), keys
 

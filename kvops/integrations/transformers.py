@@ -1,0 +1,261 @@
+"""A Hugging Face transformers cache with TriAttention eviction and an NVFP4 host tier.
+
+``TriAttentionCache`` is a ``transformers.Cache`` for ``model.generate(past_key_values=...)`` (or ``cache=`` in
+transformers >= 5.24). Each layer's K and V live in one kvops pool ``[batch, plane, kv_head, slot, head_dim]``
+(a page is a whole sequence, so the page table is ``[[0], [1], ...]``) and the kvops ops run on it unchanged:
+every ``beta`` generated tokens past ``budget``, before the next step reads the cache, a round selects
+(``TriAttentionSelector``) and compacts in place (``kvops.compaction``), on the GPU from a CUDA graph per batch
+size as ``TriAttentionManager`` does.
+
+Positions stay logical. The cache reports the logical length (``get_seq_length``: every token seen, evicted ones
+too), from which the model derives the RoPE positions of new tokens, while the attention masks are sized by what
+the cache physically holds (``get_mask_sizes``, ``get_query_offset``): every held token precedes the new ones, and
+the prompt, where left padding lives, is never evicted, so the padding mask reads the same columns it would
+without eviction. Batch rows advance in lockstep under ``generate`` (one token per step, one prompt length
+after padding), so every row holds the same number of tokens and a round covers the whole batch.
+
+``offload(row)`` / ``onboard(row)`` move one row's KV to pinned host memory through the NVFP4 codec and back (for
+multi-turn sessions); once every row is offloaded the device pools are released.
+"""
+
+from __future__ import annotations
+
+import inspect
+
+import torch
+
+from ..calibrate import _transformers
+from ..compaction import ORDERS
+from ..manager import TriAttentionRound
+from ..nvfp4 import PageBlobCodec, RowSpec
+from ..triattention import Calibration, TriAttentionSelector, load_calibration
+
+_transformers_module = _transformers()
+
+
+class _PoolLayer(_transformers_module.cache_utils.CacheLayerMixin):
+    """One layer's view of the shared pools: the held tokens of plane K and V, ``[batch, kv_head, held, dim]``."""
+
+    is_sliding = False
+
+    def __init__(self, cache: "TriAttentionCache", layer_idx: int):
+        super().__init__()
+        self.cache, self.layer_idx = cache, layer_idx
+
+    def lazy_initialization(self, key_states, value_states) -> None:
+        self.cache._allocate(key_states)
+        self.is_initialized = True
+
+    def update(self, key_states, value_states, *args, **kwargs):
+        if not self.is_initialized:
+            self.lazy_initialization(key_states, value_states)
+        return self.cache._write(self.layer_idx, key_states, value_states)
+
+    def get_seq_length(self) -> int:
+        return self.cache.held
+
+    def get_mask_sizes(self, query_length) -> tuple[int, int]:
+        q = query_length.shape[0] if isinstance(query_length, torch.Tensor) else int(query_length)
+        return self.cache.held + q, 0
+
+    def get_max_length(self) -> int:
+        return -1
+
+    @property
+    def keys(self):
+        return None if self.cache.pools is None else self.cache.pools[self.layer_idx][:, 0, :, :self.cache.held]
+
+    @keys.setter
+    def keys(self, value):  # the base class initialises keys/values; the pools are the storage
+        pass
+
+    @property
+    def values(self):
+        return None if self.cache.pools is None else self.cache.pools[self.layer_idx][:, 1, :, :self.cache.held]
+
+    @values.setter
+    def values(self, value):
+        pass
+
+
+class TriAttentionCache(_transformers_module.Cache):
+    """A transformers cache whose layers are kvops pools, compacted by TriAttention rounds.
+
+    Parameters
+    ----------
+    config : transformers.PretrainedConfig
+        The model's config (layers, heads, RoPE).
+    calibration : str, os.PathLike or Calibration
+        A shipped name (``kvops.triattention.SHIPPED``), a file from ``kvops calibrate``, or a loaded Calibration.
+    budget, beta : int
+        Generated tokens kept per round, and the tokens between rounds: a round runs once a row holds more than
+        ``budget`` generated tokens and ``beta`` arrived since its last round, so it never holds more than
+        ``budget + beta``.
+    mode : str
+        ``"union"``, ``"per_head"`` or ``"per_layer_perhead"`` (``kvops.compaction.MODES``).
+    compaction_order : str
+        ``"ordered"`` or ``"fill"`` (``kvops.compaction.ORDERS``).
+    cuda_graphs : bool
+        Replay each round size from a CUDA graph on the GPU (as ``TriAttentionManager`` does).
+    """
+
+    def __init__(self, config, calibration, *, budget: int = 2048, beta: int = 128, mode: str = "union",
+                 compaction_order: str = "ordered", cuda_graphs: bool = True):
+        what = "TriAttentionCache"
+        model_config = config.to_dict() if hasattr(config, "to_dict") else dict(config)
+        if not isinstance(calibration, Calibration):
+            calibration = load_calibration(calibration, model_config)
+        if isinstance(beta, bool) or not isinstance(beta, int) or beta < 1:
+            raise ValueError(f"{what}: beta must be a positive int, got {beta!r}")
+        if compaction_order not in ORDERS:
+            raise ValueError(f"{what}: compaction_order must be one of {ORDERS}, got {compaction_order!r}")
+        if any(kind != "full_attention" for kind in model_config.get("layer_types") or ()):
+            raise ValueError(f"{what}: the model has {sorted(set(model_config['layer_types']))} layers; this cache "
+                             f"holds full-attention layers only (sliding-window layers need their own eviction)")
+        self.num_layers = model_config["num_hidden_layers"]
+        super().__init__(layers=[_PoolLayer(self, i) for i in range(self.num_layers)])
+        self.selector = TriAttentionSelector(calibration, budget, mode, max_decode=budget + beta)
+        self.budget, self.beta, self.order, self.cuda_graphs = budget, beta, compaction_order, cuda_graphs
+        self.pools: list[torch.Tensor] | None = None  # per layer [batch, 2, kv_head, capacity, dim]
+        self.held = 0              # tokens each row holds (physical)
+        self.evicted = 0           # tokens each row has dropped (logical length = held + evicted)
+        self.prompt = 0            # the first update's length: never evicted
+        self.since_round = 0
+        self.slot_positions: torch.Tensor | None = None  # logical position of each slot, [batch, rows, capacity]
+        # each round: (the logical position of the first token after it, the kept logical positions of its
+        # generated tokens [batch, rows, budget] in slot order)
+        self.rounds: list[tuple[int, torch.Tensor]] = []
+        self._round: TriAttentionRound | None = None
+        self._host: torch.Tensor | None = None
+        self._offloaded: set[int] = set()
+
+    # -- what transformers asks -------------------------------------------------------------------------------
+    def get_seq_length(self, layer_idx: int = 0) -> int:
+        """The logical length: every token seen (evicted ones too), from which the model takes RoPE positions."""
+        return self.held + self.evicted
+
+    def get_query_offset(self, layer_idx: int = 0) -> int:
+        self._settle()
+        return self.held
+
+    def get_mask_sizes(self, query_length, layer_idx: int = 0) -> tuple[int, int]:
+        self._settle()
+        return self.layers[layer_idx].get_mask_sizes(query_length)
+
+    @property
+    def device(self) -> torch.device:
+        return self.pools[0].device
+
+    def views(self) -> list[torch.Tensor]:
+        """The per-layer pools as kvops' 5-D [page, plane, head, token, dim] views (a page is a batch row)."""
+        return self.pools
+
+    # -- storage ----------------------------------------------------------------------------------------------
+    def _allocate(self, key_states: torch.Tensor) -> None:
+        if self.pools is not None:
+            return
+        if key_states.dtype not in (torch.bfloat16, torch.float16):
+            raise TypeError(f"TriAttentionCache: the kvops kernels hold bfloat16 or float16 KV, got {key_states.dtype}; "
+                            f"load the model in one of them")
+        B, H, q, D = key_states.shape
+        self.prompt = q
+        capacity = q + self.budget + self.beta + 1
+        self.pools = [torch.zeros(B, 2, H, capacity, D, dtype=key_states.dtype, device=key_states.device)
+                      for _ in range(self.num_layers)]
+        self.slot_positions = torch.arange(capacity, device=key_states.device).expand(
+            B, self.selector.rows, capacity).clone()
+
+    def _write(self, layer_idx: int, key_states: torch.Tensor, value_states: torch.Tensor):
+        q, start = key_states.shape[2], self.held
+        pool = self.pools[layer_idx]
+        if layer_idx == 0:
+            if self._offloaded:
+                raise RuntimeError(f"TriAttentionCache: rows {sorted(self._offloaded)} are offloaded; onboard them "
+                                   f"before generating")
+            self._settle()
+            start = self.held
+            if start + q > pool.shape[3]:
+                raise RuntimeError(f"TriAttentionCache: {start + q} tokens do not fit the {pool.shape[3]} slots; a "
+                                   f"step may add at most beta + 1 tokens past the prompt")
+            logical = start + self.evicted
+            self.slot_positions[..., start:start + q] = torch.arange(logical, logical + q, device=pool.device)
+            self.since_round += q if start else 0
+        end = start + q
+        pool[:, 0, :, start:end] = key_states
+        pool[:, 1, :, start:end] = value_states
+        if layer_idx == self.num_layers - 1:
+            self.held = end
+        return pool[:, 0, :, :end], pool[:, 1, :, :end]
+
+    # -- eviction ---------------------------------------------------------------------------------------------
+    def _settle(self) -> None:
+        """Run a due round. It runs when the cache is next read (the next forward sizes its masks before any layer
+        writes), so every layer of a step sees the same held tokens."""
+        if self.pools is not None and not self._offloaded and \
+                self.held - self.prompt > self.budget and self.since_round >= self.beta:
+            self._compress()
+
+    def _compress(self) -> None:
+        """One round over the whole batch, before the next token is written: keep `budget` generated tokens."""
+        B = self.pools[0].shape[0]
+        if self._round is None:
+            self._round = TriAttentionRound(self.selector, self, B, 1, 0, self.cuda_graphs, self.order)
+        table = torch.arange(B, dtype=torch.int32)[:, None]
+        self._round.run(table, [self.held] * B, [self.prompt] * B, [0] * B, [self.held + self.evicted] * B)
+        # what landed at prompt + m came from slot sources[m] (the move's own lists): follow the logical positions
+        landed = self._round.params.sources[:B, :self.selector.rows, :self.budget].long()
+        end = self.prompt + self.budget
+        self.slot_positions[..., self.prompt:end] = self.slot_positions.gather(-1, landed)
+        self.rounds.append((self.held + self.evicted, self.slot_positions[..., self.prompt:end].clone()))
+        self.evicted += self.held - end
+        self.held = end
+        self.since_round = 0
+
+    # -- host tier --------------------------------------------------------------------------------------------
+    def _codec(self) -> PageBlobCodec:
+        D = self.pools[0].shape[-1]
+        return PageBlobCodec(self.pools, [RowSpec.full(D, plane_dim=1)] * self.num_layers)
+
+    def offload(self, row: int) -> None:
+        """Encode batch row `row` into pinned host memory (NVFP4); the device pools go once every row is out."""
+        if self.pools is None or not 0 <= row < self.pools[0].shape[0] or row in self._offloaded:
+            raise ValueError(f"TriAttentionCache.offload: row {row!r} is not a resident batch row")
+        codec = self._codec()
+        if self._host is None:
+            self._host = codec.allocate(self.pools[0].shape[0])
+        pairs = torch.tensor([[row, row]], dtype=torch.int32, device=self.device)
+        codec.encode(self.pools, self._host, pairs)
+        self._offloaded.add(row)
+        if len(self._offloaded) == self.pools[0].shape[0]:
+            torch.cuda.synchronize() if self.device.type == "cuda" else None
+            self._shapes = [(p.shape, p.dtype, p.device) for p in self.pools]
+            self.pools = None
+
+    def onboard(self, row: int) -> None:
+        """Decode batch row `row` back from the host tier into the device pools (reallocated if released)."""
+        if row not in self._offloaded:
+            raise ValueError(f"TriAttentionCache.onboard: row {row!r} is not offloaded")
+        if self.pools is None:
+            self.pools = [torch.zeros(s, dtype=t, device=d) for s, t, d in self._shapes]
+            self._round = None  # its buffers were bound to the released pools
+        codec = self._codec()
+        pairs = torch.tensor([[row, row]], dtype=torch.int32, device=self.device)
+        codec.decode(self._host, self.pools, pairs)
+        self._offloaded.discard(row)
+
+
+def cache_keyword(model) -> str:
+    """The keyword ``generate`` and ``forward`` take a cache by: ``cache`` from transformers 5.24 on (where
+    ``past_key_values`` is deprecated), ``past_key_values`` before."""
+    return "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
+
+
+def kv_bytes(cache: TriAttentionCache) -> int:
+    """Bytes of K and V the cache holds on the device (the held slots of every layer)."""
+    if cache.pools is None:
+        return 0
+    p = cache.pools[0]
+    return cache.num_layers * p.shape[0] * 2 * p.shape[2] * cache.held * p.shape[4] * p.dtype.itemsize
+
+
+__all__ = ["TriAttentionCache", "cache_keyword", "kv_bytes"]

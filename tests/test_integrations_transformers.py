@@ -1,0 +1,142 @@
+"""kvops.integrations.transformers: TriAttentionCache under model.generate on tiny random models.
+
+The decisive check: with eviction, every generated token's logits equal those of one forward pass over the whole
+sequence in which each query row sees exactly what the cache held at that step (the recorded keep sets), at the
+token's logical RoPE position. A wrong position or mask would show as a difference; there is none (bf16, exact).
+"""
+
+import pytest
+import torch
+
+from conftest import TINY, bytes_of, tiny_model
+
+transformers = pytest.importorskip("transformers")
+
+from benchmarks.quality import _forward  # noqa: E402
+from kvops.calibrate import calibrate  # noqa: E402
+from kvops.integrations.transformers import TriAttentionCache, cache_keyword, kv_bytes  # noqa: E402
+from kvops.triattention import load_calibration  # noqa: E402
+from kvops.triattention.reference import select_reference  # noqa: E402
+
+
+def _setup(name="qwen3"):
+    model = tiny_model(name).to(torch.bfloat16)
+    model.config._attn_implementation = "eager"  # the simulation's 4-D float masks
+    cal = load_calibration(calibrate(model, torch.randint(0, TINY["vocab_size"], (256,))), model.config.to_dict())
+    return model, cal
+
+
+def _with(model, cache) -> dict:
+    """The keyword that hands generate a cache: `cache` from transformers 5.24 on, `past_key_values` before."""
+    return {cache_keyword(model): cache}
+
+
+def _generate(model, ids, cache, n, **kw):
+    return model.generate(ids, max_new_tokens=n, do_sample=False, return_dict_in_generate=True, output_logits=True,
+                          **_with(model, cache), **kw)
+
+
+@pytest.mark.parametrize("name", ["qwen3", "llama3"])
+def test_no_eviction_generates_what_the_default_cache_does(name):
+    model, cal = _setup(name)
+    ids = torch.randint(1, TINY["vocab_size"], (2, 12))
+    mask = torch.ones_like(ids)
+    mask[1, :3] = 0  # left padding in row 1
+    want = model.generate(ids, attention_mask=mask, max_new_tokens=30, do_sample=False)
+    cache = TriAttentionCache(model.config, cal, budget=64, beta=8)
+    got = model.generate(ids, attention_mask=mask, max_new_tokens=30, do_sample=False, **_with(model, cache))
+    assert torch.equal(got, want) and not cache.rounds and cache.get_seq_length() == 12 + 29
+
+
+@pytest.mark.parametrize("mode", ["union", "per_head"])
+@pytest.mark.parametrize("order", ["ordered", "fill"])
+def test_with_eviction_logits_equal_attention_over_what_the_cache_holds(mode, order):
+    model, cal = _setup()
+    prompt, budget, beta, steps = 10, 16, 4, 44
+    ids = torch.randint(1, TINY["vocab_size"], (1, prompt))
+    cache = TriAttentionCache(model.config, cal, budget=budget, beta=beta, mode=mode, compaction_order=order)
+    out = _generate(model, ids, cache, steps)
+    seq, n = out.sequences[0], out.sequences.shape[1]
+    assert len(cache.rounds) >= 5 and cache.held <= prompt + budget + beta
+    assert cache.pools[0].shape[3] == prompt + budget + beta + 1  # the memory never grows past that
+    assert kv_bytes(cache) < 2 * cache.num_layers * 2 * 2 * (n - 1) * 16  # held bytes, below the full sequence's
+    Hq, Hkv = model.config.num_attention_heads, model.config.num_key_value_heads
+    heads = Hq if mode == "per_head" else 1
+    causal = torch.ones(n, n, dtype=torch.bool).tril()
+    allowed = causal.expand(heads, -1, -1).clone()
+    for t, kept in cache.rounds:
+        assert kept.shape == (1, Hkv if mode == "per_head" else 1, budget) and (kept >= prompt).all()
+        visible = torch.zeros(heads, n, dtype=torch.bool)
+        visible[:, :prompt] = True
+        visible[:, t:] = True
+        for h in range(heads):
+            visible[h, kept[0, h // (Hq // Hkv) if mode == "per_head" else 0]] = True
+        allowed[:, t:] = causal[t:] & visible[:, None]
+    with torch.no_grad():
+        sim, _ = _forward(model, seq, allowed, want_keys=False)
+        full, _ = _forward(model, seq, causal[None], want_keys=False)
+    logits = torch.stack(out.logits, 1)[0].float()  # step i predicts position prompt + i
+    torch.testing.assert_close(logits, sim[prompt - 1:n - 1], rtol=0, atol=0)
+    after = cache.rounds[0][0] - prompt + 1
+    assert (logits[after:] - full[prompt - 1 + after:n - 1]).abs().max() > 1e-3  # eviction did change something
+
+
+def test_rounds_keep_what_the_reference_selects():
+    """Each round's kept tokens are the float64 reference's selection over the same held keys."""
+    model, cal = _setup()
+    cache = TriAttentionCache(model.config, cal, budget=12, beta=4, mode="per_layer_perhead")
+    snapshots, compress = [], cache._compress
+
+    def recorded():
+        snapshots.append(([p.clone() for p in cache.pools], cache.held, cache.evicted,
+                          cache.slot_positions.clone()))
+        compress()
+
+    cache._compress = recorded
+    _generate(model, torch.randint(1, TINY["vocab_size"], (2, 8)), cache, 30)
+    assert len(snapshots) == len(cache.rounds) >= 3
+    for (pools, held, evicted, slots), (t, kept) in zip(snapshots, cache.rounds):
+        B = pools[0].shape[0]
+        i32 = lambda v: torch.full((B,), v, dtype=torch.int32)  # noqa: E731
+        ref, _ = select_reference(pools, torch.arange(B, dtype=torch.int32)[:, None], i32(held), i32(8),
+                                  i32(held + evicted), cal, 12, "per_layer_perhead")
+        assert t == held + evicted
+        assert torch.equal(kept.sort(-1).values, slots.gather(-1, ref.long()).sort(-1).values)
+
+
+def test_offload_and_onboard_round_trip_through_nvfp4():
+    model, cal = _setup()
+    ids = torch.randint(1, TINY["vocab_size"], (2, 10))
+    cache = TriAttentionCache(model.config, cal, budget=16, beta=4)
+    out = model.generate(ids, max_new_tokens=30, do_sample=False, **_with(model, cache))
+    before = [p[:, :, :, :cache.held].float().clone() for p in cache.pools]
+    cache.offload(0)
+    with pytest.raises(RuntimeError, match="offloaded"):
+        model.generate(out, max_new_tokens=2, do_sample=False, **_with(model, cache))
+    cache.offload(1)
+    assert cache.pools is None and kv_bytes(cache) == 0
+    with pytest.raises(ValueError, match="not offloaded"):
+        cache.onboard(5)
+    cache.onboard(1)
+    cache.onboard(0)
+    for p, b in zip(cache.pools, before):
+        got = p[:, :, :, :cache.held].float()
+        assert (got - b).norm() / b.norm() < 0.15 and not torch.equal(bytes_of(got), bytes_of(b))  # codec error only
+    more = model.generate(out, max_new_tokens=8, do_sample=False, **_with(model, cache))
+    assert torch.equal(more[:, :out.shape[1]], out) and more.shape[1] == out.shape[1] + 8
+
+
+def test_refusals():
+    model, cal = _setup()
+    with pytest.raises(ValueError, match="beta"):
+        TriAttentionCache(model.config, cal, budget=16, beta=0)
+    with pytest.raises(ValueError, match="compaction_order"):
+        TriAttentionCache(model.config, cal, compaction_order="shuffled")
+    with pytest.raises(TypeError, match="bfloat16 or float16"):
+        model.float().generate(torch.randint(1, 99, (1, 4)), max_new_tokens=2,
+                               **_with(model, TriAttentionCache(model.config, cal, budget=16, beta=4)))
+    sliding = transformers.Qwen3Config(**{**TINY, "num_attention_heads": 4, "num_key_value_heads": 2,
+                                          "head_dim": 16, "layer_types": ["full_attention", "sliding_attention"],
+                                          "sliding_window": 8, "use_sliding_window": True})
+    with pytest.raises(ValueError, match="full-attention layers only"):
+        TriAttentionCache(sliding, cal)
