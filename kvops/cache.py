@@ -172,14 +172,13 @@ class PagedKVCache:
         reqs = self._distinct("PagedKVCache.compact", rids)
         if any(r.slots is not None for r in reqs):
             raise ValueError("PagedKVCache.compact: offloaded requests cannot be compacted")
+        params = build_compaction_params(self.views(), self.page_table(rids), kept, scored_lengths, tail_lengths,
+                                         destination_bases, max_tail=max_tail, order=order)  # checks the arguments
         if validate:
-            ends = (scored_lengths.long() + tail_lengths.long()).tolist() if len(reqs) == scored_lengths.shape[0] \
-                == tail_lengths.shape[0] else None
-            if ends is None or ends != [r.length for r in reqs]:
+            ends = (scored_lengths.long() + tail_lengths.long()).tolist()
+            if ends != [r.length for r in reqs]:
                 raise ValueError(f"PagedKVCache.compact: scored_lengths + tail_lengths ({ends}) must equal the "
                                  f"requests' lengths {[r.length for r in reqs]}")
-        params = build_compaction_params(self.views(), self.page_table(rids), kept, scored_lengths, tail_lengths,
-                                         destination_bases, max_tail=max_tail, order=order)
         new_lengths = compact(params, len(reqs), validate=validate).tolist()
         self.shrink(rids, new_lengths)
         return torch.tensor(new_lengths, dtype=torch.int32)
