@@ -13,7 +13,7 @@ import torch
 import kvops  # noqa: F401
 
 from . import bench_compaction, bench_nvfp4, bench_triattention
-from .common import markdown_table, print_table, write_csv
+from .common import markdown_table, print_table, pyplot, write_csv
 
 FAMILIES = {"nvfp4": bench_nvfp4, "compaction": bench_compaction, "triattention": bench_triattention}
 
@@ -50,22 +50,14 @@ def main(argv=None) -> int:
     if args.md:
         with open(args.md, "w") as f:
             f.write("\n".join(md) + "\n")
-    if args.plot:
-        try:
-            import matplotlib
-
-            matplotlib.use("Agg")
-            import matplotlib.pyplot as plt
-        except ImportError:
-            print("--plot needs matplotlib; skipped", file=sys.stderr)
-        else:
-            fig, ax = plt.subplots(figsize=(10, 0.3 * len(all_rows) + 1))
-            labels = [f"{r.family}:{r.routine} {r.dtype} {r.shape[:24]}" for r in all_rows]
-            ax.barh(labels, [r.pct_of_limit for r in all_rows])
-            ax.axvline(90, color="k", ls="--")
-            ax.set_xlabel("% of measured limit")
-            fig.tight_layout()
-            fig.savefig(args.plot)
+    if args.plot and (plt := pyplot()) is not None:
+        fig, ax = plt.subplots(figsize=(10, 0.3 * len(all_rows) + 1))
+        labels = [f"{r.family}:{r.routine} {r.dtype} {r.shape[:24]}" for r in all_rows]
+        ax.barh(labels, [r.pct_of_limit for r in all_rows])
+        ax.axvline(90, color="k", ls="--")
+        ax.set_xlabel("% of measured limit")
+        fig.tight_layout()
+        fig.savefig(args.plot)
     return 0
 
 

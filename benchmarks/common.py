@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import statistics
+import sys
 from dataclasses import asdict, dataclass, fields
 
 import torch
@@ -99,3 +100,16 @@ def write_csv(rows: list[Row], path: str) -> None:
         w.writeheader()
         for r in rows:
             w.writerow(asdict(r))
+
+
+def pyplot():
+    """matplotlib.pyplot on the Agg backend, or None (said on stderr) where matplotlib is not installed."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print("--plot needs matplotlib; skipped", file=sys.stderr)
+        return None
+    return plt

@@ -31,6 +31,8 @@ from kvops.calibrate import _transformers, calibrate
 from kvops.integrations.transformers import cache_keyword
 from kvops.triattention import TriAttentionSelector, load_calibration
 
+from .common import pyplot
+
 SINKS = 4
 METHODS = ("full", "triattention_union", "triattention_per_head", "recent", "sinks", "random")
 
@@ -200,26 +202,18 @@ def main(argv: list[str] | None = None) -> int:
             writer = csv.DictWriter(f, fieldnames=list(rows[0]))
             writer.writeheader()
             writer.writerows(rows)
-    if a.plot:
-        try:
-            import matplotlib
-
-            matplotlib.use("Agg")
-            import matplotlib.pyplot as plt
-        except ImportError:
-            print("--plot needs matplotlib; skipped", file=sys.stderr)
-        else:
-            fig, ax = plt.subplots(figsize=(6, 4))
-            for method in methods:
-                pts = [(r["budget"], r["loss"]) for r in rows if r["method"] == method]
-                if pts:
-                    ax.plot(*zip(*pts), marker="o", label=method)
-            ax.set_xscale("log", base=2)
-            ax.set_xlabel("budget (decode tokens kept)")
-            ax.set_ylabel("teacher-forced loss (nats/token)")
-            ax.legend()
-            fig.tight_layout()
-            fig.savefig(a.plot)
+    if a.plot and (plt := pyplot()) is not None:
+        fig, ax = plt.subplots(figsize=(6, 4))
+        for method in methods:
+            pts = [(r["budget"], r["loss"]) for r in rows if r["method"] == method]
+            if pts:
+                ax.plot(*zip(*pts), marker="o", label=method)
+        ax.set_xscale("log", base=2)
+        ax.set_xlabel("budget (decode tokens kept)")
+        ax.set_ylabel("teacher-forced loss (nats/token)")
+        ax.legend()
+        fig.tight_layout()
+        fig.savefig(a.plot)
     return 0
 
 
