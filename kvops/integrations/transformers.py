@@ -128,6 +128,7 @@ class TriAttentionCache(_transformers_module.Cache):
         self._round: TriAttentionRound | None = None
         self._host: torch.Tensor | None = None
         self._offloaded: set[int] = set()
+        self._writing = False      # between a step's first and last layer: no round may move tokens then
 
     # -- what transformers asks -------------------------------------------------------------------------------
     def get_seq_length(self, layer_idx: int = 0) -> int:
@@ -180,18 +181,19 @@ class TriAttentionCache(_transformers_module.Cache):
             logical = start + self.evicted
             self.slot_positions[..., start:start + q] = torch.arange(logical, logical + q, device=pool.device)
             self.since_round += q if start else 0
+            self._writing = self.num_layers > 1
         end = start + q
         pool[:, 0, :, start:end] = key_states
         pool[:, 1, :, start:end] = value_states
         if layer_idx == self.num_layers - 1:
-            self.held = end
+            self.held, self._writing = end, False
         return pool[:, 0, :, :end], pool[:, 1, :, :end]
 
     # -- eviction ---------------------------------------------------------------------------------------------
     def _settle(self) -> None:
         """Run a due round. It runs when the cache is next read (the next forward sizes its masks before any layer
         writes), so every layer of a step sees the same held tokens."""
-        if self.pools is not None and not self._offloaded and \
+        if self.pools is not None and not self._offloaded and not self._writing and \
                 self.held - self.prompt > self.budget and self.since_round >= self.beta:
             self._compress()
 
