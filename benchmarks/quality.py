@@ -12,9 +12,9 @@ kvops' ``TriAttentionSelector`` on the keys the model computed under the masks o
 (a separate part from the evaluation windows) unless ``--calibration`` names one. Rounds follow the manager: every
 ``beta`` tokens once the decode tokens exceed ``budget``.
 
-Methods: ``full``; ``triattention`` in ``union`` and ``per_head`` modes (per_layer_perhead needs a mask per layer,
-which a transformers forward does not take); ``recent`` (the last budget tokens), ``sinks`` (4 sink tokens + the
-last budget - 4) and ``random`` (budget random decode tokens, redrawn each round). On a random-weight model the
+Methods: ``full``; ``triattention`` in ``union``, ``per_head`` and ``per_layer_perhead`` modes (a mask per layer
+reaches each layer's attention through a forward pre-hook); ``recent`` (the last budget tokens), ``sinks`` (4 sink
+tokens + the last budget - 4) and ``random`` (budget random decode tokens, redrawn each round). On a random-weight model the
 numbers show only that the mechanics run (the output says so).
 """
 
@@ -34,34 +34,51 @@ from kvops.triattention import TriAttentionSelector, load_calibration
 from .common import pyplot
 
 SINKS = 4
-METHODS = ("full", "triattention_union", "triattention_per_head", "recent", "sinks", "random")
+METHODS = ("full", "triattention_union", "triattention_per_head", "triattention_per_layer_perhead", "recent", "sinks",
+           "random")
 
 
 def _forward(model, ids: torch.Tensor, allowed: torch.Tensor, want_keys: bool):
-    """Logits [n, vocab] (and the per-layer keys [Hkv, n, D] as cached, post-RoPE) with query row t restricted to
-    allowed[h, t, :] (a bool [Hq or 1, n, n] mask)."""
+    """Logits [n, vocab] (and the per-layer keys [Hkv, n, D] as cached, post-RoPE) with query row t of layer l and
+    head h restricted to allowed[l, h, t, :] (a bool [1 or L, 1 or Hq, n, n] mask; one per layer goes to each
+    layer's attention through a forward pre-hook, since a transformers forward takes one mask for all layers)."""
     transformers = _transformers()
     mask = torch.zeros(allowed.shape, dtype=model.dtype, device=ids.device)
     mask.masked_fill_(~allowed, torch.finfo(model.dtype).min)
     cache = transformers.DynamicCache(config=model.config) if want_keys else None
-    out = model(input_ids=ids[None], attention_mask=mask[None], use_cache=want_keys, **{cache_keyword(model): cache})
+    hooks = []
+    if mask.shape[0] > 1:
+        attentions = {m.layer_idx: m for m in model.modules() if hasattr(m, "q_proj") and hasattr(m, "layer_idx")}
+
+        def per_layer(layer):
+            def hook(module, args, kwargs):
+                return args, {**kwargs, "attention_mask": mask[layer][None]}
+            return hook
+        hooks = [attentions[layer].register_forward_pre_hook(per_layer(layer), with_kwargs=True)
+                 for layer in range(mask.shape[0])]
+    try:
+        out = model(input_ids=ids[None], attention_mask=mask[:1], use_cache=want_keys,
+                    **{cache_keyword(model): cache})
+    finally:
+        for hook in hooks:
+            hook.remove()
     keys = [layer.keys[0] for layer in cache.layers] if want_keys else None
     return out.logits[0].float(), keys
 
 
 class Simulation:
-    """Keep sets of one evaluation window, round by round, as a bool mask [heads, n, n] (heads: 1 or Hq)."""
+    """Keep sets of one evaluation window, round by round, as a bool mask [1 or L, 1 or Hq, n, n]."""
 
     def __init__(self, model, ids: torch.Tensor, prompt: int, budget: int, beta: int):
         self.model, self.ids, self.prompt, self.budget, self.beta = model, ids, prompt, budget, beta
         config = model.config
-        self.Hq, self.Hkv = config.num_attention_heads, config.num_key_value_heads
+        self.L, self.Hq, self.Hkv = config.num_hidden_layers, config.num_attention_heads, config.num_key_value_heads
         self.n = ids.numel()
         self.causal = torch.ones(self.n, self.n, dtype=torch.bool, device=ids.device).tril()
 
     def rounds(self):
-        """(round time t, decode tokens held before it): a round runs before query t once the decode tokens
-        exceed the budget and beta arrived since the last round."""
+        """The times t at which a round runs, before query t: once the decode tokens held exceed the budget and
+        beta arrived since the last round."""
         t, held, since = self.prompt, 0, 0
         while t < self.n:
             if held > self.budget and since >= self.beta:
@@ -70,54 +87,58 @@ class Simulation:
             held, since, t = held + 1, since + 1, t + 1
 
     def run(self, method: str, selector: TriAttentionSelector | None = None, seed: int = 0) -> torch.Tensor:
-        heads = self.Hq if method == "triattention_per_head" else 1
-        allowed = self.causal.expand(heads, -1, -1).clone()
+        layers = self.L if method == "triattention_per_layer_perhead" else 1
+        heads = self.Hq if method in ("triattention_per_head", "triattention_per_layer_perhead") else 1
+        allowed = self.causal.expand(layers, heads, -1, -1).clone()
         if method == "full":
             return allowed
         gen = torch.Generator().manual_seed(seed)
-        kept = [torch.arange(self.prompt, self.prompt, device=self.ids.device)] * heads  # decode tokens kept
+        device = self.ids.device
+        kept = [[torch.arange(self.prompt, self.prompt, device=device)] * heads] * layers  # decode tokens kept
         last = self.prompt
         for t in self.rounds():
-            new = torch.arange(last, t, device=self.ids.device)
-            held = [torch.cat([k, new]) for k in kept]
+            new = torch.arange(last, t, device=device)
+            held = [[torch.cat([k, new]) for k in row] for row in kept]
             if method.startswith("triattention"):
                 kept = self._select(allowed, t, held, selector)
             elif method in ("recent", "sinks"):
                 keep = self.budget - (SINKS if method == "sinks" else 0)
-                kept = [h[-keep:] for h in held]
+                kept = [[h[-keep:] for h in row] for row in held]
             else:  # random
-                kept = [h[torch.randperm(h.numel(), generator=gen)[:self.budget].sort().values.to(h.device)]
-                        for h in held]
-            visible = torch.zeros(heads, self.n, dtype=torch.bool, device=self.ids.device)
-            visible[:, :self.prompt] = True
+                kept = [[h[torch.randperm(h.numel(), generator=gen)[:self.budget].sort().values.to(device)]
+                         for h in row] for row in held]
+            visible = torch.zeros(layers, heads, self.n, dtype=torch.bool, device=device)
+            visible[..., :self.prompt] = True
             if method == "sinks":
-                visible[:, self.prompt:self.prompt + SINKS] = True
-            for h in range(heads):
-                visible[h, kept[h]] = True
-            visible[:, t:] = True                                        # tokens from this round on
-            allowed[:, t:, :] = self.causal[t:] & visible[:, None, :]    # rows until the end; later rounds narrow
+                visible[..., self.prompt:self.prompt + SINKS] = True
+            for layer in range(layers):
+                for h in range(heads):
+                    visible[layer, h, kept[layer][h]] = True
+            visible[..., t:] = True                                          # tokens from this round on
+            allowed[:, :, t:, :] = self.causal[t:] & visible[:, :, None, :]  # rows to the end; later rounds narrow
             last = t
         return allowed
 
-    def _select(self, allowed: torch.Tensor, t: int, held: list[torch.Tensor], selector) -> list[torch.Tensor]:
-        """kvops' keep sets at round t, from the keys the model computed under the rows before t."""
-        _, keys = _forward(self.model, self.ids[:t], allowed[:, :t, :t], want_keys=True)
-        rows, G = len(held), self.Hq // self.Hkv
-        n = self.prompt + held[0].numel()
-        # physical pools [page 0, plane, kv head, slot, dim]: the prompt, then the held decode tokens in order (per
-        # KV head for per_head: a query head's group shares its KV head's keep set)
-        pools = []
-        for k in keys:
-            pool = torch.zeros(1, 2, self.Hkv, n, k.shape[-1], dtype=torch.float32, device=k.device)
+    def _select(self, allowed: torch.Tensor, t: int, held: list, selector) -> list:
+        """kvops' keep sets at round t, from the keys the model computed under the rows before t: held[l][h] are
+        the decode tokens (layer l, query head h) holds, all of one count; a KV head's query heads share its set."""
+        _, keys = _forward(self.model, self.ids[:t], allowed[:, :, :t, :t], want_keys=True)
+        G = self.Hq // self.Hkv
+        n = self.prompt + held[0][0].numel()
+        prompt = torch.arange(self.prompt, device=self.ids.device)
+        pools = []  # physical pools [page 0, plane, kv head, slot, dim]: the prompt, then the held tokens in order
+        for layer, k in enumerate(keys):
+            row = held[min(layer, len(held) - 1)]
+            pool = torch.zeros(1, 2, self.Hkv, n, k.shape[-1], dtype=torch.bfloat16, device=k.device)
             for g in range(self.Hkv):
-                order = torch.cat([torch.arange(self.prompt, device=k.device), held[min(g * G, rows - 1)]])
-                pool[0, 0, g] = k[g, order].float()
-            pools.append(pool.to(torch.bfloat16))
-        i32 = lambda v: torch.tensor([v], dtype=torch.int32, device=k.device)  # noqa: E731
-        picked = selector.select(pools, i32(0)[None], i32(n), i32(self.prompt), i32(t).long())[0]  # [rows', budget]
-        if rows == 1:
-            return [held[0][picked[0].long() - self.prompt]]
-        return [held[h][picked[h // G].long() - self.prompt] for h in range(rows)]
+                pool[0, 0, g] = k[g, torch.cat([prompt, row[min(g * G, len(row) - 1)]])]
+            pools.append(pool)
+        i32 = lambda v: torch.tensor([v], dtype=torch.int32, device=self.ids.device)  # noqa: E731
+        picked = selector.select(pools, i32(0)[None], i32(n), i32(self.prompt), i32(t).long())[0].long() - self.prompt
+        # picked rows: 1 (union), Hkv (per_head) or L * Hkv (per_layer_perhead, row l * Hkv + g)
+        rows = picked.shape[0]
+        return [[held[layer][h][picked[0 if rows == 1 else (layer * self.Hkv if rows > self.Hkv else 0) + h // G]]
+                 for h in range(len(held[layer]))] for layer in range(len(held))]
 
 
 def evaluate(model, windows: list[torch.Tensor], calibration, budgets, beta: int, prompt: int,
@@ -137,7 +158,7 @@ def evaluate(model, windows: list[torch.Tensor], calibration, budgets, beta: int
                 sim = Simulation(model, ids, prompt, budget, beta)
                 first = next(sim.rounds(), sim.n)
                 with torch.no_grad():
-                    full, _ = _forward(model, ids, sim.causal[None], want_keys=False)
+                    full, _ = _forward(model, ids, sim.causal[None, None], want_keys=False)
                     logits, _ = _forward(model, ids, sim.run(method, selector, seed=w), want_keys=False)
                 span = slice(first, sim.n - 1)
                 agree += int((logits[span].argmax(-1) == full[span].argmax(-1)).sum())

@@ -52,7 +52,7 @@ def test_no_eviction_generates_what_the_default_cache_does(name, device):
 
 
 @pytest.mark.parametrize("device", DEVICES)
-@pytest.mark.parametrize("mode", ["union", "per_head"])
+@pytest.mark.parametrize("mode", ["union", "per_head", "per_layer_perhead"])
 @pytest.mark.parametrize("order", ["ordered", "fill"])
 def test_with_eviction_logits_equal_attention_over_what_the_cache_holds(mode, order, device):
     """On the GPU the rounds replay from CUDA graphs (the first of each batch size is captured)."""
@@ -65,21 +65,23 @@ def test_with_eviction_logits_equal_attention_over_what_the_cache_holds(mode, or
     assert len(cache.rounds) >= 5 and cache.held <= prompt + budget + beta
     assert cache.pools[0].shape[3] == prompt + budget + beta + 1  # the memory never grows past that
     assert kv_bytes(cache) < 2 * cache.num_layers * 2 * 2 * (n - 1) * 16  # held bytes, below the full sequence's
-    Hq, Hkv = model.config.num_attention_heads, model.config.num_key_value_heads
-    heads = Hq if mode == "per_head" else 1
+    L, Hq, Hkv = model.config.num_hidden_layers, model.config.num_attention_heads, model.config.num_key_value_heads
+    layers = L if mode == "per_layer_perhead" else 1
+    heads = 1 if mode == "union" else Hq
     causal = torch.ones(n, n, dtype=torch.bool, device=device).tril()
-    allowed = causal.expand(heads, -1, -1).clone()
-    for t, kept in cache.rounds:
-        assert kept.shape == (1, Hkv if mode == "per_head" else 1, budget) and (kept >= prompt).all()
-        visible = torch.zeros(heads, n, dtype=torch.bool, device=device)
-        visible[:, :prompt] = True
-        visible[:, t:] = True
-        for h in range(heads):
-            visible[h, kept[0, h // (Hq // Hkv) if mode == "per_head" else 0]] = True
-        allowed[:, t:] = causal[t:] & visible[:, None]
+    allowed = causal.expand(layers, heads, -1, -1).clone()
+    for t, kept in cache.rounds:  # kept [1, rows, budget]: row 0, KV head g, or layer l's KV head g at l * Hkv + g
+        assert kept.shape == (1, layers * (1 if mode == "union" else Hkv), budget) and (kept >= prompt).all()
+        visible = torch.zeros(layers, heads, n, dtype=torch.bool, device=device)
+        visible[..., :prompt] = True
+        visible[..., t:] = True
+        for layer in range(layers):
+            for h in range(heads):
+                visible[layer, h, kept[0, 0 if mode == "union" else layer * Hkv + h // (Hq // Hkv)]] = True
+        allowed[:, :, t:] = causal[t:] & visible[:, :, None]
     with torch.no_grad():
         sim, _ = _forward(model, seq, allowed, want_keys=False)
-        full, _ = _forward(model, seq, causal[None], want_keys=False)
+        full, _ = _forward(model, seq, causal[None, None], want_keys=False)
     logits = torch.stack(out.logits, 1)[0].float()  # step i predicts position prompt + i
     exact = device == "cpu"  # the GPU's GEMMs may sum a decode step and a full pass in different orders
     torch.testing.assert_close(logits, sim[prompt - 1:n - 1], rtol=0 if exact else 1e-2, atol=0 if exact else 3e-2)

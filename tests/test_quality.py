@@ -13,7 +13,7 @@ from conftest import TINY, tiny_model  # noqa: E402
 def test_quality_harness_runs_and_full_cache_agrees_with_itself(tmp_path):
     """benchmarks.quality on a tiny random model: the mechanics (rounds, masks, kvops keep sets) run, the full cache
     agrees with itself, and every query row sees exactly the prompt, the budget and itself after a round."""
-    from benchmarks.quality import Simulation, evaluate
+    from benchmarks.quality import METHODS, Simulation, evaluate
 
     model = tiny_model("qwen3")
     model.config._attn_implementation = "eager"
@@ -21,18 +21,20 @@ def test_quality_harness_runs_and_full_cache_agrees_with_itself(tmp_path):
     cal = load_calibration(calibrate(model, torch.randint(0, TINY["vocab_size"], (128,))), model.config.to_dict())
     rows = evaluate(model, [ids], cal, [16], beta=4, prompt=8, log=lambda *a: None)
     by = {r["method"]: r for r in rows}
-    assert by["full"]["agreement"] == 1.0 and set(by) == {"full", "triattention_union", "triattention_per_head",
-                                                          "recent", "sinks", "random"}
+    assert by["full"]["agreement"] == 1.0 and set(by) == set(METHODS)
     assert all(0.0 <= r["agreement"] <= 1.0 and r["loss"] > 0 for r in rows)
     sim = Simulation(model, ids, prompt=8, budget=16, beta=4)
     times = list(sim.rounds())
     assert times[0] == 8 + 17 and all(b - a == 4 for a, b in zip(times, times[1:]))
     allowed = sim.run("recent")
     t = times[-1]
-    assert allowed[0, t, :8].all() and allowed[0, t, t - 16:t + 1].all()  # the prompt, the last 16 and itself
-    assert int(allowed[0, t].sum()) == 8 + 16 + 1
-    per_head = sim.run("triattention_per_head", TriAttentionSelector(cal, 16, "per_head"))
-    assert per_head.shape[0] == model.config.num_attention_heads
-    assert (per_head[:, t].sum(-1) == 8 + 16 + 1).all()
+    assert allowed.shape == (1, 1, 96, 96)
+    assert allowed[0, 0, t, :8].all() and allowed[0, 0, t, t - 16:t + 1].all()  # the prompt, the last 16, itself
+    assert int(allowed[0, 0, t].sum()) == 8 + 16 + 1
     G = model.config.num_attention_heads // model.config.num_key_value_heads
-    assert torch.equal(per_head[0], per_head[G - 1])  # a KV head's query heads share its keep set
+    for mode in ("per_head", "per_layer_perhead"):
+        masks = sim.run(f"triattention_{mode}", TriAttentionSelector(cal, 16, mode))
+        layers = model.config.num_hidden_layers if mode == "per_layer_perhead" else 1
+        assert masks.shape == (layers, model.config.num_attention_heads, 96, 96)
+        assert (masks[:, :, t].sum(-1) == 8 + 16 + 1).all()
+        assert torch.equal(masks[:, 0], masks[:, G - 1])  # a KV head's query heads share its keep set
