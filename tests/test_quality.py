@@ -38,3 +38,33 @@ def test_quality_harness_runs_and_full_cache_agrees_with_itself(tmp_path):
         assert masks.shape == (layers, model.config.num_attention_heads, 96, 96)
         assert (masks[:, :, t].sum(-1) == 8 + 16 + 1).all()
         assert torch.equal(masks[:, 0], masks[:, G - 1])  # a KV head's query heads share its keep set
+
+
+@pytest.mark.parametrize("mode", ["union", "per_head", "per_layer_perhead"])
+def test_harness_keeps_what_decoding_with_the_kvops_cache_keeps(mode):
+    """Two independent paths to the same keep sets: the harness (pools rebuilt from masked forwards each round) and
+    TriAttentionCache fed the same tokens one by one (slots tracked through the compactions)."""
+    from benchmarks.quality import Simulation
+    from kvops.integrations.transformers import TriAttentionCache, cache_keyword
+
+    model = tiny_model("qwen3").to(torch.bfloat16)
+    model.config._attn_implementation = "eager"
+    cal = load_calibration(calibrate(model, torch.randint(0, TINY["vocab_size"], (256,))), model.config.to_dict())
+    seq, prompt, budget, beta = torch.randint(1, TINY["vocab_size"], (70,)), 10, 16, 4
+    cache = TriAttentionCache(model.config, cal, budget=budget, beta=beta, mode=mode)
+    with torch.no_grad():
+        model(input_ids=seq[None, :prompt], **{cache_keyword(model): cache})
+        for t in range(prompt, seq.numel()):
+            model(input_ids=seq[None, t:t + 1], **{cache_keyword(model): cache})
+    sim, chosen = Simulation(model, seq, prompt, budget, beta), []
+    select = sim._select
+    sim._select = lambda *args: chosen.append(select(*args)) or chosen[-1]
+    sim.run(f"triattention_{mode}", TriAttentionSelector(cal, budget, mode))
+    Hkv = model.config.num_key_value_heads
+    G = model.config.num_attention_heads // Hkv
+    assert len(chosen) == len(cache.rounds) >= 10
+    for (_, kept), sets in zip(cache.rounds, chosen):
+        for layer, heads in enumerate(sets):
+            for h in range(0, len(heads), G):
+                row = 0 if mode == "union" else h // G + (layer * Hkv if mode == "per_layer_perhead" else 0)
+                assert sorted(kept[0, row].tolist()) == sorted(heads[h].tolist())
