@@ -141,11 +141,18 @@ class Simulation:
                  for h in range(len(held[layer]))] for layer in range(len(held))]
 
 
+def _token_bytes(model) -> int:
+    """K and V bytes of one token across the layers, held in bf16 (what the kvops pools hold)."""
+    c = model.config
+    head_dim = getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
+    return c.num_hidden_layers * 2 * c.num_key_value_heads * head_dim * torch.bfloat16.itemsize
+
+
 def evaluate(model, windows: list[torch.Tensor], calibration, budgets, beta: int, prompt: int,
              methods=METHODS, log=print) -> list[dict]:
     """One row per (method, budget): next-token agreement with the full cache and mean loss over the positions
     after each window's first round at that budget (the full cache's row at each budget covers the same positions),
-    and the most KV tokens the cache holds."""
+    and the most KV tokens (and MiB in bf16) a sequence's cache holds."""
     rows = []
     for budget in budgets:
         for method in methods:
@@ -167,7 +174,7 @@ def evaluate(model, windows: list[torch.Tensor], calibration, budgets, beta: int
                 held = sim.n if method == "full" else prompt + budget + beta
             row = {"method": method, "budget": budget, "beta": beta,
                    "agreement": agree / max(count, 1), "loss": loss / max(count, 1), "positions": count,
-                   "kv_tokens_max": held}
+                   "kv_tokens_max": held, "kv_mib_bf16": held * _token_bytes(model) / 2**20}
             log(f"  {method:>22} budget {row['budget']:>5}: agreement {row['agreement']:.3f}, "
                 f"loss {row['loss']:.3f} over {count} positions")
             rows.append(row)
