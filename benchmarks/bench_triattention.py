@@ -12,6 +12,11 @@ Rows:
               user would write for ascending keep sets), same inputs; bytes: the scores read once.
   topk_eager  the same call without a graph (includes Python and DLPack argument overhead).
   mean_phase  the coefficient kernel for 32 requests, Qwen3-8B (F = 64), from a graph.
+  round_steady*  the round where serving runs it: R in {1, 8, 32, 128} due requests of prompt 1024 + 2176 decode
+              tokens (budget 2048 + beta 128), pages of 32, HND pools with K and V planes, modes union and
+              per_layer_perhead, compaction ordered and fill: `_select` (TriAttentionSelector), `_compact` and the
+              whole round as the manager runs it (TriAttentionRound), each from a graph. Floor: the decode tokens'
+              K read once plus, read and written, the bytes fill order must move, at the copy bandwidth.
 """
 
 from __future__ import annotations
@@ -21,7 +26,7 @@ from types import SimpleNamespace
 import torch
 import triton
 
-from kvops.compaction import decision_rows
+from kvops.compaction import compact, decision_rows
 from kvops.triattention import Calibration, TriAttentionSelector, mean_phase
 from kvops.triattention.score import CHUNK, STATS, _reduce_torch, _score_torch, reduce_rows, score
 from kvops.triattention.topk import topk
@@ -67,6 +72,7 @@ def run(quick: bool = False) -> tuple[list[Row], list[str]]:
              "Every row is timed with L2 flushed before each call. In a round the top-k's scores were just written by "
              "the reduce, so rows that fit in L2 (50 MB) are L2-resident in real use and run faster than shown."]
     notes += _round(rows_out, copy_gbps, quick)
+    notes += _round_steady(rows_out, copy_gbps, quick)
     return rows_out, notes
 
 
@@ -119,4 +125,71 @@ def _round(rows_out: list[Row], copy_gbps: float, quick: bool) -> list[str]:
         floor = k_bytes / copy_gbps / 1e3
         notes.append(f"round_{mode}: {us / 1e3:.2f} ms = {us / floor:.2f}x the floor of reading K once at the copy "
                      f"bandwidth ({floor / 1e3:.2f} ms); eager torch {base / 1e3:.1f} ms.")
+    return notes
+
+
+def steady_workload(R: int, device: str = "cuda", layers: int = 36, prompt: int = 1024, budget: int = 2048,
+                    beta: int = 128, page_size: int = 32) -> SimpleNamespace:
+    """R due requests as the manager sees them: Qwen3-8B heads (32/8, head_dim 128, bf16), HND pools with K and V
+    planes, prompt + budget + beta tokens each on shuffled pages, synthetic statistics."""
+    Hq, Hkv, D = 32, 8, 128
+    F, n = D // 2, prompt + budget + beta
+    per = triton.cdiv(n, page_size)
+    cal = Calibration(torch.randn(layers, Hq, F, dtype=torch.complex64), torch.rand(layers, Hq, F) + 1,
+                      1e6 ** -(torch.arange(F) / F), torch.ones(F), Hkv, D)
+    pools = [torch.randn(R * per, 2, Hkv, page_size, D, device=device, dtype=torch.bfloat16) for _ in range(layers)]
+    return SimpleNamespace(cal=cal, L=layers, Hkv=Hkv, D=D, R=R, n=n, prompt=prompt, budget=budget, beta=beta,
+                           pools=pools, table=torch.randperm(R * per, dtype=torch.int32).view(R, per),
+                           device=torch.device(device))
+
+
+def steady_round(w: SimpleNamespace, mode: str, order: str, cuda_graphs: bool):
+    """The manager's device half of a round over the workload, run once (on the GPU: captured for replays)."""
+    from kvops.manager import TriAttentionRound
+
+    selector = TriAttentionSelector(w.cal, w.budget, mode, max_decode=w.budget + 2 * w.beta)
+    cache = SimpleNamespace(device=w.device, views=lambda: w.pools)
+    rnd = TriAttentionRound(selector, cache, w.R, w.table.shape[1], w.beta, cuda_graphs, order)
+    table = torch.nn.functional.pad(w.table, (0, rnd.width - w.table.shape[1]), value=-1)  # its bound width
+    rnd.run(table, [w.n] * w.R, [w.prompt] * w.R, [0] * w.R, [w.n] * w.R)
+    return selector, rnd
+
+
+def fill_moved_bytes(w: SimpleNamespace, rnd) -> int:
+    """Bytes a fill-order round moves (each read once and written once; counted once here), from its lists: an
+    entry moves when its source is not its own destination. A union row serves every layer and KV head, a per-head
+    row every layer, a per-(layer, head) row one stream; each stream is K and V planes of head_dim bf16 values."""
+    p = rnd.params
+    R, rows, K = w.R, p.kept.shape[1], p.kept.shape[2]
+    lists = p.sources[:R, :rows, :K]
+    moved = int((lists != w.prompt + torch.arange(K, device=lists.device)).sum())
+    return moved * (w.L * w.Hkv // rows) * 2 * w.D * 2
+
+
+def _round_steady(rows_out: list[Row], copy_gbps: float, quick: bool) -> list[str]:
+    notes = []
+    for R in ((1, 8) if quick else (1, 8, 32, 128)):
+        w = steady_workload(R)
+        k_bytes = w.L * R * (w.budget + w.beta) * w.Hkv * w.D * 2
+        for mode in ("union", "per_layer_perhead"):
+            floor_bytes = None
+            for order in ("fill", "ordered"):  # fill first: its lists give the floor for both
+                selector, rnd = steady_round(w, mode, order, cuda_graphs=True)
+                if floor_bytes is None:
+                    floor_bytes = k_bytes + 2 * fill_moved_bytes(w, rnd)
+                pt, lengths = rnd.page_table[:R], rnd.lengths[:, :R]
+                select_us = time_us(_graphed(lambda: selector.select(w.pools, pt, lengths[0], lengths[1],
+                                                                     lengths[3])), iters=10)
+                compact_us = time_us(_graphed(lambda: compact(rnd.params, R)), iters=10)
+                round_us = time_us(rnd.graphs[R].replay, iters=10)
+                shape = f"R={R} {w.prompt}+{w.budget + w.beta} L={w.L} Hkv={w.Hkv} {mode} {order}"
+                for routine, us, nbytes in (("round_steady_select", select_us, k_bytes),
+                                            ("round_steady_compact", compact_us, floor_bytes - k_bytes),
+                                            ("round_steady", round_us, floor_bytes)):
+                    rows_out.append(Row.make(FAMILY, routine, shape, "bfloat16", us, nbytes, copy_gbps))
+                floor = floor_bytes / copy_gbps / 1e3
+                notes.append(f"round_steady {shape}: {round_us:.0f} us = {round_us / floor:.2f}x its floor "
+                             f"({floor:.0f} us); select {select_us:.0f} us, compact {compact_us:.0f} us.")
+        del w
+        torch.cuda.empty_cache()
     return notes
