@@ -27,7 +27,7 @@ import sys
 
 import torch
 
-from kvops.calibrate import _transformers, calibrate
+from kvops.calibrate import calibrate, require_transformers
 from kvops.integrations.transformers import cache_keyword
 from kvops.triattention import TriAttentionSelector, load_calibration
 
@@ -42,7 +42,7 @@ def _forward(model, ids: torch.Tensor, allowed: torch.Tensor, want_keys: bool):
     """Logits [n, vocab] (and the per-layer keys [Hkv, n, D] as cached, post-RoPE) with query row t of layer l and
     head h restricted to allowed[l, h, t, :] (a bool [1 or L, 1 or Hq, n, n] mask; one per layer goes to each
     layer's attention through a forward pre-hook, since a transformers forward takes one mask for all layers)."""
-    transformers = _transformers()
+    transformers = require_transformers()
     mask = torch.zeros(allowed.shape, dtype=model.dtype, device=ids.device)
     mask.masked_fill_(~allowed, torch.finfo(model.dtype).min)
     cache = transformers.DynamicCache(config=model.config) if want_keys else None
@@ -202,7 +202,7 @@ def main(argv: list[str] | None = None) -> int:
     if set(methods) - set(METHODS):
         ap.error(f"--methods: unknown {sorted(set(methods) - set(METHODS))}; choose from {METHODS}")
     budgets = [int(b) for b in a.budgets.split(",")]
-    transformers = _transformers()
+    transformers = require_transformers()
     tokenizer = transformers.AutoTokenizer.from_pretrained(a.model, local_files_only=True)
     model = transformers.AutoModelForCausalLM.from_pretrained(a.model, local_files_only=True, dtype=torch.float32,
                                                               attn_implementation="eager").to(a.device).eval()

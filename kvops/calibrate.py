@@ -45,7 +45,8 @@ def check_model_config(config: Mapping[str, Any]) -> None:
     rope_parameters(config)  # a RoPE kvops can reproduce (raises ValueError naming the problem)
 
 
-def _transformers():
+def require_transformers():
+    """The transformers module (>= MIN_TRANSFORMERS), or an ImportError that says how to install it."""
     try:
         import transformers
     except ImportError as e:
@@ -176,7 +177,7 @@ def main(argv: list[str] | None = None) -> int:
             pass
     except OSError as e:
         ap.error(f"--out {a.out}: cannot write there ({e.strerror})")
-    transformers = _transformers()
+    transformers = require_transformers()
     config = transformers.AutoConfig.from_pretrained(a.model_dir, local_files_only=True)
     try:
         check_model_config(config.to_dict())

@@ -24,13 +24,13 @@ import inspect
 
 import torch
 
-from ..calibrate import _transformers
+from ..calibrate import require_transformers
 from ..compaction import ORDERS
 from ..manager import TriAttentionRound
 from ..nvfp4 import PageBlobCodec, RowSpec
 from ..triattention import Calibration, TriAttentionSelector, load_calibration
 
-_transformers_module = _transformers()
+_transformers_module = require_transformers()
 
 
 class _PoolLayer(_transformers_module.cache_utils.CacheLayerMixin):
