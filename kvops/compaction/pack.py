@@ -35,57 +35,67 @@ _BLOCK = 512
 
 
 @triton.jit
-def _kept_or_tail(kept_row, i, K, scored):
-    """U[i] of a decision row: kept[i] below K, then the tail's positions scored, scored + 1, ..."""
-    return tl.where(i < K, tl.load(kept_row + i, mask=(i >= 0) & (i < K), other=0), scored + (i - K))
-
-
-@triton.jit
 def _pack_kernel(kept, kept_stride_r, kept_stride_row, scored_lengths, tail_lengths, destination_bases,
-                 sources, new_lengths, rows, K, capacity, FILL: tl.constexpr, KP: tl.constexpr, LOG: tl.constexpr,
-                 BLOCK: tl.constexpr):
+                 sources, new_lengths, rows, K, capacity, BLOCK: tl.constexpr):
     r = tl.program_id(0)
     row = tl.program_id(1)
     list_rows = tl.num_programs(1)
     m = tl.program_id(2) * BLOCK + tl.arange(0, BLOCK)
     scored = tl.load(scored_lengths + r)
     tail = tl.load(tail_lengths + r)
-    base = tl.load(destination_bases + r)
     refused = (tail < 0) | (tail > capacity - K)  # a tail the lists cannot hold: the request stays as it is
     in_kept = m < K
-    kept_row = kept + r.to(tl.int64) * kept_stride_r + row * kept_stride_row
     if row < rows:
-        head = tl.load(kept_row + m, mask=in_kept, other=-1)
+        head = tl.load(kept + r.to(tl.int64) * kept_stride_r + row * kept_stride_row + m, mask=in_kept, other=-1)
     else:  # window row: the latest K scored tokens, ascending
         head = scored - K + m
     src = tl.where(in_kept, head, tl.where(m < K + tail, scored + (m - K), -1))
-    if FILL:
-        if row < rows:
-            # Fill: U = kept + tail (ascending), new length base + n. U[0..s) lie below it and stay; the j-th
-            # free position below it (ascending) takes U[s + j]. Position base + m is U[lo] when it stays, where
-            # lo = #stays below it (a binary search over U[0..s)), else the (m - lo)-th free position.
-            n = K + tail
-            end = base + n
-            ks = tl.arange(0, KP)
-            kv = tl.load(kept_row + ks, mask=ks < K, other=2147483647)
-            s = tl.sum((kv < end).to(tl.int32), 0) + tl.minimum(tl.maximum(end - scored, 0), tail)
-            d = base + m
-            lo = tl.zeros([BLOCK], dtype=tl.int32)
-            hi = lo + s
-            for _ in tl.static_range(LOG):
-                active = lo < hi
-                mid = (lo + hi) // 2
-                right = _kept_or_tail(kept_row, mid, K, scored) < d
-                lo = tl.where(active & right, mid + 1, lo)
-                hi = tl.where(active & ~right, mid, hi)
-            stays = (lo < s) & (_kept_or_tail(kept_row, lo, K, scored) == d)
-            src = tl.where(stays, d, _kept_or_tail(kept_row, s + m - lo, K, scored))
-            src = tl.where(m < n, src, -1)
     src = tl.where(refused, -1, src)
     tl.store(sources + (r.to(tl.int64) * list_rows + row) * capacity + m, src, mask=m < capacity)
     if (row == 0) & (tl.program_id(2) == 0):
-        length = tl.where(refused, scored + tl.maximum(tail, 0), base + K + tail)
+        length = tl.where(refused, scored + tl.maximum(tail, 0), tl.load(destination_bases + r) + K + tail)
         tl.store(new_lengths + r, length)
+
+
+@triton.jit
+def _kept_or_tail(kept_row, i, K, scored):
+    """U[i] of a decision row: kept[i] below K, then the tail's positions scored, scored + 1, ..."""
+    return tl.where(i < K, tl.load(kept_row + i, mask=(i >= 0) & (i < K), other=0), scored + (i - K))
+
+
+@triton.jit
+def _fill_kernel(kept, kept_stride_r, kept_stride_row, scored_lengths, tail_lengths, destination_bases, sources,
+                 list_rows, K, capacity, KP: tl.constexpr, LOG: tl.constexpr, BLOCK: tl.constexpr):
+    """Rewrites a decision row's list in fill order (after _pack_kernel; grid (request, decision row, block)).
+    U = kept + tail (ascending), new length base + n: U[0..s) lie below it and stay; the j-th free position below
+    it (ascending) takes U[s + j]. Position base + m is U[lo] when it stays, where lo = #stays below it (a binary
+    search over U[0..s)), else the (m - lo)-th free position."""
+    r = tl.program_id(0)
+    row = tl.program_id(1)  # a decision row; sources may hold one more (the window row), which stays in order
+    m = tl.program_id(2) * BLOCK + tl.arange(0, BLOCK)
+    scored = tl.load(scored_lengths + r)
+    tail = tl.load(tail_lengths + r)
+    base = tl.load(destination_bases + r)
+    refused = (tail < 0) | (tail > capacity - K)  # left as _pack_kernel wrote it (-1)
+    kept_row = kept + r.to(tl.int64) * kept_stride_r + row * kept_stride_row
+    n = K + tail
+    end = base + n
+    ks = tl.arange(0, KP)
+    kv = tl.load(kept_row + ks, mask=ks < K, other=2147483647)
+    s = tl.sum((kv < end).to(tl.int32), 0) + tl.minimum(tl.maximum(end - scored, 0), tail)
+    d = base + m
+    lo = tl.zeros([BLOCK], dtype=tl.int32)
+    hi = lo + s
+    for _ in tl.static_range(LOG):
+        active = lo < hi
+        mid = (lo + hi) // 2
+        right = _kept_or_tail(kept_row, mid, K, scored) < d
+        lo = tl.where(active & right, mid + 1, lo)
+        hi = tl.where(active & ~right, mid, hi)
+    stays = (lo < s) & (_kept_or_tail(kept_row, lo, K, scored) == d)
+    src = tl.where(stays, d, _kept_or_tail(kept_row, s + m - lo, K, scored))
+    src = tl.where(m < n, src, -1)
+    tl.store(sources + (r.to(tl.int64) * list_rows + row) * capacity + m, src, mask=(m < capacity) & ~refused)
 
 
 def _fill_torch(kept, scored_lengths, tail_lengths, destination_bases, capacity):
@@ -132,8 +142,12 @@ def _pack_op(kept: torch.Tensor, scored_lengths: torch.Tensor, tail_lengths: tor
         return
     grid = (R, sources.shape[1], max(1, triton.cdiv(capacity, _BLOCK)))  # >= 1: new_lengths even when K + max_tail == 0
     launch[grid](kept, kept.stride(0), kept.stride(1), scored_lengths, tail_lengths,
-                 destination_bases, sources, new_lengths, rows, K, capacity, FILL=fill,
-                 KP=triton.next_power_of_2(max(K, 1)), LOG=capacity.bit_length(), BLOCK=_BLOCK)
+                 destination_bases, sources, new_lengths, rows, K, capacity, BLOCK=_BLOCK)
+    if fill and rows:  # the decision rows' lists again, in fill order (the window row keeps its order)
+        triton_launcher(_fill_kernel, kept.device)[(R, rows, grid[2])](
+            kept, kept.stride(0), kept.stride(1), scored_lengths, tail_lengths, destination_bases, sources,
+            sources.shape[1], K, capacity, KP=triton.next_power_of_2(max(K, 1)), LOG=capacity.bit_length(),
+            BLOCK=_BLOCK)
 
 
 def pack_move_sources(kept: torch.Tensor, scored_lengths: torch.Tensor, tail_lengths: torch.Tensor,
