@@ -27,6 +27,7 @@ import torch
 import triton
 
 from kvops.compaction import compact, decision_rows
+from kvops.manager import TriAttentionRound
 from kvops.triattention import Calibration, TriAttentionSelector, mean_phase
 from kvops.triattention.score import CHUNK, STATS, _reduce_torch, _score_torch, reduce_rows, score
 from kvops.triattention.topk import topk
@@ -145,8 +146,6 @@ def steady_workload(R: int, device: str = "cuda", layers: int = 36, prompt: int 
 
 def steady_round(w: SimpleNamespace, mode: str, order: str, cuda_graphs: bool):
     """The manager's device half of a round over the workload, run once (on the GPU: captured for replays)."""
-    from kvops.manager import TriAttentionRound
-
     selector = TriAttentionSelector(w.cal, w.budget, mode, max_decode=w.budget + 2 * w.beta)
     cache = SimpleNamespace(device=w.device, views=lambda: w.pools)
     rnd = TriAttentionRound(selector, cache, w.R, w.table.shape[1], w.beta, cuda_graphs, order)

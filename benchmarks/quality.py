@@ -14,8 +14,8 @@ kvops' ``TriAttentionSelector`` on the keys the model computed under the masks o
 
 Methods: ``full``; ``triattention`` in ``union``, ``per_head`` and ``per_layer_perhead`` modes (a mask per layer
 reaches each layer's attention through a forward pre-hook); ``recent`` (the last budget tokens), ``sinks`` (4 sink
-tokens + the last budget - 4) and ``random`` (budget random decode tokens, redrawn each round). On a random-weight model the
-numbers show only that the mechanics run (the output says so).
+tokens + the last budget - 4) and ``random`` (budget random decode tokens, redrawn each round). On a random-weight
+model the numbers show only that the mechanics run (the output says so).
 """
 
 from __future__ import annotations

@@ -13,7 +13,8 @@ def _groups(device):
     hnd = [torch.randn(6, 2, 2, 8, 64, device=device).bfloat16() for _ in range(2)]
     hnd2 = [torch.randn(6, 2, 2, 8, 64, device=device).bfloat16() for _ in range(2)]
     mla = [torch.randn(6, 8, 576, device=device).bfloat16()]
-    return [LayerGroupPools(0, tuple(hnd)), LayerGroupPools(1, tuple(hnd2)), LayerGroupPools(2, tuple(mla), plane_dim=None)]
+    return [LayerGroupPools(0, tuple(hnd)), LayerGroupPools(1, tuple(hnd2)),
+            LayerGroupPools(2, tuple(mla), plane_dim=None)]
 
 
 @pytest.mark.parametrize("device", DEVICES)

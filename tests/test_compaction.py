@@ -418,7 +418,8 @@ def test_bad_arguments_raise_before_anything_moves(device):
     with pytest.raises(ValueError, match="16-byte aligned"):
         build(pools=unaligned)
     with pytest.raises(ValueError, match="reads list rows"):
-        torch.ops.kvops.compaction_compact_layers_(pools, table, params.sources, params.new_lengths, base, [0, 0, 1], [0, 0, 0])
+        torch.ops.kvops.compaction_compact_layers_(pools, table, params.sources, params.new_lengths, base, [0, 0, 1],
+                                                   [0, 0, 0])
     with pytest.raises(ValueError, match="sources shape"):
         pack_move_sources(kept, scored, tail, base, params.sources[:, :, :3].contiguous(), params.new_lengths)
     assert _unchanged(pools, before)

@@ -149,3 +149,26 @@ def test_refusals():
                                           "sliding_window": 8, "use_sliding_window": True})
     with pytest.raises(ValueError, match="full-attention layers only"):
         TriAttentionCache(sliding, cal)
+
+
+def test_a_step_that_overshoots_a_round_is_scored_whole():
+    """Two tokens in one step past a due round: the round scores every held token (none dropped unscored)."""
+    from kvops.integrations.transformers import cache_keyword
+
+    model, cal = _setup()
+    cache = TriAttentionCache(model.config, cal, budget=16, beta=4)
+    assert cache.selector.max_decode == 16 + 4 + 1
+    seq = torch.randint(1, TINY["vocab_size"], (1, 33))
+    snapshots, compress = [], cache._compress
+    cache._compress = lambda: (snapshots.append(([p.clone() for p in cache.pools], cache.held)), compress())
+    with torch.no_grad():  # round 1 before token 27; tokens 27-29 one by one, 30-31 in one step, then 32
+        for start, end in ((0, 10), *((t, t + 1) for t in range(10, 30)), (30, 32), (32, 33)):
+            model(input_ids=seq[:, start:end], **{cache_keyword(model): cache})
+    assert len(snapshots) == 2
+    pools, held = snapshots[1]
+    assert held == 10 + 21  # budget + beta + 1 generated tokens at the second round
+    i32 = lambda v: torch.tensor([v], dtype=torch.int32)  # noqa: E731
+    ref, _ = select_reference(pools, torch.zeros(1, 1, dtype=torch.int32), i32(held), i32(10), i32(held), cal, 16)
+    slots = cache.rounds[1][1]  # logical positions; map the reference's held slots through the first round
+    held_logical = torch.cat([torch.arange(10), cache.rounds[0][1][0, 0].sort().values, torch.arange(27, 32)])
+    assert torch.equal(slots[0, 0].sort().values, held_logical[ref[0, 0].long()].sort().values)

@@ -359,7 +359,8 @@ def test_call_errors_touch_nothing(device):
     expect(ValueError, "meta", lambda: codec.encode(pools, cold, ok.to("meta")))
     expect(ValueError, "meta", lambda: torch.ops.kvops.nvfp4_encode_pages_(pools, cold, ok.to("meta"), codec.plan))
     expect(ValueError, "plan has", lambda: torch.ops.kvops.nvfp4_encode_pages_(pools, cold, ok, codec.plan[:-1]))
-    expect(ValueError, "cold_pages must be uint8", lambda: torch.ops.kvops.nvfp4_encode_pages_(pools, cold.view(torch.int8), ok, codec.plan))
+    expect(ValueError, "cold_pages must be uint8",
+           lambda: torch.ops.kvops.nvfp4_encode_pages_(pools, cold.view(torch.int8), ok, codec.plan))
     bad_plan = list(codec.plan)
     bad_plan[1] = 80  # quantized length past the row
     expect(ValueError, "quantized range", lambda: torch.ops.kvops.nvfp4_encode_pages_(pools, cold, ok, bad_plan))

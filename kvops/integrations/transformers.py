@@ -24,6 +24,7 @@ import inspect
 
 import torch
 
+from .._checks import check_int
 from ..calibrate import require_transformers
 from ..compaction import ORDERS
 from ..manager import TriAttentionRound
@@ -105,8 +106,7 @@ class TriAttentionCache(_transformers_module.Cache):
         model_config = config.to_dict() if hasattr(config, "to_dict") else dict(config)
         if not isinstance(calibration, Calibration):
             calibration = load_calibration(calibration, model_config)
-        if isinstance(beta, bool) or not isinstance(beta, int) or beta < 1:
-            raise ValueError(f"{what}: beta must be a positive int, got {beta!r}")
+        check_int(what, "beta", beta, 1)
         if compaction_order not in ORDERS:
             raise ValueError(f"{what}: compaction_order must be one of {ORDERS}, got {compaction_order!r}")
         if any(kind != "full_attention" for kind in model_config.get("layer_types") or ()):
@@ -114,7 +114,10 @@ class TriAttentionCache(_transformers_module.Cache):
                              f"holds full-attention layers only (sliding-window layers need their own eviction)")
         self.num_layers = model_config["num_hidden_layers"]
         super().__init__(layers=[_PoolLayer(self, i) for i in range(self.num_layers)])
-        self.selector = TriAttentionSelector(calibration, budget, mode, max_decode=budget + beta)
+        # the generated tokens a row can hold (a step may overshoot a due round by one): all of them are scored,
+        # so no token past max_decode is ever dropped unscored
+        self.max_generated = budget + beta + 1
+        self.selector = TriAttentionSelector(calibration, budget, mode, max_decode=self.max_generated)
         self.budget, self.beta, self.order, self.cuda_graphs = budget, beta, compaction_order, cuda_graphs
         self.pools: list[torch.Tensor] | None = None  # per layer [batch, 2, kv_head, capacity, dim]
         self.held = 0              # tokens each row holds (physical)
@@ -156,11 +159,11 @@ class TriAttentionCache(_transformers_module.Cache):
         if self.pools is not None:
             return
         if key_states.dtype not in (torch.bfloat16, torch.float16):
-            raise TypeError(f"TriAttentionCache: the kvops kernels hold bfloat16 or float16 KV, got {key_states.dtype}; "
-                            f"load the model in one of them")
+            raise TypeError(f"TriAttentionCache: the kvops kernels hold bfloat16 or float16 KV, got "
+                            f"{key_states.dtype}; load the model in one of them")
         B, H, q, D = key_states.shape
         self.prompt = q
-        capacity = q + self.budget + self.beta + 1
+        capacity = q + self.max_generated
         self.pools = [torch.zeros(B, 2, H, capacity, D, dtype=key_states.dtype, device=key_states.device)
                       for _ in range(self.num_layers)]
         self.slot_positions = torch.arange(capacity, device=key_states.device).expand(

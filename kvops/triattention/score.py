@@ -314,7 +314,7 @@ def _reduce_op(raw: torch.Tensor, stats: torch.Tensor, prompt_lengths: torch.Ten
         _reduce_torch(raw, stats, prompt_lengths, cache_lengths, rows, mode, num_kv_heads, normalize)
         return
     R, L, Hq, n = raw.shape
-    moments = raw.new_empty(R, L * Hq, 2) if normalize else raw
+    moments = raw.new_empty(R, L * Hq, 2) if normalize else raw  # (unread without normalization)
     if normalize:
         block_p = 32
         triton_launcher(_moments_kernel, raw.device)[(R, triton.cdiv(L * Hq, block_p))](
