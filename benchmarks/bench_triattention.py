@@ -155,13 +155,11 @@ def steady_round(w: SimpleNamespace, mode: str, order: str, cuda_graphs: bool):
 
 
 def fill_moved_bytes(w: SimpleNamespace, rnd) -> int:
-    """Bytes a fill-order round moves (each read once and written once; counted once here), from its lists: an
-    entry moves when its source is not its own destination. A union row serves every layer and KV head, a per-head
-    row every layer, a per-(layer, head) row one stream; each stream is K and V planes of head_dim bf16 values."""
-    p = rnd.params
-    R, rows, K = w.R, p.kept.shape[1], p.kept.shape[2]
-    lists = p.sources[:R, :rows, :K]
-    moved = int((lists != w.prompt + torch.arange(K, device=lists.device)).sum())
+    """Bytes a fill-order round moves (each read once and written once; counted once here), from its moves lists.
+    A union row serves every layer and KV head, a per-head row every layer, a per-(layer, head) row one stream;
+    each stream is K and V planes of head_dim bf16 values."""
+    rows = rnd.params.kept.shape[1]
+    moved = int((rnd.params.moves[:w.R, :rows] >= 0).sum())
     return moved * (w.L * w.Hkv // rows) * 2 * w.D * 2
 
 

@@ -23,9 +23,10 @@ TORCH_LIBRARY(kvops, m) {
   m.def("nvfp4_decode_pages_(Tensor cold_pages, Tensor(a!)[] pools, Tensor page_pairs, int[] plan, "
         "bool validate=False, Tensor(b!)? refused=None) -> ()");
   // Compaction: position destination_bases[r] + m of each (layer, plane, head) stream receives source m of the
-  // stream's move list, list row layer_row_base[l] + head_row_stride[l] * head (lists from kvops/compaction/pack.py).
+  // stream's move list, list row layer_row_base[l] + head_row_stride[l] * head (lists from kvops/compaction/pack.py);
+  // with moves (the shape of sources), only the list indices the row of moves names (ascending, -1 ends it).
   m.def("compaction_compact_layers_(Tensor(a!)[] pools, Tensor page_table, Tensor sources, Tensor new_lengths, "
-        "Tensor destination_bases, int[] layer_row_base, int[] head_row_stride) -> ()");
+        "Tensor destination_bases, int[] layer_row_base, int[] head_row_stride, Tensor? moves=None) -> ()");
 }
 
 #ifndef KVOPS_WITH_CUDA

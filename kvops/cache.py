@@ -164,11 +164,11 @@ class PagedKVCache:
     # -- compaction -----------------------------------------------------------------------------------------
     def compact(self, rids: Sequence, kept: torch.Tensor, scored_lengths: torch.Tensor, tail_lengths: torch.Tensor,
                 destination_bases: torch.Tensor, *, max_tail: int, validate: bool = True,
-                order: str = "ordered") -> torch.Tensor:
+                order: str = "fill") -> torch.Tensor:
         """Move each request's kept tokens down in place (kvops.compaction), then release the pages past the new
         lengths. Returns the new lengths. Validation (on by default here) raises before anything moves, also
-        when scored + tail differs from a request's length (tokens past it would be dropped). order: "ordered" or
-        "fill" (kvops.compaction.build_compaction_params)."""
+        when scored + tail differs from a request's length (tokens past it would be dropped). order: "fill" (the
+        default) or "ordered" (kvops.compaction.build_compaction_params)."""
         reqs = self._distinct("PagedKVCache.compact", rids)
         if any(r.slots is not None for r in reqs):
             raise ValueError("PagedKVCache.compact: offloaded requests cannot be compacted")

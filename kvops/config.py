@@ -113,7 +113,9 @@ class TriAttentionConfig(KVCacheCompressionConfig):
     eviction_mode: str = "union"
     normalize_scores: bool = True
     calibration_path: str | None = None
-    compaction_order: str = "ordered"  # "fill": move only what sits past the new length (kvops.compaction.ORDERS)
+    # "fill" moves only the kept tokens that sit past the new length (full attention ignores slot order; window
+    # layers stay in order); "ordered" keeps every layer in token order (kvops.compaction.ORDERS)
+    compaction_order: str = "fill"
 
     def __post_init__(self):
         what = "TriAttentionConfig"

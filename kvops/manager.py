@@ -158,7 +158,7 @@ class TriAttentionRound:
     their inputs into the bound buffers and replay. Capacities grow in powers of two (the manager rebinds)."""
 
     def __init__(self, selector: TriAttentionSelector, cache, requests: int, width: int, max_tail: int,
-                 cuda_graphs: bool, order: str = "ordered"):
+                 cuda_graphs: bool, order: str = "fill"):
         self.selector, self.requests = selector, 1 << (requests - 1).bit_length()
         self.width = 1 << (width - 1).bit_length()
         device = cache.device

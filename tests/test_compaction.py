@@ -6,8 +6,8 @@ import pytest
 import torch
 
 from conftest import DEVICES, bytes_of, opcheck, poison_, requires_cuda, run_python
-from kvops.compaction import (build_compaction_params, compact, decision_row, decision_rows, pack_move_sources,
-                              stream_rows)
+from kvops.compaction import (build_compaction_params, compact, compact_layers_, decision_row, decision_rows,
+                              pack_move_sources, stream_rows)
 from kvops.compaction.reference import compact_reference, fill_order
 
 LAYOUTS = ("hnd", "nhd", "vllm")
@@ -132,7 +132,7 @@ def test_fill_moves_only_tokens_past_the_new_length_and_attention_is_unchanged(d
         pools = [p.clone() for p in source]
         params = build_compaction_params(pools, table, kept, scored, tail, base, max_tail=5, order=order)
         new_lengths = compact(params, validate=True)
-        out[order] = (pools, new_lengths, params.sources.clone())
+        out[order] = (pools, new_lengths, params.sources.clone(), params.moves)
     for r in range(R):
         n, b = int(out["fill"][1][r]), int(base[r])
         pt = table[r].long()
@@ -152,6 +152,35 @@ def test_fill_moves_only_tokens_past_the_new_length_and_attention_is_unchanged(d
                 lists = out["fill"][2][r, decision_row(rows, L, H, layer, head), :n - b]
                 moved = int((lists != pos).sum())
                 assert moved == int((kept_pos >= n).sum())  # exactly the tokens that sat past the new length
+                moves = out["fill"][3][r, decision_row(rows, L, H, layer, head)]  # what the kernel walks
+                assert moves.tolist() == (lists != pos).nonzero()[:, 0].tolist() + [-1] * (moves.numel() - moved)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_the_walk_is_the_moves_list(device):
+    """With moves, a stream walks only the listed indices: an empty walk moves nothing whatever the lists say,
+    and a walk of one index moves that token alone."""
+    pools, table, kept, scored, tail, base = _small(device, mode_rows=1, R=4)
+    params = build_compaction_params(pools, table, kept, scored, tail, base, max_tail=5, order="fill")
+    pack_move_sources(kept, scored, tail, base, params.sources, params.new_lengths, params.moves)
+    for p in pools:
+        p.copy_(torch.randn_like(p, dtype=torch.float32))
+    before = [p.clone() for p in pools]
+    walk = torch.full_like(params.moves, -1)
+    compact_layers_(pools, table, params.sources, params.new_lengths, base, params.layer_row_base,
+                    params.head_row_stride, walk)
+    assert all(torch.equal(a.view(torch.uint8), b.view(torch.uint8)) for a, b in zip(pools, before))
+    r = int((params.moves[:, 0, 0] >= 0).nonzero()[0])  # a request with a token to move (all but surely one)
+    m = int(params.moves[r, 0, 0])
+    walk[r, 0, 0] = m
+    compact_layers_(pools, table, params.sources, params.new_lengths, base, params.layer_row_base,
+                    params.head_row_stride, walk)
+    src, dst, T = int(params.sources[r, 0, m]), int(base[r]) + m, pools[0].shape[3]
+    pt = table[r].long()
+    for a, b in zip(pools, before):
+        want = b.clone()
+        want[pt[dst // T], :, :, dst % T] = b[pt[src // T], :, :, src % T]
+        assert torch.equal(a.view(torch.uint8), want.view(torch.uint8))
 
 
 @pytest.mark.parametrize("device", DEVICES)
@@ -233,10 +262,16 @@ def test_pack_triton_interpreter_matches_torch():
         "assert (a[1:] == -1).all() and na.tolist() == [5 + 37, 950 + 601, 990], na\n"
         "kept = torch.stack([torch.randperm(900)[:37].sort().values for _ in range(12)]).view(3, 4, 37).int() + 5\n"
         "args = (kept, i(905, 950, 990), i(0, 9, 3), i(5, 6, 7))\n"
-        "pack_move_sources(*args, a, na, fill=True)\n"
-        "_pack_torch(*args, b, nb, True)\n"
+        "ma, mb = torch.full_like(a, 7), torch.full_like(a, 8)\n"
+        "pack_move_sources(*args, a, na, ma)\n"
+        "_pack_torch(*args, b, nb, mb)\n"
         "assert torch.equal(a, b) and torch.equal(na, nb), 'triton and torch fill packs differ'\n"
-        "assert not torch.equal(a[:, :4, :37], kept), 'fill lists equal the ordered ones'\n")
+        "assert torch.equal(ma, mb), 'triton and torch moves differ'\n"
+        "assert not torch.equal(a[:, :4, :37], kept), 'fill lists equal the ordered ones'\n"
+        "args = (kept, i(905, 950, 990), i(0, 601, 3), i(5, 6, 7))  # request 1 refused: no moves\n"
+        "pack_move_sources(*args, a, na, ma)\n"
+        "_pack_torch(*args, b, nb, mb)\n"
+        "assert torch.equal(a, b) and torch.equal(ma, mb) and (ma[1] == -1).all(), 'refused fill packs differ'\n")
     run_python(code, TRITON_INTERPRET="1")
 
 
@@ -261,12 +296,13 @@ def _small(device, dtype=torch.bfloat16, mode_rows=1, windows=None, R=3, K=6):
 def test_opcheck(device, dtype):
     pools, table, kept, scored, tail, base = _small(device, dtype, mode_rows=2)
     params = build_compaction_params(pools, table, kept, scored, tail, base, max_tail=5, layer_windows=[0, 3, 0])
-    for fill in (False, True):
+    moves = torch.empty_like(params.sources)
+    for m in (None, moves):
         opcheck(torch.ops.kvops.compaction_pack_move_sources_.default,
-                (kept, scored, tail, base, params.sources, params.new_lengths, fill))
-    opcheck(torch.ops.kvops.compaction_compact_layers_.default,
-            (params.pools, table, params.sources, params.new_lengths, base, list(params.layer_row_base),
-             list(params.head_row_stride)))
+                (kept, scored, tail, base, params.sources, params.new_lengths, m))
+        opcheck(torch.ops.kvops.compaction_compact_layers_.default,
+                (params.pools, table, params.sources, params.new_lengths, base, list(params.layer_row_base),
+                 list(params.head_row_stride), m))
 
 
 @pytest.mark.parametrize("device", DEVICES)

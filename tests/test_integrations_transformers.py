@@ -83,8 +83,10 @@ def test_with_eviction_logits_equal_attention_over_what_the_cache_holds(mode, or
         sim, _ = _forward(model, seq, allowed, want_keys=False)
         full, _ = _forward(model, seq, causal[None, None], want_keys=False)
     logits = torch.stack(out.logits, 1)[0].float()  # step i predicts position prompt + i
-    exact = device == "cpu"  # the GPU's GEMMs may sum a decode step and a full pass in different orders
-    torch.testing.assert_close(logits, sim[prompt - 1:n - 1], rtol=0 if exact else 1e-2, atol=0 if exact else 3e-2)
+    # A decode step and a full pass may sum their GEMMs in different orders (GPU, and threaded CPU BLAS: the
+    # device's CPU differs in the last bf16 bit); a wrong kept set differs by far more.
+    cpu = device == "cpu"
+    torch.testing.assert_close(logits, sim[prompt - 1:n - 1], rtol=0 if cpu else 1e-2, atol=1e-2 if cpu else 3e-2)
     after = cache.rounds[0][0] - prompt + 1
     assert (logits[after:] - full[prompt - 1 + after:n - 1]).abs().max() > 1e-3  # eviction did change something
 
@@ -160,15 +162,17 @@ def test_a_step_that_overshoots_a_round_is_scored_whole():
     assert cache.selector.max_decode == 16 + 4 + 1
     seq = torch.randint(1, TINY["vocab_size"], (1, 33))
     snapshots, compress = [], cache._compress
-    cache._compress = lambda: (snapshots.append(([p.clone() for p in cache.pools], cache.held)), compress())
+    cache._compress = lambda: (snapshots.append(([p.clone() for p in cache.pools], cache.held,
+                                                 cache.slot_positions[0, 0].clone())), compress())
     with torch.no_grad():  # round 1 before token 27; tokens 27-29 one by one, 30-31 in one step, then 32
         for start, end in ((0, 10), *((t, t + 1) for t in range(10, 30)), (30, 32), (32, 33)):
             model(input_ids=seq[:, start:end], **{cache_keyword(model): cache})
     assert len(snapshots) == 2
-    pools, held = snapshots[1]
+    pools, held, held_logical = snapshots[1]  # held_logical: the logical position of each slot
     assert held == 10 + 21  # budget + beta + 1 generated tokens at the second round
+    assert sorted(held_logical[:held].tolist()) == list(range(10)) + sorted(cache.rounds[0][1][0, 0].tolist()) + \
+        list(range(27, 32))
     i32 = lambda v: torch.tensor([v], dtype=torch.int32)  # noqa: E731
     ref, _ = select_reference(pools, torch.zeros(1, 1, dtype=torch.int32), i32(held), i32(10), i32(held), cal, 16)
-    slots = cache.rounds[1][1]  # logical positions; map the reference's held slots through the first round
-    held_logical = torch.cat([torch.arange(10), cache.rounds[0][1][0, 0].sort().values, torch.arange(27, 32)])
+    slots = cache.rounds[1][1]  # logical positions of the kept slots
     assert torch.equal(slots[0, 0].sort().values, held_logical[ref[0, 0].long()].sort().values)

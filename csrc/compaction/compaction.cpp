@@ -22,7 +22,8 @@ void check_index(const at::Tensor& t, const char* name, int64_t dim, const at::D
 
 MovePlan check_compact_args(at::TensorList pools, const at::Tensor& page_table, const at::Tensor& sources,
                             const at::Tensor& new_lengths, const at::Tensor& destination_bases,
-                            at::IntArrayRef layer_row_base, at::IntArrayRef head_row_stride) {
+                            at::IntArrayRef layer_row_base, at::IntArrayRef head_row_stride,
+                            const std::optional<at::Tensor>& moves) {
   TORCH_CHECK_VALUE(!pools.empty(), kOp, ": pools is empty");
   const at::Tensor& p0 = pools[0];
   TORCH_CHECK_VALUE(p0.dim() == 5 && p0.size(1) == 2, kOp,
@@ -84,6 +85,13 @@ MovePlan check_compact_args(at::TensorList pools, const at::Tensor& page_table, 
   plan.sources = sources.data_ptr<int32_t>();
   plan.new_lengths = new_lengths.data_ptr<int32_t>();
   plan.destination_bases = destination_bases.data_ptr<int32_t>();
+  if (moves.has_value()) {
+    check_index(*moves, "moves", 3, device);
+    TORCH_CHECK_VALUE(moves->sizes() == sources.sizes() && moves->is_contiguous(), kOp,
+                      ": moves must be contiguous with the shape of sources ", sources.sizes(), ", got ",
+                      moves->sizes());
+    plan.moves = moves->data_ptr<int32_t>();
+  }
   plan.requests = int32_t(R);
   plan.list_rows = int32_t(list_rows);
   plan.list_capacity = int32_t(sources.size(2));

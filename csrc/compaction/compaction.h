@@ -3,7 +3,9 @@
 // A stream is one (request, layer, plane, head). Its move list is row
 // `layer_row_base[l] + head_row_stride[l] * h` of the request's lists in `sources`
 // [R, list_rows, capacity]; position destination_bases[r] + m receives source m, for
-// m < new_lengths[r] - destination_bases[r]. Lists come from kvops/compaction/pack.py.
+// m < new_lengths[r] - destination_bases[r]. Lists come from kvops/compaction/pack.py. With `moves` (the
+// shape of sources), a stream walks only the indices m its row of moves lists (ascending, -1 ends it):
+// fill order lists just the tokens that move.
 #pragma once
 
 #include <ATen/ATen.h>
@@ -32,6 +34,7 @@ struct MovePlan {
   const int32_t* sources;
   const int32_t* new_lengths;
   const int32_t* destination_bases;
+  const int32_t* moves;  // nullptr: walk every m of the list
   int32_t requests, list_rows, list_capacity;
 
   // Byte offset of cache position `pos` of request r within a (plane, head) of a layer, or -1 when
@@ -47,13 +50,22 @@ struct MovePlan {
     const int32_t n = new_lengths[r] - destination_bases[r];
     return n < 0 ? 0 : (n > list_capacity ? list_capacity : n);
   }
+  // The list index of step j of a stream's walk (`walk` = its row of moves, at the row's offset), or n when the
+  // walk has ended.
+  KVOPS_HD int32_t walk_index(const int32_t* walk, int32_t j, int32_t n) const {
+    if (j >= n) return n;
+    if (moves == nullptr) return j;
+    const int32_t m = walk[j];
+    return m < 0 || m >= n ? n : m;
+  }
 };
 
 // Checks every argument of kvops::compaction_compact_layers_ (shapes, dtypes, devices, strides, alignment,
 // list-row ranges) and fills the plan; raises before anything is touched.
 MovePlan check_compact_args(at::TensorList pools, const at::Tensor& page_table, const at::Tensor& sources,
                             const at::Tensor& new_lengths, const at::Tensor& destination_bases,
-                            at::IntArrayRef layer_row_base, at::IntArrayRef head_row_stride);
+                            at::IntArrayRef layer_row_base, at::IntArrayRef head_row_stride,
+                            const std::optional<at::Tensor>& moves);
 
 }  // namespace compaction
 }  // namespace kvops

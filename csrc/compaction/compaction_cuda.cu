@@ -43,7 +43,7 @@ struct CompactParams {
 // Byte offsets of the lane's token in this chunk, both -1 when it is past the list, out of range,
 // or already in place.
 __device__ __forceinline__ void resolve(const MovePlan& plan, const int32_t* list, const int32_t* pt_row, int32_t base,
-                                        int32_t n, int32_t m, int64_t& src, int64_t& dst) {
+                                        int32_t n, int32_t m, int64_t& src, int64_t& dst) {  // m: a list index, n for none
   src = dst = -1;
   if (m < n) {
     src = plan.token_offset(pt_row, __ldg(list + m));
@@ -61,16 +61,18 @@ __global__ void __launch_bounds__(kWarps * 32, kMinBlocks) compact_layers_kernel
   const int h = int(stream % H), plane = int(stream / H % 2);
   const int l = int(stream / (2 * H) % p.layers), r = int(stream / (2 * H * p.layers));
   const LayerSlot& layer = p.layer[l];
-  const int32_t* list =
-      plan.sources + (int64_t(r) * plan.list_rows + layer.row_base + layer.head_stride * h) * plan.list_capacity;
+  const int64_t row = (int64_t(r) * plan.list_rows + layer.row_base + layer.head_stride * h) * plan.list_capacity;
+  const int32_t *list = plan.sources + row, *walk = plan.moves + (plan.moves ? row : 0);
   const int32_t* pt_row = plan.page_table + r * plan.page_table_stride;
   char* head = layer.base + plane * plan.pool.stride_plane + h * plan.pool.stride_head;
   const int32_t base = __ldg(plan.destination_bases + r), n = plan.list_length(r);
   const int C = p.chunk_tokens, V = int(p.row_vecs.d);
 
   int64_t src, dst;
-  resolve(plan, list, pt_row, base, n, lane < C ? lane : n, src, dst);
-  for (int32_t start = 0; start < n; start += C) {
+  int32_t m = plan.walk_index(walk, lane < C ? lane : n, n);
+  resolve(plan, list, pt_row, base, n, m, src, dst);
+  // A walk of moves ends early: at the first chunk none of whose lanes has a list index left.
+  for (int32_t start = 0; start < n && __any_sync(0xffffffffu, m < n); start += C) {
     uint4 v[kVecsPerLane];
 #pragma unroll
     for (int k = 0; k < kVecsPerLane; ++k) {  // vector k of a lane: token row t of the chunk, 16-byte column i - t * V
@@ -79,7 +81,8 @@ __global__ void __launch_bounds__(kWarps * 32, kMinBlocks) compact_layers_kernel
       if (i < C * V && s >= 0) v[k] = __ldcs(reinterpret_cast<const uint4*>(head + s + (i - t * V) * 16));
     }
     int64_t next_src, next_dst;  // the next chunk's lookups overlap this chunk's loads
-    resolve(plan, list, pt_row, base, n, lane < C ? start + C + lane : n, next_src, next_dst);
+    m = plan.walk_index(walk, lane < C ? start + C + lane : n, n);
+    resolve(plan, list, pt_row, base, n, m, next_src, next_dst);
     __syncwarp();  // every source of this chunk is read before any lane stores
 #pragma unroll
     for (int k = 0; k < kVecsPerLane; ++k) {
@@ -94,9 +97,10 @@ __global__ void __launch_bounds__(kWarps * 32, kMinBlocks) compact_layers_kernel
 
 void compact_layers_cuda(at::TensorList pools, const at::Tensor& page_table, const at::Tensor& sources,
                          const at::Tensor& new_lengths, const at::Tensor& destination_bases,
-                         at::IntArrayRef layer_row_base, at::IntArrayRef head_row_stride) {
+                         at::IntArrayRef layer_row_base, at::IntArrayRef head_row_stride,
+                         const std::optional<at::Tensor>& moves) {
   const MovePlan plan = check_compact_args(pools, page_table, sources, new_lengths, destination_bases, layer_row_base,
-                                           head_row_stride);
+                                           head_row_stride, moves);
   const c10::cuda::CUDAGuard guard(pools[0].device());
   prepare_kernel(compact_layers_kernel, "compaction_compact_layers_");
   CompactParams p{};

@@ -20,22 +20,25 @@ from .pack import pack_move_sources
 
 def compact_layers_(pools: Sequence[torch.Tensor], page_table: torch.Tensor, sources: torch.Tensor,
                     new_lengths: torch.Tensor, destination_bases: torch.Tensor, layer_row_base: Sequence[int],
-                    head_row_stride: Sequence[int]) -> None:
+                    head_row_stride: Sequence[int], moves: torch.Tensor | None = None) -> None:
     """For every layer l, plane and head h of request r: position destination_bases[r] + m receives
-    source m of list row ``layer_row_base[l] + head_row_stride[l] * h``, m < new_lengths[r] - base."""
+    source m of list row ``layer_row_base[l] + head_row_stride[l] * h``, m < new_lengths[r] - base. With `moves`
+    (the shape of sources) only the indices m listed in the row's moves (ascending, -1 after the last) are
+    walked; the others must already be in place."""
     what = "compact_layers_"
     device = check_device(what, pools=list(pools))
     check_int32(what, device, page_table=(page_table, 2), sources=(sources, 3), new_lengths=(new_lengths, 1),
-                destination_bases=(destination_bases, 1))
+                destination_bases=(destination_bases, 1), **({} if moves is None else {"moves": (moves, 3)}))
     check_disjoint(what, "pools", list(pools))
     torch.ops.kvops.compaction_compact_layers_(list(pools), page_table, sources, new_lengths, destination_bases,
-                                               list(layer_row_base), list(head_row_stride))
+                                               list(layer_row_base), list(head_row_stride), moves)
 
 
 @torch.library.register_fake("kvops::compaction_compact_layers_")
 def _compact_layers_fake(pools, page_table, sources, new_lengths, destination_bases, layer_row_base,
-                         head_row_stride):
-    check_no_meta_mix("compaction_compact_layers_", pools, page_table, sources, new_lengths, destination_bases)
+                         head_row_stride, moves=None):
+    check_no_meta_mix("compaction_compact_layers_", pools, page_table, sources, new_lengths, destination_bases,
+                      *([] if moves is None else [moves]))
 
 
 @dataclass
@@ -50,6 +53,7 @@ class CompactionParams:
     tail_lengths: torch.Tensor       # int32 [R_max]
     destination_bases: torch.Tensor  # int32 [R_max]
     sources: torch.Tensor            # int32 [R_max, list_rows, K + max_tail], written by the pack
+    moves: torch.Tensor | None       # fill order: the list indices that move, like sources; written by the pack
     new_lengths: torch.Tensor        # int32 [R_max], written by the pack
     layer_row_base: tuple[int, ...]
     head_row_stride: tuple[int, ...]
@@ -157,6 +161,7 @@ def build_compaction_params(pools: Sequence[torch.Tensor], page_table: torch.Ten
     params = CompactionParams(
         pools, page_table, kept, scored_lengths, tail_lengths, destination_bases,
         sources=torch.full((R, list_rows, K + max_tail), -1, dtype=torch.int32, device=device),
+        moves=torch.full((R, list_rows, K + max_tail), -1, dtype=torch.int32, device=device) if order == "fill" else None,
         new_lengths=torch.zeros(R, dtype=torch.int32, device=device),
         layer_row_base=row_base, head_row_stride=row_stride, max_tail=max_tail, order=order)
     # A dry run with no requests: the op checks the pools (geometry, dtype, strides, alignment) now, once.
@@ -196,13 +201,13 @@ def compact(params: CompactionParams, request_count: int | None = None, *, valid
         check_int("compact", "request_count", request_count, 0, params.kept.shape[0])
     if validate or os.environ.get("KVOPS_DEBUG") == "1":
         check_decisions(params, R)
+    moves = None if params.moves is None else params.moves[:R]
     pack_move_sources(params.kept[:R], params.scored_lengths[:R], params.tail_lengths[:R],
-                      params.destination_bases[:R], params.sources[:R], params.new_lengths[:R],
-                      fill=params.order == "fill")
+                      params.destination_bases[:R], params.sources[:R], params.new_lengths[:R], moves)
     # the bound buffers were checked by build_compaction_params: straight to the op
     torch.ops.kvops.compaction_compact_layers_(params.pools, params.page_table[:R], params.sources[:R],
                                                params.new_lengths[:R], params.destination_bases[:R],
-                                               list(params.layer_row_base), list(params.head_row_stride))
+                                               list(params.layer_row_base), list(params.head_row_stride), moves)
     return params.new_lengths[:R]
 
 

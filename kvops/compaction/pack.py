@@ -8,12 +8,16 @@ Request r gets `list_rows` lists of equal length n_r = K + tail_lengths[r], stor
   tokens ``scored_length - K .. scored_length``, then the tail.
 
 Lists in order (the default) move every kept token behind the first evicted one down. In fill order
-(``fill=True``; the decision rows only, since a sliding-window layer needs its tokens in order) only the
+(with a ``moves`` buffer; the decision rows only, since a sliding-window layer needs its tokens in order) only the
 tokens that sit at or past the new length move, each into an evicted slot below it: with U = the kept
 positions then the tail (ascending) and s of them below the new length, those s stay where they are
 (their list entry is their own position, which the move skips), and the j-th free slot below the new
 length, in ascending order, takes U[s + j]. Either way ``sources[r, row, m]`` is the old position of the
 token that ends at ``destination_bases[r] + m``: the permutation an engine needs for per-slot metadata.
+
+Fill order also writes ``moves`` (the shape of sources): per list row, the ascending indices m whose token
+actually moves (source != destination: the free slots of a decision row), then -1. The compaction walks
+those instead of the whole list, so a round that evicts beta of K + beta tokens touches about beta per row.
 
 ``new_lengths[r] = destination_bases[r] + n_r``. A request whose tail does not fit (outside
 [0, capacity - K]) gets lists of -1 (nothing moves) and ``new_lengths[r] = scored_length + tail``, its
@@ -23,12 +27,14 @@ shape static for CUDA graphs and means a bad tail can never push a list into ano
 
 from __future__ import annotations
 
+from typing import Optional
+
 import torch
 import triton
 import triton.language as tl
 from torch.library import triton_op
 
-from .._checks import check_bool, check_int32
+from .._checks import check_disjoint, check_int32
 from .._triton import triton_launcher
 
 _BLOCK = 512
@@ -65,20 +71,24 @@ def _kept_or_tail(kept_row, i, K, scored):
 
 @triton.jit
 def _fill_kernel(kept, kept_stride_r, kept_stride_row, scored_lengths, tail_lengths, destination_bases, sources,
-                 list_rows, K, capacity, KP: tl.constexpr, LOG: tl.constexpr, BLOCK: tl.constexpr):
-    """Rewrites a decision row's list in fill order (after _pack_kernel; grid (request, decision row, block)).
-    U = kept + tail (ascending), new length base + n: U[0..s) lie below it and stay; the j-th free position below
-    it (ascending) takes U[s + j]. Position base + m is U[lo] when it stays, where lo = #stays below it (a binary
-    search over U[0..s)), else the (m - lo)-th free position."""
+                 moves, rows, K, capacity, KP: tl.constexpr, LOG: tl.constexpr, BLOCK: tl.constexpr):
+    """Rewrites a decision row's list in fill order and writes every list row's moves (after _pack_kernel; grid
+    (request, list row, block)). U = kept + tail (ascending), new length base + n: U[0..s) lie below it and stay;
+    the j-th free position below it (ascending) takes U[s + j]. Position base + m is U[lo] when it stays, where
+    lo = #stays below it (a binary search over U[0..s)), else free position j = m - lo: moves[j] = m."""
     r = tl.program_id(0)
-    row = tl.program_id(1)  # a decision row; sources may hold one more (the window row), which stays in order
+    row = tl.program_id(1)
     m = tl.program_id(2) * BLOCK + tl.arange(0, BLOCK)
     scored = tl.load(scored_lengths + r)
     tail = tl.load(tail_lengths + r)
     base = tl.load(destination_bases + r)
-    refused = (tail < 0) | (tail > capacity - K)  # left as _pack_kernel wrote it (-1)
-    kept_row = kept + r.to(tl.int64) * kept_stride_r + row * kept_stride_row
+    refused = (tail < 0) | (tail > capacity - K)  # sources left as _pack_kernel wrote them (-1); no moves
     n = K + tail
+    at = (r.to(tl.int64) * tl.num_programs(1) + row) * capacity
+    if row >= rows:  # the window row stays in order: all its tokens move (by scored - K - base) or none does
+        tl.store(moves + at + m, tl.where((m < n) & (scored - K != base) & ~refused, m, -1), mask=m < capacity)
+        return
+    kept_row = kept + r.to(tl.int64) * kept_stride_r + row * kept_stride_row
     end = base + n
     ks = tl.arange(0, KP)
     kv = tl.load(kept_row + ks, mask=ks < K, other=2147483647)
@@ -95,7 +105,10 @@ def _fill_kernel(kept, kept_stride_r, kept_stride_row, scored_lengths, tail_leng
     stays = (lo < s) & (_kept_or_tail(kept_row, lo, K, scored) == d)
     src = tl.where(stays, d, _kept_or_tail(kept_row, s + m - lo, K, scored))
     src = tl.where(m < n, src, -1)
-    tl.store(sources + (r.to(tl.int64) * list_rows + row) * capacity + m, src, mask=(m < capacity) & ~refused)
+    tl.store(sources + at + m, src, mask=(m < capacity) & ~refused)
+    # n - s free slots: entry m - lo of moves for each; the entries from n - s on are padding (disjoint stores)
+    tl.store(moves + at + (m - lo), m, mask=(m < n) & ~stays & ~refused)
+    tl.store(moves + at + m, -1, mask=(m < capacity) & ((m >= n - s) | refused))
 
 
 def _fill_torch(kept, scored_lengths, tail_lengths, destination_bases, capacity):
@@ -114,7 +127,15 @@ def _fill_torch(kept, scored_lengths, tail_lengths, destination_bases, capacity)
     return torch.where(i < n, torch.where(stays, d, mover), -1).int()
 
 
-def _pack_torch(kept, scored_lengths, tail_lengths, destination_bases, sources, new_lengths, fill=False):
+def _moves_torch(sources, destination_bases, new_lengths):
+    """moves of every list row: the ascending indices m < n whose source is not base + m, then -1."""
+    i = torch.arange(sources.shape[2], device=sources.device)
+    base = destination_bases[:, None, None]
+    moving = (i < (new_lengths[:, None, None] - base)) & (sources != base + i) & (sources >= 0)
+    return torch.where(moving, i, sources.shape[2]).sort(-1).values.masked_fill_(~moving.sort(-1, True).values, -1)
+
+
+def _pack_torch(kept, scored_lengths, tail_lengths, destination_bases, sources, new_lengths, moves=None):
     R, rows, K = kept.shape
     m = torch.arange(sources.shape[2], device=kept.device, dtype=torch.int32)
     scored, tail = scored_lengths[:, None], tail_lengths[:, None]
@@ -123,46 +144,49 @@ def _pack_torch(kept, scored_lengths, tail_lengths, destination_bases, sources, 
     if sources.shape[1] > rows:
         sources[:, rows, :K] = scored - K + m[:K]
     sources[:, :, K:] = tail_part[:, None, :]
-    if fill:
+    if moves is not None:
         sources[:, :rows] = _fill_torch(kept, scored_lengths, tail_lengths, destination_bases, sources.shape[2])
     refused = (tail_lengths < 0) | (tail_lengths > sources.shape[2] - K)
     sources.masked_fill_(refused[:, None, None], -1)
     new_lengths.copy_(torch.where(refused, scored_lengths + tail_lengths.clamp(min=0),
                                   destination_bases + K + tail_lengths))
+    if moves is not None:
+        moves.copy_(_moves_torch(sources, destination_bases, new_lengths))
 
 
-@triton_op("kvops::compaction_pack_move_sources_", mutates_args={"sources", "new_lengths"})
+@triton_op("kvops::compaction_pack_move_sources_", mutates_args={"sources", "new_lengths", "moves"})
 def _pack_op(kept: torch.Tensor, scored_lengths: torch.Tensor, tail_lengths: torch.Tensor,
-             destination_bases: torch.Tensor, sources: torch.Tensor, new_lengths: torch.Tensor, fill: bool) -> None:
+             destination_bases: torch.Tensor, sources: torch.Tensor, new_lengths: torch.Tensor,
+             moves: Optional[torch.Tensor]) -> None:
     R, rows, K = kept.shape
     capacity = sources.shape[2]
     launch = triton_launcher(_pack_kernel, kept.device)
     if launch is None:
-        _pack_torch(kept, scored_lengths, tail_lengths, destination_bases, sources, new_lengths, fill)
+        _pack_torch(kept, scored_lengths, tail_lengths, destination_bases, sources, new_lengths, moves)
         return
     grid = (R, sources.shape[1], max(1, triton.cdiv(capacity, _BLOCK)))  # >= 1: new_lengths even when K + max_tail == 0
     launch[grid](kept, kept.stride(0), kept.stride(1), scored_lengths, tail_lengths,
                  destination_bases, sources, new_lengths, rows, K, capacity, BLOCK=_BLOCK)
-    if fill and rows:  # the decision rows' lists again, in fill order (the window row keeps its order)
-        triton_launcher(_fill_kernel, kept.device)[(R, rows, grid[2])](
-            kept, kept.stride(0), kept.stride(1), scored_lengths, tail_lengths, destination_bases, sources,
-            sources.shape[1], K, capacity, KP=triton.next_power_of_2(max(K, 1)), LOG=capacity.bit_length(),
-            BLOCK=_BLOCK)
+    if moves is not None:  # the decision rows' lists again, in fill order, and every row's moves
+        triton_launcher(_fill_kernel, kept.device)[grid](
+            kept, kept.stride(0), kept.stride(1), scored_lengths, tail_lengths, destination_bases, sources, moves,
+            rows, K, capacity, KP=triton.next_power_of_2(max(K, 1)), LOG=capacity.bit_length(), BLOCK=_BLOCK)
 
 
 def pack_move_sources(kept: torch.Tensor, scored_lengths: torch.Tensor, tail_lengths: torch.Tensor,
                       destination_bases: torch.Tensor, sources: torch.Tensor, new_lengths: torch.Tensor,
-                      fill: bool = False) -> None:
+                      moves: Optional[torch.Tensor] = None) -> None:
     """Write the move lists of a batch into ``sources`` [R, list_rows, capacity] and ``new_lengths`` [R].
 
     kept: int32 [R, rows, K]; scored_lengths, tail_lengths, destination_bases: int32 [R].
     list_rows is rows (no window row) or rows + 1; capacity >= K (capacity - K is the tail room).
-    fill: the decision rows' lists in fill order (module docstring); the window row stays in order.
+    moves: int32, the shape of sources. When given, the decision rows' lists are in fill order (module docstring;
+    the window row stays in order) and moves receives the indices that move.
     """
     what = "pack_move_sources"
-    check_bool(what, "fill", fill)
     check_int32(what, kept=(kept, 3), scored_lengths=(scored_lengths, 1), tail_lengths=(tail_lengths, 1),
-                destination_bases=(destination_bases, 1), sources=(sources, 3), new_lengths=(new_lengths, 1))
+                destination_bases=(destination_bases, 1), sources=(sources, 3), new_lengths=(new_lengths, 1),
+                **({} if moves is None else {"moves": (moves, 3)}))
     R, rows, K = kept.shape
     for name, t in (("scored_lengths", scored_lengths), ("tail_lengths", tail_lengths),
                     ("destination_bases", destination_bases), ("new_lengths", new_lengths)):
@@ -173,4 +197,8 @@ def pack_move_sources(kept: torch.Tensor, scored_lengths: torch.Tensor, tail_len
     if sources.shape[0] != R or sources.shape[1] not in (rows, rows + 1) or sources.shape[2] < K:
         raise ValueError(f"{what}: sources shape {tuple(sources.shape)} cannot hold the lists of kept "
                          f"{tuple(kept.shape)}: expected [{R}, {rows} or {rows + 1}, >= {K}]")
-    _pack_op(kept, scored_lengths, tail_lengths, destination_bases, sources, new_lengths, fill)
+    if moves is not None and (moves.shape != sources.shape or not moves.is_contiguous()):
+        raise ValueError(f"{what}: moves must be contiguous with the shape of sources {tuple(sources.shape)}, got "
+                         f"{tuple(moves.shape)}")
+    check_disjoint(what, "outputs", [sources, new_lengths] + ([] if moves is None else [moves]))
+    _pack_op(kept, scored_lengths, tail_lengths, destination_bases, sources, new_lengths, moves)

@@ -95,13 +95,14 @@ class TriAttentionCache(_transformers_module.Cache):
     mode : str
         ``"union"``, ``"per_head"`` or ``"per_layer_perhead"`` (``kvops.compaction.MODES``).
     compaction_order : str
-        ``"ordered"`` or ``"fill"`` (``kvops.compaction.ORDERS``).
+        ``"fill"`` (only the kept tokens past the new length move; attention is over a set, so slot order does
+        not matter) or ``"ordered"`` (``kvops.compaction.ORDERS``).
     cuda_graphs : bool
         Replay each round size from a CUDA graph on the GPU (as ``TriAttentionManager`` does).
     """
 
     def __init__(self, config, calibration, *, budget: int = 2048, beta: int = 128, mode: str = "union",
-                 compaction_order: str = "ordered", cuda_graphs: bool = True):
+                 compaction_order: str = "fill", cuda_graphs: bool = True):
         what = "TriAttentionCache"
         model_config = config.to_dict() if hasattr(config, "to_dict") else dict(config)
         if not isinstance(calibration, Calibration):
