@@ -8,8 +8,9 @@ Rows:
   round_*     TriAttentionSelector.select (mean phase + score + reduce + top-k, budget 2048) from a graph;
               bytes: K; baseline: the eager plain-torch implementation of the same math (torch scorer and
               reduce, torch.topk + sort), same inputs.
-  topk        kvops.topk (CuTe DSL radix select) from a CUDA graph, vs torch.topk + sort of the indices (what a
-              user would write for ascending keep sets), same inputs; bytes: the scores read once.
+  topk        kvops.topk from a CUDA graph (rows of <= 4096 keys: the Triton register kernel; longer: the CuTe
+              DSL radix select), vs torch.topk + sort of the indices (what a user would write for ascending keep
+              sets), same inputs; bytes: the scores read once.
   topk_eager  the same call without a graph (includes Python and DLPack argument overhead).
   mean_phase  the coefficient kernel for 32 requests, Qwen3-8B (F = 64), from a graph.
   round_steady*  the round where serving runs it: R in {1, 8, 32, 128} due requests of prompt 1024 + 2176 decode
@@ -50,8 +51,11 @@ def run(quick: bool = False) -> tuple[list[Row], list[str]]:
     copy_gbps = device_copy_gbps()
     iters = 5 if quick else 50
     rows_out: list[Row] = []
-    shapes = [(64, 32768, 2048)] if quick else [
-        (rows, N, k) for k in (2048, 8192) for N in (16384, 32768, 131072) for rows in (32, 64, 256)]
+    # long rows (a select over whole 16k-128k contexts), then the steady-state round's short rows: budget + beta
+    # keys per row, one row per request (union) or 288 (per_layer_perhead, Qwen3-8B) at 1 and 32 requests
+    shapes = [(64, 32768, 2048), (9216, 2176, 2048)] if quick else [
+        (rows, N, k) for k in (2048, 8192) for N in (16384, 32768, 131072) for rows in (32, 64, 256)] + [
+        (rows, 2176, 2048) for rows in (32, 288, 9216)]
     for rows, N, k in shapes:
         scores = torch.randn(rows, N, device="cuda")
         lengths = torch.full((rows,), N, dtype=torch.int32, device="cuda")

@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from conftest import DEVICES, opcheck, poison_, requires_cuda
+from conftest import DEVICES, opcheck, poison_, requires_cuda, run_python
 from kvops.triattention.reference import topk_reference
 from kvops.triattention.topk import topk
 
@@ -18,7 +18,8 @@ def _tie_heavy(rows, N, device):
 
 
 @pytest.mark.parametrize("device", DEVICES)
-@pytest.mark.parametrize("N,k", [(1, 1), (7, 3), (300, 64), (1000, 1000), (2500, 700), (513, 2000)])
+@pytest.mark.parametrize("N,k", [(1, 1), (7, 3), (300, 64), (1000, 1000), (2500, 700), (513, 2000), (4096, 300),
+                                 (4097, 300), (6000, 5000)])
 def test_matches_reference_tie_heavy(device, N, k):
     rows = 6
     scores = _tie_heavy(rows, N, device)
@@ -39,6 +40,39 @@ def test_matches_torch_topk_on_distinct_values(device):
     for r in range(rows):
         n = int(lengths[r])
         assert torch.equal(got[r].long(), scores[r, :n].topk(k).indices.sort().values)
+
+
+@requires_cuda
+@pytest.mark.parametrize("N,k", [(2176, 2048), (2176, 128), (4096, 2048), (3000, 3000)])
+def test_short_rows_cuda(N, k):
+    """The register kernel's class (N <= SHORT_ROW, a row per SM or more) at serving shapes: many rows of
+    budget + beta keys. The tie-heavy tests above (a few rows) take the CuTe class at the same widths."""
+    rows = 1152
+    scores = torch.randn(rows, N, device="cuda")
+    scores[::3] = scores[::3].round()  # ties
+    scores[1::7] = _tie_heavy(len(range(1, rows, 7)), N, "cuda")
+    lengths = torch.randint(0, N + 1, (rows,), dtype=torch.int32, device="cuda")
+    lengths[::2] = N
+    out = poison_(torch.empty(rows, k, dtype=torch.int32, device="cuda"))
+    topk(scores, lengths, k, out)
+    assert torch.equal(out.cpu(), topk(scores.cpu(), lengths.cpu(), k))
+
+
+def test_short_rows_triton_interpreter():
+    """The register kernel itself, run on the CPU by the interpreter, against the reference."""
+    run_python(
+        "import torch\n"
+        "from kvops.triattention.reference import topk_reference\n"
+        "from kvops.triattention.topk import topk\n"
+        "for N, k in ((7, 3), (2176, 2048), (1000, 64), (300, 400)):\n"
+        "    s = torch.randint(-4, 5, (5, N)).float() * 0.5\n"
+        "    s[torch.rand(5, N) < 0.05] = float('nan')\n"
+        "    s[torch.rand(5, N) < 0.05] = -0.0\n"
+        "    s[3] = torch.randn(N)\n"
+        "    n = torch.tensor([N, 0, 1, N, N // 2], dtype=torch.int32)\n"
+        "    out = torch.full((5, k), 99, dtype=torch.int32)\n"
+        "    topk(s, n, k, out)\n"
+        "    assert torch.equal(out, topk_reference(s, n, k)), (N, k)\n", TRITON_INTERPRET="1")
 
 
 @requires_cuda

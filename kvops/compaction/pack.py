@@ -107,7 +107,8 @@ def _fill_kernel(kept, kept_stride_r, kept_stride_row, scored_lengths, tail_leng
     src = tl.where(m < n, src, -1)
     tl.store(sources + at + m, src, mask=(m < capacity) & ~refused)
     # n - s free slots: entry m - lo of moves for each; the entries from n - s on are padding (disjoint stores)
-    tl.store(moves + at + (m - lo), m, mask=(m < n) & ~stays & ~refused)
+    j = m - lo  # in [0, n - s) for a decision that keeps the contract; the bounds keep any other in its row
+    tl.store(moves + at + j, m, mask=(m < n) & ~stays & ~refused & (j >= 0) & (j < capacity))
     tl.store(moves + at + m, -1, mask=(m < capacity) & ((m >= n - s) | refused))
 
 

@@ -1,19 +1,90 @@
 """kvops.topk: per-row top-k over rows of ragged lengths, ascending indices, lowest index wins ties.
 
-GPU: the CuTe DSL radix select in topk_cute.py, compiled once per device and staging-copy width (shapes are
-dynamic) and launched on the current stream. CPU: the same semantics with torch sorts. Semantics (both): for row r, the indices of the
-k largest of scores[r, :lengths[r]] in ascending order; ties go to the lowest index; NaN ranks below -inf;
--0.0 equals +0.0; a row shorter than k is padded with -1.
+Two shape classes on the GPU, chosen from the shape, both on the current stream:
+- at least one row per SM, of up to SHORT_ROW keys (the steady-state round: budget + beta keys per row, hundreds
+  to thousands of rows): a Triton kernel with one small program per row, its keys in registers, many programs
+  per SM;
+- otherwise: the CuTe DSL radix select in topk_cute.py (one 1024-thread CTA per row, the row staged in shared
+  memory; faster for a few rows), compiled once per device and staging-copy width (shapes are dynamic).
+CPU: the same semantics with torch sorts (the Triton kernel under TRITON_INTERPRET=1). Semantics (all): for row
+r, the indices of the k largest of scores[r, :lengths[r]] in ascending order; ties go to the lowest index; NaN
+ranks below -inf; -0.0 equals +0.0; a row shorter than k is padded with -1.
 """
 
 from __future__ import annotations
 
 import torch
+import triton
+import triton.language as tl
 
 from .._checks import check_device, check_int, check_int32, overlap
+from .._triton import triton_launcher
 from . import _cute
 
 MAX_K = 2**31 - 1  # indices are int32
+SHORT_ROW = 4096    # the widest row the register kernel serves (its keys in one warp's registers)
+
+
+@triton.jit
+def _ukeys(bits, stride, row, at, length):
+    """The keys of positions `at` of a row as order-preserving unsigned fp32 patterns (NaN lowest at 0, -0 ==
+    +0, as in topk_cute.py); 0 past the length too."""
+    b = tl.load(bits + row.to(tl.int64) * stride + at, mask=at < length, other=0)
+    key = b ^ ((b >> 31) & 0x7FFFFFFF)                       # signed order
+    key = tl.where(key == -1, 0, key)                        # -0.0 ranks with +0.0
+    key = tl.where((b & 0x7FFFFFFF) > 0x7F800000, -2147483648, key)  # NaN lowest
+    return tl.where(at < length, (key ^ -2147483648).to(tl.uint32, bitcast=True), 0)
+
+
+@triton.jit
+def _place(out, key, at, length, threshold, ties, before):
+    """Store the indices `at` a row keeps (key > threshold, or == threshold among the first `ties` >= 0 of those
+    in index order) at their rank among the kept; `before`: kept in earlier parts. One scan counts both kinds
+    (packed in 16-bit halves: a part holds at most SHORT_ROW keys). Returns (kept here, ties left)."""
+    greater = (key > threshold).to(tl.int32)  # keys past the length are 0 and never above a threshold
+    equal = ((at < length) & (key == threshold)).to(tl.int32)
+    both = tl.cumsum(greater + (equal << 16), 0)
+    greater_before, equal_before = (both & 0xFFFF) - greater, (both >> 16) - equal
+    picked = (greater != 0) | ((equal != 0) & (equal_before < ties))
+    tl.store(out + before + greater_before + tl.minimum(equal_before, ties), at, mask=picked)
+    taken = tl.minimum(tl.sum(equal, 0), ties)
+    return tl.sum(greater, 0) + taken, ties - taken
+
+
+@triton.jit
+def _short_rows_kernel(bits, stride, lengths, out, N, k, HEAD: tl.constexpr, REST: tl.constexpr):
+    """One row per program, its keys in registers as a power-of-two head and rest (no padding to the next power
+    of two). The k-th largest key T is found bit by bit from the top: the largest T with #{key >= T} >= k. Then
+    keys > T, and the first k - #{> T} keys == T in index order, land at their exclusive prefix count, so the
+    output ascends."""
+    row = tl.program_id(0)
+    length = tl.minimum(tl.maximum(tl.load(lengths + row), 0), N)
+    at_head = tl.arange(0, HEAD)
+    at_rest = HEAD + tl.arange(0, REST)
+    head = _ukeys(bits, stride, row, at_head, length)
+    rest = _ukeys(bits, stride, row, at_rest, length)
+    threshold = tl.zeros((), tl.uint32)
+    for shift in tl.static_range(31, -1, -1):  # keys past the length are 0 and never reach a candidate (>= 1)
+        candidate = threshold | (tl.full((), 1, tl.uint32) << shift)
+        count = tl.sum((head >= candidate).to(tl.int32), 0) + tl.sum((rest >= candidate).to(tl.int32), 0)
+        threshold = tl.where(count >= k, candidate, threshold)
+    greater = tl.sum((head > threshold).to(tl.int32), 0) + tl.sum((rest > threshold).to(tl.int32), 0)
+    row_out = out + row.to(tl.int64) * k
+    kept, ties = _place(row_out, head, at_head, length, threshold, tl.maximum(k - greater, 0), 0)
+    kept_rest, _ = _place(row_out, rest, at_rest, length, threshold, ties, kept)
+    kept += kept_rest
+    start = 0
+    while start < k:  # -1 past the kept ones (a row shorter than k)
+        j = start + tl.arange(0, 256)
+        tl.store(row_out + j, -1, mask=(j >= kept) & (j < k))
+        start += 256
+
+
+def _short_rows(scores: torch.Tensor, lengths: torch.Tensor, k: int, out: torch.Tensor, kernel) -> None:
+    rows, N = scores.shape
+    head = triton.next_power_of_2(N + 1) // 2 if N else 1  # the largest power of two <= N
+    kernel[(rows,)](scores.view(torch.int32), scores.stride(0), lengths, out, N, k, HEAD=head,
+                    REST=triton.next_power_of_2(max(1, N - head)), num_warps=4)
 
 
 def compile_topk(device: torch.device | None, vector: bool = True):
@@ -31,6 +102,10 @@ def compile_topk(device: torch.device | None, vector: bool = True):
 @torch.library.custom_op("kvops::topk_", mutates_args={"out"})
 def _topk_op(scores: torch.Tensor, lengths: torch.Tensor, k: int, out: torch.Tensor) -> None:
     rows, N = scores.shape
+    interpreted = triton_launcher(_short_rows_kernel, scores.device)  # the kernel on the CPU, for tests
+    if interpreted is not None and N <= SHORT_ROW:
+        _short_rows(scores, lengths, k, out, interpreted)
+        return
     n = lengths.clamp(0, N).long()
     col = torch.arange(N, device=scores.device)
     category = torch.where(col[None] >= n[:, None], 2, torch.isnan(scores).long())  # 0 value, 1 NaN, 2 past end
@@ -48,6 +123,10 @@ def _topk_cuda(scores, lengths, k, out):
     from cutlass import Int32
 
     device = scores.device
+    rows, N = scores.shape
+    if N <= SHORT_ROW and rows >= torch.cuda.get_device_properties(device).multi_processor_count:
+        _short_rows(scores, lengths, k, out, _short_rows_kernel)
+        return
     vector = scores.data_ptr() % 16 == 0 and scores.stride(0) % 4 == 0 and scores.shape[1] % 4 == 0
     fn = _cute.compiled("kvops.topk", ("topk", _cute.device_index(device), vector),
                         lambda: compile_topk(device, vector))
