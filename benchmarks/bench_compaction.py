@@ -18,7 +18,7 @@ import torch
 
 from kvops.compaction import build_compaction_params, compact, decision_rows, pack_move_sources
 
-from .common import Row, device_copy_gbps, time_us
+from .common import Row, device_copy_gbps, graphed, time_us
 
 FAMILY = "compaction"
 HEADS, HEAD_DIM, TOKENS, PROMPT, KEEP, TAIL = 8, 128, 16384, 1024, 2048, 16
@@ -64,15 +64,6 @@ def _baseline(pools, params):
     return run
 
 
-def _graphed(fn):
-    fn()  # warm up (Triton compiles) before the capture
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        fn()
-    return graph.replay
-
-
 def _peak_extra(fn) -> int:
     torch.cuda.synchronize()
     before = torch.cuda.memory_allocated()
@@ -109,10 +100,10 @@ def run(quick: bool = False) -> tuple[list[Row], list[str]]:
                         del baseline
                     rows.append(Row.make(FAMILY, "compact", shape, dtype, us, moved, copy_gbps,
                                          "torch gather+scatter" if mode == "union" else "", base_us))
-                    graph_us = time_us(_graphed(lambda: compact(params)), iters=iters)
+                    graph_us = time_us(graphed(lambda: compact(params)), iters=iters)
                     rows.append(Row.make(FAMILY, "compact_graph", shape, dtype, graph_us, moved, copy_gbps))
                     sources, new_lengths = params.sources, params.new_lengths
-                    pack_us = time_us(_graphed(lambda: pack_move_sources(
+                    pack_us = time_us(graphed(lambda: pack_move_sources(
                         params.kept, params.scored_lengths, params.tail_lengths, params.destination_bases, sources,
                         new_lengths)), iters=iters)
                     rows.append(Row.make(FAMILY, "pack_graph", shape, "int32", pack_us, sources.numel() * 4,

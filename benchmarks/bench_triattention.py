@@ -5,13 +5,10 @@ Rows:
               32 requests of 16k decode tokens; bytes: K read once; limit: the device copy bandwidth (the
               issue's "HBM bandwidth", ~4.1 TB/s); from a CUDA graph.
   reduce_*    normalize + reduce (Triton) per mode; bytes: raw scores read + rows written.
-  round_*     TriAttentionSelector.select (mean phase + score + reduce + top-k, budget 2048) from a graph;
+  round_*     TriAttentionSelector.select (mean phase + score + reduce + top-k (bench_topk.py), budget 2048) from a
+              graph;
               bytes: K; baseline: the eager plain-torch implementation of the same math (torch scorer and
               reduce, torch.topk + sort), same inputs.
-  topk        kvops.topk from a CUDA graph (rows of <= 4096 keys: the Triton register kernel; longer: the CuTe
-              DSL radix select), vs torch.topk + sort of the indices (what a user would write for ascending keep
-              sets), same inputs; bytes: the scores read once.
-  topk_eager  the same call without a graph (includes Python and DLPack argument overhead).
   mean_phase  the coefficient kernel for 32 requests, Qwen3-8B (F = 64), from a graph.
   round_steady*  the round where serving runs it: R in {1, 8, 32, 128} due requests of prompt 1024 + 2176 decode
               tokens (budget 2048 + beta 128), pages of 32, HND pools with K and V planes, modes union and
@@ -30,53 +27,24 @@ import triton
 from kvops.compaction import compact, decision_rows
 from kvops.manager import TriAttentionRound
 from kvops.triattention import Calibration, TriAttentionSelector, mean_phase
-from kvops.triattention.score import CHUNK, STATS, _reduce_torch, _score_torch, reduce_rows, score
-from kvops.triattention.topk import topk
+from kvops.triattention.reduce import _reduce_torch, reduce_rows
+from kvops.triattention.score import CHUNK, STATS, _score_torch, score
 
-from .common import Row, device_copy_gbps, time_us
+from .common import Row, device_copy_gbps, graphed, time_us
 
 FAMILY = "triattention"
-
-
-def _graphed(fn):
-    fn()
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        fn()
-    return graph.replay
 
 
 def run(quick: bool = False) -> tuple[list[Row], list[str]]:
     copy_gbps = device_copy_gbps()
     iters = 5 if quick else 50
     rows_out: list[Row] = []
-    # long rows (a select over whole 16k-128k contexts), then the steady-state round's short rows: budget + beta
-    # keys per row, one row per request (union) or 288 (per_layer_perhead, Qwen3-8B) at 1 and 32 requests
-    shapes = [(64, 32768, 2048), (9216, 2176, 2048)] if quick else [
-        (rows, N, k) for k in (2048, 8192) for N in (16384, 32768, 131072) for rows in (32, 64, 256)] + [
-        (rows, 2176, 2048) for rows in (32, 288, 9216)]
-    for rows, N, k in shapes:
-        scores = torch.randn(rows, N, device="cuda")
-        lengths = torch.full((rows,), N, dtype=torch.int32, device="cuda")
-        out = torch.empty(rows, k, dtype=torch.int32, device="cuda")
-        base_us = time_us(_graphed(lambda: scores.topk(k, dim=1).indices.sort(dim=1)), iters=iters)
-        ours = time_us(_graphed(lambda: topk(scores, lengths, k, out)), iters=iters)
-        eager = time_us(lambda: topk(scores, lengths, k, out), iters=iters)
-        shape = f"rows={rows} N={N} k={k}"
-        rows_out.append(Row.make(FAMILY, "topk", shape, "float32", ours, scores.numel() * 4, copy_gbps / 2,
-                                 "torch.topk+sort", base_us))
-        rows_out.append(Row.make(FAMILY, "topk_eager", shape, "float32", eager, scores.numel() * 4, copy_gbps / 2,
-                                 "torch.topk+sort", base_us))
     starts = torch.randint(0, 2 ** 24, (32,), device="cuda")
     omega = torch.rand(64, device="cuda")
     phase = torch.empty(32, 2, 64, device="cuda")
-    us = time_us(_graphed(lambda: mean_phase(starts, omega, phase)), iters=iters)
+    us = time_us(graphed(lambda: mean_phase(starts, omega, phase)), iters=iters)
     rows_out.append(Row.make(FAMILY, "mean_phase", "R=32 F=64", "float32", us, phase.numel() * 4, copy_gbps / 2))
-    notes = ["limit for topk: the read half of the copy bandwidth (the scores are read at least once).",
-             "Every row is timed with L2 flushed before each call. In a round the top-k's scores were just written by "
-             "the reduce, so rows that fit in L2 (50 MB) are L2-resident in real use and run faster than shown."]
-    notes += _round(rows_out, copy_gbps, quick)
+    notes = _round(rows_out, copy_gbps, quick)
     notes += _round_steady(rows_out, copy_gbps, quick)
     return rows_out, notes
 
@@ -103,11 +71,11 @@ def _round(rows_out: list[Row], copy_gbps: float, quick: bool) -> list[str]:
     w = qwen3_workload(4 if quick else 32, 16384)
     cal, L, Hq, Hkv, R, n, pools, table, P, N = w.cal, w.L, w.Hq, w.Hkv, w.R, w.n, w.pools, w.table, w.P, w.N
     starts, k_bytes, shape, weights, phase = w.starts, w.k_bytes, w.shape, w.weights, w.phase
-    us = time_us(_graphed(lambda: score(pools, table, N, P, phase, weights, n)), iters=10)
+    us = time_us(graphed(lambda: score(pools, table, N, P, phase, weights, n)), iters=10)
     rows_out.append(Row.make(FAMILY, "score", shape, "bfloat16", us, k_bytes, copy_gbps))
     raw, stats = score(pools, table, N, P, phase, weights, n)
     for mode in ("union", "per_head", "per_layer_perhead"):
-        us = time_us(_graphed(lambda: reduce_rows(raw, stats, N, P, mode, Hkv)), iters=10)
+        us = time_us(graphed(lambda: reduce_rows(raw, stats, N, P, mode, Hkv)), iters=10)
         out_rows = decision_rows(mode, L, Hkv)
         rows_out.append(Row.make(FAMILY, f"reduce_{mode}", shape, "float32", us, raw.numel() * 4 + R * out_rows * n * 4,
                                  copy_gbps))
@@ -123,7 +91,7 @@ def _round(rows_out: list[Row], copy_gbps: float, quick: bool) -> list[str]:
     notes = []
     for mode in ("union", "per_layer_perhead"):
         selector = TriAttentionSelector(cal, budget, mode, max_decode=n)
-        us = time_us(_graphed(lambda: selector.select(pools, table, N, P, starts)), iters=10)
+        us = time_us(graphed(lambda: selector.select(pools, table, N, P, starts)), iters=10)
         base = time_us(lambda: eager_torch(mode), iters=2, warmup=1)
         rows_out.append(Row.make(FAMILY, f"round_{mode}", shape, "bfloat16", us, k_bytes, copy_gbps,
                                  "eager torch", base))
@@ -179,9 +147,9 @@ def _round_steady(rows_out: list[Row], copy_gbps: float, quick: bool) -> list[st
                 if floor_bytes is None:
                     floor_bytes = k_bytes + 2 * fill_moved_bytes(w, rnd)
                 pt, lengths = rnd.page_table[:R], rnd.lengths[:, :R]
-                select_us = time_us(_graphed(lambda: selector.select(w.pools, pt, lengths[0], lengths[1],
+                select_us = time_us(graphed(lambda: selector.select(w.pools, pt, lengths[0], lengths[1],
                                                                      lengths[3])), iters=10)
-                compact_us = time_us(_graphed(lambda: compact(rnd.params, R)), iters=10)
+                compact_us = time_us(graphed(lambda: compact(rnd.params, R)), iters=10)
                 round_us = time_us(rnd.graphs[R].replay, iters=10)
                 shape = f"R={R} {w.prompt}+{w.budget + w.beta} L={w.L} Hkv={w.Hkv} {mode} {order}"
                 for routine, us, nbytes in (("round_steady_select", select_us, k_bytes),

@@ -46,6 +46,16 @@ def flush_l2() -> None:
     _FLUSH[0].zero_()
 
 
+def graphed(fn):
+    """fn captured in a CUDA graph (after one eager call, which compiles Triton and CuTe kernels): its replay."""
+    fn()
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        fn()
+    return graph.replay
+
+
 def time_us(fn, iters: int = 20, warmup: int = 3, flush: bool = True) -> float:
     """Median microseconds of fn() on the current stream, by CUDA events after warm-up. With `flush` (the default)
     L2 is evicted before each timed call, outside the timed region: inputs come from memory, as they do in use

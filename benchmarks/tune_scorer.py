@@ -1,43 +1,41 @@
 """Sweep the CuTe scorer's launch knobs (frequencies per lane, tokens in flight, CTA size) at the benchmark
-geometry: `python -m benchmarks.tune_scorer`. Each variant is checked against the first one's raw scores."""
+geometry: `python -m benchmarks.tune_scorer`. Each variant is compiled with its knobs as constructor arguments
+(`compile_scorer(..., **knobs)`) and checked against the first one's raw scores."""
 
 from __future__ import annotations
 
 import torch
 
-import kvops.triattention.score as score_mod
-import kvops.triattention.score_cute as score_cute
-from kvops.triattention import _cute
-from kvops.triattention.score import score
+from kvops.triattention.score import compile_scorer, score, scorer_arguments
 
-from .bench_triattention import _graphed, qwen3_workload
-from .common import device_copy_gbps, time_us
+from .bench_triattention import qwen3_workload
+from .common import device_copy_gbps, graphed, time_us
 
-# (frequencies per lane, tokens per lane group and stage, CTA threads, chunk)
-CONFIGS = [(8, 4, 64, 1024), (8, 5, 64, 1024), (8, 6, 64, 1024), (8, 8, 64, 1024), (8, 6, 64, 2048),
-           (8, 6, 128, 1024), (8, 2, 64, 1024)]
+# Scorer knobs; the first row is the default.
+CONFIGS = [dict(freqs_per_lane=8, unroll=4, threads=64), dict(freqs_per_lane=8, unroll=5, threads=64),
+           dict(freqs_per_lane=8, unroll=6, threads=64), dict(freqs_per_lane=8, unroll=8, threads=64),
+           dict(freqs_per_lane=8, unroll=6, threads=128), dict(freqs_per_lane=8, unroll=2, threads=64)]
 
 
 def main() -> None:
     w = qwen3_workload(32, 16384)
     pools, table, N, P, phase, weights, n, k_bytes = w.pools, w.table, w.N, w.P, w.phase, w.weights, w.n, w.k_bytes
     copy = device_copy_gbps()
-    first = None
-    for fpl, unroll, threads, chunk in CONFIGS:
-        score_cute.FREQS_PER_LANE, score_cute.UNROLL, score_cute.THREADS = fpl, unroll, threads
-        score_cute.CHUNK = score_mod.CHUNK = chunk
-        _cute._compiled.clear()
-        raw, _ = score(pools, table, N, P, phase, weights, n)
-        err = 0.0 if first is None else ((raw - first).abs() / first.abs().clamp_min(1)).max().item()
-        first = raw if first is None else first
-        del raw
-        us = time_us(_graphed(lambda: score(pools, table, N, P, phase, weights, n)), iters=10)
+    raw, stats = score(pools, table, N, P, phase, weights, n)  # the buffers (and a check of the arguments)
+    first = raw.clone()
+    pool = pools[0]
+    G, F, T = raw.shape[2] // pool.shape[2], weights[0].shape[-1], pool.shape[3]
+    for knobs in CONFIGS:
+        fn = compile_scorer(pool.dtype, F, G, T, pool.device, **knobs)
+        args = scorer_arguments(pools, table, P, N, phase, *weights, raw, stats)
+        us = time_us(graphed(lambda: fn(*args)), iters=10)
+        err = ((raw - first).abs() / first.abs().clamp_min(1)).max().item()
         gbps = k_bytes / us / 1e3
-        print(f"fpl={fpl} unroll={unroll} threads={threads} chunk={chunk}: {us / 1e3:.2f} ms, {gbps:.0f} GB/s = "
-              f"{100 * gbps / copy:.1f}% of copy {copy:.0f} GB/s; max rel diff {err:.1e}", flush=True)
-    # the same, last knobs, with each request's pages in order: how much the random page order costs
+        print(f"{knobs}: {us / 1e3:.2f} ms, {gbps:.0f} GB/s = {100 * gbps / copy:.1f}% of copy {copy:.0f} GB/s; "
+              f"max rel diff {err:.1e}", flush=True)
+    # the default knobs with each request's pages in order: how much the random page order costs
     ordered = torch.arange(table.numel(), device="cuda", dtype=torch.int32).view(table.shape)
-    us = time_us(_graphed(lambda: score(pools, ordered, N, P, phase, weights, n)), iters=10)
+    us = time_us(graphed(lambda: score(pools, ordered, N, P, phase, weights, n)), iters=10)
     print(f"pages in order: {us / 1e3:.2f} ms, {100 * k_bytes / us / 1e3 / copy:.1f}% of copy", flush=True)
 
 

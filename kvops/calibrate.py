@@ -17,7 +17,7 @@ statistic is written.
 from __future__ import annotations
 
 import os
-from typing import Any, Iterable, Mapping
+from typing import Any, Mapping
 
 import torch
 

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from kvops.triattention.calibration import SHIPPED, load_calibration
-from kvops.triattention.reference import mean_phase_reference, normalize_reference, reduce_reference, topk_reference
+from kvops.triattention.reference import mean_phase_reference, normalize_reference, reduce_reference
 from kvops.triattention.rope import rope_parameters
 
 QWEN3_8B, GPT_OSS_120B = (SHIPPED[name].model_config for name in ("qwen3-8b", "gpt-oss-120b"))
@@ -155,13 +155,3 @@ def test_reference_pieces():
     assert torch.equal(reduce_reference(g, "union", 2), g.amax((0, 1))[None])
     assert torch.equal(reduce_reference(g, "per_layer_perhead", 2)[3], g[1, 2:].amax(0))
     assert torch.allclose(reduce_reference(g, "per_head", 2)[0], g[:, :2].amax(1).mean(0))
-    scores = torch.randn(4, 100)
-    lengths = torch.tensor([100, 50, 3, 0])
-    got = topk_reference(scores, lengths, 10)
-    for row in range(2):
-        n = int(lengths[row])
-        assert torch.equal(got[row].long(), scores[row, :n].topk(10).indices.sort().values)
-    assert got[2].tolist() == [0, 1, 2] + [-1] * 7 and got[3].tolist() == [-1] * 10
-    ties = torch.tensor([[1.0, 2.0, 2.0, float("nan"), 2.0, -float("inf"), 2.0]])
-    assert topk_reference(ties, torch.tensor([7]), 3).tolist() == [[1, 2, 4]]
-    assert topk_reference(ties, torch.tensor([7]), 7).tolist() == [[0, 1, 2, 3, 4, 5, 6]]

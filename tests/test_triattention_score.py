@@ -9,7 +9,8 @@ from conftest import (DEVICES, bytes_of, opcheck, paged_pools, poison_, requires
                       synthetic_calibration)
 from kvops.triattention import SHIPPED, load_calibration, mean_phase
 from kvops.triattention.reference import normalize_reference, raw_scores_reference, reduce_reference, gather_keys
-from kvops.triattention.score import CHUNK, STATS, reduce_rows, score
+from kvops.triattention.reduce import reduce_rows
+from kvops.triattention.score import CHUNK, STATS, score
 
 
 # Synthetic geometries cover every kernel shape class (the GPU machine has no calibration files):
@@ -120,7 +121,7 @@ def test_reduce_against_reference(mode, normalize, device):
 def test_reduce_triton_kernel_in_the_interpreter():
     """The Triton reduce itself on the CPU (TRITON_INTERPRET=1), against the op's torch path."""
     code = ("import torch, kvops\n"
-            "from kvops.triattention.score import reduce_rows, _reduce_torch\n"
+            "from kvops.triattention.reduce import reduce_rows, _reduce_torch\n"
             "from kvops.triattention.score import CHUNK\n"
             "raw = torch.randn(2, 3, 4, CHUNK + 188); raw[0, 1, 2, 5] = float('nan'); raw[1, 2, 0, 9] = float('inf')\n"
             "stats = torch.randn(2, 3, 4, 2, 3).abs(); stats[..., 2] = torch.randint(1, 1000, (2, 3, 4, 2))\n"
@@ -208,7 +209,7 @@ def test_cute_kernels_compile_without_a_gpu(arch):
     pytest.importorskip("cutlass")
     code = ("import torch\n"
             "from kvops.triattention.score import compile_scorer\n"
-            "from kvops.triattention.topk import compile_topk\n"
+            "from kvops.topk import compile_topk\n"
             "compile_topk(None, vector=True)\ncompile_topk(None, vector=False)\n"
             "for F, G in ((64, 4), (32, 8), (16, 4)):\n"
             "    compile_scorer(torch.bfloat16, F, G, 16, None)\n"

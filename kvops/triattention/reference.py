@@ -12,6 +12,7 @@ import torch
 
 from ..compaction.compact import MODES
 from .calibration import Calibration
+from ..topk import topk_reference
 
 PHASE_OFFSETS = tuple(2 ** i for i in range(17))  # O = {1, 2, 4, ..., 65536}
 
@@ -75,20 +76,6 @@ def reduce_reference(z: torch.Tensor, mode: str, num_kv_heads: int) -> torch.Ten
     else:
         raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
     return rows.masked_fill(poisoned, -float("inf"))
-
-
-def topk_reference(scores: torch.Tensor, lengths: torch.Tensor, k: int) -> torch.Tensor:
-    """int32 [rows, k]: per row, the ascending indices of the k largest of scores[row, :length]; ties go to the
-    lowest index; NaN ranks below -inf; -1 fills a row shorter than k."""
-    out = torch.full((scores.shape[0], k), -1, dtype=torch.int32)
-    for row in range(scores.shape[0]):
-        n = int(lengths[row])
-        vals = scores[row, :n].double().cpu().nan_to_num(nan=-float("inf"))
-        nan = torch.isnan(scores[row, :n].cpu())
-        # lexicographic: value descending (NaN last), then index ascending
-        order = sorted(range(n), key=lambda i: (bool(nan[i]), -float(vals[i]), i))[:k]
-        out[row, :len(order)] = torch.tensor(sorted(order), dtype=torch.int32)
-    return out
 
 
 def select_reference(k_pools, page_table, cache_lengths, prompt_lengths, round_starts, cal: Calibration, budget: int,

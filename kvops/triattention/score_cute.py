@@ -4,8 +4,9 @@ CTA (chunk, layer * Hkv + g, r) scores CHUNK consecutive decode tokens of reques
 of KV head g. A token's key is split over LANES lanes, each holding FPL frequencies (one 8- or 16-byte load from
 each rotary half); K is read exactly once. The per-(head, frequency) coefficients and the chunk's page ids are
 staged in shared memory; the main loop runs frequency by frequency (one frequency's fp32 values live at a time),
-and each coefficient read serves UNROLL tokens, whose successors' loads are in flight in registers meanwhile. A reduce-scatter butterfly over the token's lanes finishes the G dot products. Scores are
-staged in shared memory, then written coalesced with the (mean, M2, count) of the chunk's finite scores per head,
+and each coefficient read serves UNROLL tokens, whose successors' loads are in flight in registers meanwhile. A
+reduce-scatter butterfly over the token's lanes finishes the G dot products. Scores are staged in shared memory,
+then written coalesced with the (mean, M2, count) of the chunk's finite scores per head,
 from which the reduce merges each (r, l, h)'s statistics. A token whose page is absent (-1 or outside the pool,
 or past the page table) scores NaN.
 Coefficients fold the mean phase in: a = qr C - qi S, b = qr S + qi C (qr, qi, e already times freq_scale_sq).
@@ -19,19 +20,13 @@ from cutlass import Float32, Int32, Int64
 from cutlass._mlir.dialects import llvm
 from cutlass.cutlass_dsl import T, dsl_user_op
 
-from .score import CHUNK  # decode tokens per CTA, and per statistics partial
-
-THREADS = 64
-UNROLL = 4   # tokens per lane group per pipeline stage: the next stage's loads fly while these are scored (the
-             # sweep that chose 4 is in docs/triattention.md, "Speed")
-FREQS_PER_LANE = None  # None: lane_split's choice (a tuning knob for the benchmark sweep)
 KV_TYPES = (cutlass.BFloat16, cutlass.Float16)  # passed by index: DSL 4.3.5 takes no type as a compile argument
 
 
-def lane_split(num_freqs: int, group: int) -> tuple[int, int]:
-    """(frequencies per lane, lanes per token): 8 frequencies (one 16-byte bf16 load per rotary half) for G <= 4;
-    4 for larger groups, whose G accumulators per token leave fewer registers for a lane's keys."""
-    fpl = FREQS_PER_LANE or (8 if group <= 4 else 4)
+def lane_split(num_freqs: int, group: int, freqs_per_lane: int | None = None) -> tuple[int, int]:
+    """(frequencies per lane, lanes per token): by default 8 frequencies (one 16-byte bf16 load per rotary half)
+    for G <= 4; 4 for larger groups, whose G accumulators per token leave fewer registers for a lane's keys."""
+    fpl = freqs_per_lane or (8 if group <= 4 else 4)
     return fpl, num_freqs // fpl
 
 
@@ -66,17 +61,22 @@ class Scorer:
     """One compiled shape class. Its constants are attributes, read as self.X where used: DSL 4.3.5 turns
     Python ints passed as kernel arguments (and locals read inside dynamic loops) into runtime values."""
 
-    def __init__(self, kv_code: int, num_freqs: int, group: int, page_size: int):
+    def __init__(self, kv_code: int, num_freqs: int, group: int, page_size: int, chunk: int, *, threads: int = 64,
+                 unroll: int = 4, freqs_per_lane: int | None = None):
+        # The shape class (KV dtype, F, G, page size), the layout of the statistics (chunk: decode tokens per CTA
+        # and per partial), and the launch knobs (threads per CTA; unroll: tokens per lane group per pipeline
+        # stage, whose successors' loads fly while these are scored; frequencies per lane), all part of the
+        # compile key. The defaults are the sweep's choice (docs/triattention.md, "Speed").
         self.dtype = KV_TYPES[kv_code]
-        self.F, self.G, self.T = num_freqs, group, page_size
-        self.FPL, self.LANES = lane_split(num_freqs, group)
-        self.THREADS, self.WARPS, self.UNROLL = THREADS, THREADS // 32, UNROLL
-        self.TOKENS = THREADS // self.LANES  # tokens per CTA step
+        self.F, self.G, self.T, self.CHUNK = num_freqs, group, page_size, chunk
+        self.FPL, self.LANES = lane_split(num_freqs, group, freqs_per_lane)
+        self.THREADS, self.WARPS, self.UNROLL = threads, threads // 32, unroll
+        self.TOKENS = threads // self.LANES  # tokens per CTA step
         self.SPANS = tuple(1 << i for i in range(self.LANES.bit_length() - 1))  # butterfly over a token's lanes
         self.G2 = 1 << (group - 1).bit_length()  # heads padded to a power of two for the reduce-scatter
         self.HALVINGS = min(len(self.SPANS), (self.G2 - 1).bit_length())
         self.BYTES = self.dtype.width // 8
-        self.PAGES = (CHUNK + page_size - 2) // page_size + 1  # pages a chunk can touch
+        self.PAGES = (chunk + page_size - 2) // page_size + 1  # pages a chunk can touch
         self.HG = (group + 3) // 4  # groups of 4 heads: one 16-byte coefficient load each
 
     @cute.jit
@@ -84,7 +84,7 @@ class Scorer:
                  mPhase: cute.Tensor, mQr: cute.Tensor, mQi: cute.Tensor, mE: cute.Tensor, mRaw: cute.Tensor,
                  mStats: cute.Tensor, page_stride: Int64, head_stride: Int64, token_stride: Int64, num_pages: Int32,
                  stream):
-        smem_bytes = (self.G * CHUNK + 2 * self.WARPS + self.PAGES + 12 * self.HG * self.F) * 4 + 64
+        smem_bytes = (self.G * self.CHUNK + 2 * self.WARPS + self.PAGES + 12 * self.HG * self.F) * 4 + 64
         grid = [mStats.shape[3], mQr.shape[0] * (mQr.shape[1] // self.G), mRaw.shape[0]]
         self.kernel(mLayerK, mTable, mPrompt, mCache, mPhase, mQr, mQi, mE, mRaw, mStats, page_stride, head_stride,
                     token_stride, num_pages).launch(grid=grid, block=[self.THREADS, 1, 1], smem=smem_bytes,
@@ -117,7 +117,7 @@ class Scorer:
         lane = cute.arch.lane_idx()
         warp = cute.arch.warp_idx()
         smem = cutlass.utils.SmemAllocator()
-        sScore = smem.allocate_tensor(Float32, cute.make_layout((self.G, CHUNK), stride=(CHUNK, 1)),
+        sScore = smem.allocate_tensor(Float32, cute.make_layout((self.G, self.CHUNK), stride=(self.CHUNK, 1)),
                                       byte_alignment=16)
         sRed = smem.allocate_tensor(Float32, cute.make_layout(2 * self.WARPS), byte_alignment=16)
         sPage = smem.allocate_tensor(Int32, cute.make_layout(self.PAGES), byte_alignment=16)
@@ -132,10 +132,10 @@ class Scorer:
         count = mCache[r] - prompt
         if count > mRaw.shape[3]:
             count = Int32(mRaw.shape[3])
-        first = chunk * CHUNK
+        first = chunk * self.CHUNK
         todo = count - first
-        if todo > CHUNK:
-            todo = Int32(CHUNK)
+        if todo > self.CHUNK:
+            todo = Int32(self.CHUNK)
         if todo > 0:
             q = tidx % self.LANES       # this lane's frequency slice within the token
             slot_in_step = tidx // self.LANES

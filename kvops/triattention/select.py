@@ -13,8 +13,9 @@ from .._checks import check_bool, check_device, check_int, check_int32
 from .calibration import Calibration
 from .phase import mean_phase
 from ..compaction.compact import MODES, decision_rows
-from .score import check_pools, reduce_rows, score
-from .topk import topk
+from .reduce import reduce_rows
+from .score import check_pools, score
+from ..topk import topk
 
 
 def score_rows(k_pools: Sequence[torch.Tensor], page_table: torch.Tensor, cache_lengths: torch.Tensor,

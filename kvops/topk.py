@@ -17,9 +17,9 @@ import torch
 import triton
 import triton.language as tl
 
-from .._checks import check_device, check_int, check_int32, overlap
-from .._triton import triton_launcher
 from . import _cute
+from ._checks import check_device, check_int, check_int32, overlap
+from ._triton import triton_launcher
 
 MAX_K = 2**31 - 1  # indices are int32
 SHORT_ROW = 4096    # the widest row the register kernel serves (its keys in one warp's registers)
@@ -181,4 +181,18 @@ def topk(scores: torch.Tensor, lengths: torch.Tensor, k: int, out: torch.Tensor 
             raise ValueError(f"{what}: out shares memory with scores or lengths")
     if k and scores.shape[0]:
         _topk_op(scores, lengths, k, out)
+    return out
+
+
+def topk_reference(scores: torch.Tensor, lengths: torch.Tensor, k: int) -> torch.Tensor:
+    """The independent reference (float64, Python sorts, CPU): int32 [rows, k]: per row, the ascending indices of the k largest of scores[row, :length]; ties go to the
+    lowest index; NaN ranks below -inf; -1 fills a row shorter than k."""
+    out = torch.full((scores.shape[0], k), -1, dtype=torch.int32)
+    for row in range(scores.shape[0]):
+        n = int(lengths[row])
+        vals = scores[row, :n].double().cpu().nan_to_num(nan=-float("inf"))
+        nan = torch.isnan(scores[row, :n].cpu())
+        # lexicographic: value descending (NaN last), then index ascending
+        order = sorted(range(n), key=lambda i: (bool(nan[i]), -float(vals[i]), i))[:k]
+        out[row, :len(order)] = torch.tensor(sorted(order), dtype=torch.int32)
     return out

@@ -4,8 +4,7 @@ import pytest
 import torch
 
 from conftest import DEVICES, opcheck, poison_, requires_cuda, run_python
-from kvops.triattention.reference import topk_reference
-from kvops.triattention.topk import topk
+from kvops.topk import topk, topk_reference
 
 
 def _tie_heavy(rows, N, device):
@@ -15,6 +14,19 @@ def _tie_heavy(rows, N, device):
     s[torch.rand(rows, N) < 0.04] = float("inf")
     s[torch.rand(rows, N) < 0.04] = -0.0
     return s.to(device)
+
+
+def test_reference_written_out():
+    scores = torch.randn(4, 100)
+    lengths = torch.tensor([100, 50, 3, 0])
+    got = topk_reference(scores, lengths, 10)
+    for row in range(2):
+        n = int(lengths[row])
+        assert torch.equal(got[row].long(), scores[row, :n].topk(10).indices.sort().values)
+    assert got[2].tolist() == [0, 1, 2] + [-1] * 7 and got[3].tolist() == [-1] * 10
+    ties = torch.tensor([[1.0, 2.0, 2.0, float("nan"), 2.0, -float("inf"), 2.0]])
+    assert topk_reference(ties, torch.tensor([7]), 3).tolist() == [[1, 2, 4]]
+    assert topk_reference(ties, torch.tensor([7]), 7).tolist() == [[0, 1, 2, 3, 4, 5, 6]]
 
 
 @pytest.mark.parametrize("device", DEVICES)
@@ -62,8 +74,7 @@ def test_short_rows_triton_interpreter():
     """The register kernel itself, run on the CPU by the interpreter, against the reference."""
     run_python(
         "import torch\n"
-        "from kvops.triattention.reference import topk_reference\n"
-        "from kvops.triattention.topk import topk\n"
+        "from kvops.topk import topk, topk_reference\n"
         "for N, k in ((7, 3), (2176, 2048), (1000, 64), (300, 400)):\n"
         "    s = torch.randint(-4, 5, (5, N)).float() * 0.5\n"
         "    s[torch.rand(5, N) < 0.05] = float('nan')\n"

@@ -1,0 +1,45 @@
+"""kvops.topk on the GPU.
+
+Rows:
+  topk        kvops.topk from a CUDA graph (at least a row per SM of <= 4096 keys: the Triton register kernel;
+              otherwise the CuTe DSL radix select), vs torch.topk + sort of the indices (what a user would write
+              for ascending keep sets), same inputs; bytes: the scores read once; limit: the read half of the
+              copy bandwidth. Long rows are a select over whole 16k-128k contexts; rows of 2176 keys are the
+              steady-state round's (budget 2048 + beta 128): one per request (union) or 288 per request
+              (per_layer_perhead, Qwen3-8B) at 1 and 32 requests.
+  topk_eager  the same call without a graph (includes Python and DLPack argument overhead).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from kvops.topk import topk
+
+from .common import Row, device_copy_gbps, graphed, time_us
+
+FAMILY = "topk"
+
+
+def run(quick: bool = False) -> tuple[list[Row], list[str]]:
+    copy_gbps = device_copy_gbps()
+    iters = 5 if quick else 50
+    rows_out: list[Row] = []
+    shapes = [(64, 32768, 2048), (9216, 2176, 2048)] if quick else [
+        (rows, N, k) for k in (2048, 8192) for N in (16384, 32768, 131072) for rows in (32, 64, 256)] + [
+        (rows, 2176, 2048) for rows in (32, 288, 9216)]
+    for rows, N, k in shapes:
+        scores = torch.randn(rows, N, device="cuda")
+        lengths = torch.full((rows,), N, dtype=torch.int32, device="cuda")
+        out = torch.empty(rows, k, dtype=torch.int32, device="cuda")
+        base_us = time_us(graphed(lambda: scores.topk(k, dim=1).indices.sort(dim=1)), iters=iters)
+        ours = time_us(graphed(lambda: topk(scores, lengths, k, out)), iters=iters)
+        eager = time_us(lambda: topk(scores, lengths, k, out), iters=iters)
+        shape = f"rows={rows} N={N} k={k}"
+        for routine, us in (("topk", ours), ("topk_eager", eager)):
+            rows_out.append(Row.make(FAMILY, routine, shape, "float32", us, scores.numel() * 4, copy_gbps / 2,
+                                     "torch.topk+sort", base_us))
+    notes = ["limit for topk: the read half of the copy bandwidth (the scores are read at least once).",
+             "Every row is timed with L2 flushed before each call. In a round the top-k's scores were just written by "
+             "the reduce, so rows that fit in L2 (50 MB) are L2-resident in real use and run faster than shown."]
+    return rows_out, notes
