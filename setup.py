@@ -1,11 +1,15 @@
-"""Builds kvops._C ahead of time: C++ CPU kernels always, CUDA kernels when torch has CUDA and nvcc exists.
+"""Builds kvops ahead of time: kvops._C (C++ CPU kernels always, CUDA kernels when torch has CUDA and nvcc exists),
+then the CuTe DSL kernels (kvops/_cute_kernels.so, by `python -m kvops._cute_build`; no GPU needed).
 
 Default CUDA archs are sm_90a (Hopper) and sm_100a (Blackwell); TORCH_CUDA_ARCH_LIST overrides them
-(e.g. TORCH_CUDA_ARCH_LIST="9.0" for a quick Hopper-only build). Build with --no-build-isolation so the
-extension links against the torch you run with.
+(e.g. TORCH_CUDA_ARCH_LIST="9.0" for a quick Hopper-only build) for kvops._C. Build with --no-build-isolation so
+the extension links against the torch you run with. KVOPS_NO_CUTE=1 skips the CuTe library (the kernels then
+compile into the user cache at first use).
 """
 import glob
 import os
+import subprocess
+import sys
 
 from setuptools import find_packages, setup
 from torch.utils.cpp_extension import CUDA_HOME, BuildExtension, CppExtension, CUDAExtension
@@ -38,6 +42,20 @@ def _extension():
                          extra_compile_args={"cxx": cxx + ["-DKVOPS_WITH_CUDA"], "nvcc": nvcc}, py_limited_api=True)
 
 
+class BuildExt(BuildExtension.with_options(use_ninja=True)):
+    """build_ext, then the CuTe library beside kvops._C (a failed compile or export fails the build)."""
+
+    def run(self):
+        super().run()
+        if os.environ.get("KVOPS_NO_CUTE") == "1":
+            return
+        package = os.path.dirname(os.path.abspath(self.get_ext_fullpath("kvops._C")))
+        env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [os.path.dirname(package),
+                                                                         os.environ.get("PYTHONPATH")]))}
+        subprocess.run([sys.executable, "-m", "kvops._cute_build", "--out", os.path.join(package, "_cute_kernels.so")],
+                       check=True, env=env)
+
+
 setup(
     name="kvops",
     version="0.1.0",
@@ -46,10 +64,10 @@ setup(
     # shipped TriAttention calibrations (Apache-2.0, see NOTICE.md there)
     package_data={"kvops": ["data/triattention/*.pt", "data/triattention/NOTICE.md"]},
     python_requires=">=3.10",
-    install_requires=["torch", "nvidia-cutlass-dsl"],
+    install_requires=["torch", "nvidia-cutlass-dsl>=4.8.1", "apache-tvm-ffi"],
     extras_require={"transformers": ["transformers>=5.0"], "dev": ["pytest", "hypothesis", "ninja"]},
     ext_modules=[_extension()],
-    cmdclass={"build_ext": BuildExtension.with_options(use_ninja=True)},
+    cmdclass={"build_ext": BuildExt},
     options={"bdist_wheel": {"py_limited_api": "cp39"}},
     entry_points={"console_scripts": ["kvops=kvops.__main__:main"]},
 )

@@ -1,5 +1,6 @@
 """python -m kvops <command>: `demo` runs the long-decoding workload of kvops/demo.py, `calibrate` writes
-TriAttention statistics for a local Hugging Face model (kvops/calibrate.py), `info` says what runs here."""
+TriAttention statistics for a local Hugging Face model (kvops/calibrate.py), `warmup` makes the CuTe kernels of a
+model geometry ready (kvops/_cute_build.py), `info` says what runs here."""
 
 import sys
 
@@ -30,7 +31,7 @@ def info() -> int:
     supported = (major, minor) in SUPPORTED_ARCHS
     print(f"  NVFP4 codec, compaction (native CUDA): {'yes' if supported else 'no kernel for this arch'} "
           "(a build without nvcc raises a clear error on first use)")
-    print("  TriAttention mean phase, pack, reduce (Triton): yes; scorer, top-k (CuTe DSL, compiled at first use): "
+    print("  TriAttention mean phase, pack, reduce (Triton): yes; scorer, top-k (CuTe DSL): "
           + ("yes" if supported else "not for this arch"))
     return 0
 
@@ -40,6 +41,7 @@ def main(argv=None) -> int:
     if not argv or argv[0] in ("-h", "--help"):
         print("usage: kvops demo [--preset tiny|gpu] [--device cpu|cuda] [--dtype D] [--json FILE]\n"
               "       kvops calibrate MODEL_DIR --text FILE --out FILE.pt [--max-tokens N] [--window W]\n"
+              "       kvops warmup [--head-dim D] [--group G ...] [--page-size T ...] [--dtype D] [--arch sm_XXa ...]\n"
               "       kvops info")
         return 0 if argv else 2
     if argv[0] == "demo":
@@ -50,9 +52,14 @@ def main(argv=None) -> int:
         from .calibrate import main as calibrate
 
         return calibrate(argv[1:])
+    if argv[0] == "warmup":
+        from ._cute_build import warmup
+
+        return warmup(argv[1:])
     if argv[0] == "info":
         return info()
-    print(f"kvops: unknown command {argv[0]!r}; try `kvops demo`, `kvops calibrate` or `kvops info`", file=sys.stderr)
+    print(f"kvops: unknown command {argv[0]!r}; try `kvops demo`, `kvops calibrate`, `kvops warmup` or `kvops info`",
+          file=sys.stderr)
     return 2
 
 

@@ -1,29 +1,86 @@
-"""What every kvops CuTe DSL op shares: a compile cache that refuses to compile inside a CUDA-graph capture,
-dynamic-layout tensor arguments, and the current torch stream."""
+"""What every kvops CuTe DSL op shares.
+
+Two ways to reach a compiled kernel:
+
+- **In-process JIT** (``compiled``): ``cute.compile`` at first use against DLPack views of the real tensors
+  (``dynamic``), cached per process. A compile inside a CUDA-graph capture raises.
+- **Ahead of time, through TVM-FFI** (``ffi_function``): each kernel class is a ``Spec`` whose ``build(arch)``
+  compiles it with ``--enable-tvm-ffi`` for one GPU arch against fake tensors of symbolic shape (no GPU needed), so
+  the result takes torch tensors directly and runs on the caller's current stream. ``python -m kvops._cute_build``
+  (run by setup.py at install) exports every shipped spec for sm_90a and sm_100a and links them into one library,
+  ``kvops/_cute_kernels.so``. A spec that library lacks (another arch, another shape class, an install without
+  it) is compiled once into a persistent cache (``KVOPS_CACHE_DIR``, default ``~/.cache/kvops``), keyed by the DSL
+  and TVM-FFI versions and a hash of the kernel sources, written atomically under a file lock so that concurrent
+  processes compile it once; later processes load it in milliseconds. ``python -m kvops warmup`` fills it.
+"""
 
 from __future__ import annotations
 
+import fcntl
+import hashlib
+import os
+import subprocess
+import tempfile
 import threading
-from typing import Callable, Hashable
+from pathlib import Path
+from typing import Callable, Hashable, NamedTuple, Sequence
 
 import torch
 
+MIN_DSL = (4, 8, 1)  # compiles without a GPU (--gpu-arch) and exports TVM-FFI objects
+ARCHS = ("sm_90a", "sm_100a")  # what the install builds: Hopper and Blackwell
+LIBRARY = Path(__file__).with_name("_cute_kernels.so")
+# The files whose text decides what a spec compiles to (part of the persistent cache key).
+SOURCES = ("_cute.py", "topk.py", "topk_cute.py", "triattention/score.py", "triattention/score_cute.py")
+
 _compiled: dict[Hashable, object] = {}
+_functions: dict[tuple[str, str], object] = {}
+_library: list = []  # [the loaded prebuilt library, or None]
 _lock = threading.Lock()
+compile_count = 0  # kernels this process compiled (the tests count cache hits with it)
+# How the ops call their CuTe kernels on the GPU: "jit" (compiled in process, called through DLPack views; the
+# default until the TVM-FFI path has run on the GPU) or "ffi" (ffi_function: prebuilt, cached).
+FFI = os.environ.get("KVOPS_CUTE_CALL", "jit") == "ffi"
+
+
+class Spec(NamedTuple):
+    """One compiled kernel class: a name unique per shape class (it becomes the exported symbol, with the arch) and
+    ``build(arch)``, which compiles it for TVM-FFI with ``ffi_compile``."""
+
+    name: str
+    build: Callable[[str], object]
+
+
+def require_dsl():
+    """Import the CuTe DSL, refusing versions older than MIN_DSL with a clear message."""
+    import cutlass
+
+    version = tuple(int(p) for p in cutlass.__version__.split(".")[:3] if p.isdigit())
+    if version < MIN_DSL:
+        raise ImportError(f"kvops needs nvidia-cutlass-dsl >= {'.'.join(map(str, MIN_DSL))} (found "
+                          f"{cutlass.__version__}): pip install -U nvidia-cutlass-dsl apache-tvm-ffi")
+    return cutlass
 
 
 def compiled(what: str, key: Hashable, build: Callable[[], object]):
-    """The compiled kernel for `key` (device, dtype, constexprs), built once by `build()`."""
+    """The in-process JIT kernel for `key` (device, dtype, constexprs), built once by `build()`."""
+    global compile_count
     fn = _compiled.get(key)
     if fn is not None:
         return fn
-    if torch.cuda.is_current_stream_capturing():
-        raise RuntimeError(f"{what}: the CuTe kernel for {key} is not compiled yet and a CUDA graph is being "
-                           f"captured; call it once with the same shapes before capturing (warm-up)")
+    _refuse_in_capture(what, key)
     with _lock:
         if key not in _compiled:
+            require_dsl()
             _compiled[key] = build()
+            compile_count += 1
     return _compiled[key]
+
+
+def _refuse_in_capture(what: str, key) -> None:
+    if torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
+        raise RuntimeError(f"{what}: the CuTe kernel for {key} is not compiled yet and a CUDA graph is being "
+                           f"captured; call it once with the same shapes before capturing (warm-up)")
 
 
 def dynamic(*tensors: torch.Tensor) -> list:
@@ -42,3 +99,117 @@ def stream(device: torch.device | None):
 
 def device_index(device: torch.device) -> int:
     return device.index if device.index is not None else torch.cuda.current_device()
+
+
+# ---- ahead of time, through TVM-FFI ------------------------------------------------------------------------------
+
+def arch(device: torch.device) -> str:
+    """The arch-specific target of a CUDA device, e.g. "sm_90a" for an H100/H200."""
+    major, minor = torch.cuda.get_device_capability(device)
+    return f"sm_{major}{minor}a"
+
+
+def fake(dtype, ndim: int, align: int = 16, divisibility: int = 1):
+    """A fake tensor for an ahead-of-time compile, the counterpart of ``dynamic``: every extent and stride symbolic
+    but a unit last stride; `divisibility`: a known divisor of the last extent and of the next-to-last stride."""
+    import cutlass.cute as cute
+    from cutlass.cute.runtime import make_fake_tensor
+
+    shape = [cute.sym_int() for _ in range(ndim)]
+    strides = [cute.sym_int64() for _ in range(ndim - 1)]
+    if divisibility > 1:
+        shape[-1] = cute.sym_int(divisibility=divisibility)
+        if ndim > 1:
+            strides[-1] = cute.sym_int64(divisibility=divisibility)
+    return make_fake_tensor(dtype, tuple(shape), stride=(*strides, 1), assumed_align=align)
+
+
+def ffi_compile(kernel, args: Sequence, target: str):
+    """``cute.compile`` of `kernel` for TVM-FFI calls on the caller's current stream, for GPU arch `target`. `args`
+    are fakes and scalars, without the stream (appended here)."""
+    import cutlass.cute as cute
+    from cutlass.cute.runtime import make_fake_stream
+
+    global compile_count
+    require_dsl()
+    compile_count += 1
+    return cute.compile(kernel, *args, make_fake_stream(use_tvm_ffi_env_stream=True),
+                        options=f"--enable-tvm-ffi --gpu-arch {target}")
+
+
+def symbol(spec: Spec, target: str) -> str:
+    return f"kvops_{spec.name}_{target}"
+
+
+def export_library(functions: Sequence[tuple[str, object]], path: Path) -> None:
+    """Export compiled functions (symbol, compiled) as objects and link them into one shared library at `path`,
+    atomically (a reader sees the old file or the new one, never half of one)."""
+    from cutlass.cute.runtime import find_runtime_libraries
+
+    path.parent.mkdir(parents=True, exist_ok=True)
+    libraries = list(find_runtime_libraries(enable_tvm_ffi=True))
+    with tempfile.TemporaryDirectory(dir=path.parent) as tmp:
+        objects = []
+        for name, fn in functions:
+            objects.append(os.path.join(tmp, f"{name}.o"))
+            fn.export_to_c(objects[-1], function_name=name, export_only_tvm_ffi_symbols=True)
+        linked = os.path.join(tmp, path.name)
+        rpaths = [f"-Wl,-rpath,{d}" for d in sorted({os.path.dirname(lib) for lib in libraries})]
+        subprocess.run([os.environ.get("CC", "gcc"), "-shared", "-o", linked, *objects, *libraries, *rpaths],
+                       check=True, capture_output=True, text=True)
+        os.replace(linked, path)
+
+
+def cache_dir() -> Path:
+    """Where compiled specs persist: $KVOPS_CACHE_DIR (default ~/.cache/kvops), one folder per DSL version,
+    TVM-FFI version and kernel sources."""
+    import cutlass
+    import tvm_ffi
+
+    root = os.environ.get("KVOPS_CACHE_DIR") or os.path.join(
+        os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "kvops")
+    sources = hashlib.sha256()
+    for name in SOURCES:
+        sources.update((Path(__file__).parent / name).read_bytes())
+    return Path(root) / f"cute-{cutlass.__version__}-tvmffi{tvm_ffi.__version__}-{sources.hexdigest()[:16]}"
+
+
+def _prebuilt(name: str):
+    """`name` from the library built at install, or None."""
+    import tvm_ffi
+
+    if not _library:
+        _library.append(tvm_ffi.load_module(str(LIBRARY)) if LIBRARY.exists() else None)
+    if _library[0] is None:
+        return None
+    try:
+        return _library[0][name]
+    except Exception:  # not in the library: another arch or shape class
+        return None
+
+
+def ffi_function(spec: Spec, target: str, prebuilt: bool = True):
+    """The TVM-FFI function of `spec` for GPU arch `target`: from the library built at install (unless `prebuilt`
+    is False), else from the persistent cache, compiling it there first if it is missing."""
+    key = (spec.name, target)
+    fn = _functions.get(key)
+    if fn is not None:
+        return fn
+    with _lock:
+        if key not in _functions:
+            import tvm_ffi
+
+            name = symbol(spec, target)
+            fn = _prebuilt(name) if prebuilt else None
+            if fn is None:
+                path = cache_dir() / f"{name}.so"
+                if not path.exists():
+                    _refuse_in_capture(f"kvops {spec.name}", key)
+                    path.parent.mkdir(parents=True, exist_ok=True)
+                    with open(path.with_suffix(".lock"), "w") as lock:
+                        fcntl.flock(lock, fcntl.LOCK_EX)  # another process compiling it: wait, then load its file
+                        if not path.exists():
+                            export_library([(name, spec.build(target))], path)
+                fn = tvm_ffi.load_module(str(path))[name]
+            _functions[key] = fn
+    return _functions[key]

@@ -99,6 +99,24 @@ def compile_topk(device: torch.device | None, vector: bool = True):
     return cute.compile(TopK(vector), *_cute.dynamic(*dummy), cutlass.Int32(4), _cute.stream(device))
 
 
+def topk_spec(vector: bool) -> _cute.Spec:
+    """The CuTe class as an ahead-of-time spec (kvops/_cute.py). vector: rows start 16-byte aligned with a row
+    stride that is a multiple of 4 keys (16-byte staging copies)."""
+    def build(target: str):
+        from cutlass import Int32
+
+        from .topk_cute import TopK
+
+        scores = _cute.fake(Int32, 2, align=16 if vector else 4, divisibility=4 if vector else 1)
+        return _cute.ffi_compile(TopK(vector), [scores, _cute.fake(Int32, 1, 4), _cute.fake(Int32, 2, 4), Int32(0)],
+                                 target)
+
+    return _cute.Spec(f"topk_{'vector' if vector else 'scalar'}", build)
+
+
+SPECS = {vector: topk_spec(vector) for vector in (True, False)}
+
+
 @torch.library.custom_op("kvops::topk_", mutates_args={"out"})
 def _topk_op(scores: torch.Tensor, lengths: torch.Tensor, k: int, out: torch.Tensor) -> None:
     rows, N = scores.shape
@@ -128,6 +146,9 @@ def _topk_cuda(scores, lengths, k, out):
         _short_rows(scores, lengths, k, out, _short_rows_kernel)
         return
     vector = scores.data_ptr() % 16 == 0 and scores.stride(0) % 4 == 0 and scores.shape[1] % 4 == 0
+    if _cute.FFI:  # the kernel reads the fp32 bit patterns
+        _cute.ffi_function(SPECS[vector], _cute.arch(device))(scores.view(torch.int32), lengths, out, k)
+        return
     fn = _cute.compiled("kvops.topk", ("topk", _cute.device_index(device), vector),
                         lambda: compile_topk(device, vector))
     # the kernel reads the fp32 bit patterns

@@ -86,10 +86,21 @@ def test_short_rows_triton_interpreter():
         "    assert torch.equal(out, topk_reference(s, n, k)), (N, k)\n", TRITON_INTERPRET="1")
 
 
+@pytest.fixture(params=["jit", "ffi"])
+def cute_call(request, monkeypatch, tmp_path):
+    """The CuTe class called in-process (JIT, DLPack views) and through TVM-FFI (kvops/_cute.py: from the library
+    built at install, else compiled into a fresh cache)."""
+    from kvops import _cute
+
+    monkeypatch.setenv("KVOPS_CACHE_DIR", str(tmp_path))
+    monkeypatch.setattr(_cute, "FFI", request.param == "ffi")
+    return request.param
+
+
 @requires_cuda
 @pytest.mark.parametrize("N,k", [(16_384, 2048), (32_768, 2048), (131_072, 8192), (262_144, 8192)])
 @pytest.mark.parametrize("offset", [0, 1])
-def test_large_rows_cuda(N, k, offset):
+def test_large_rows_cuda(N, k, offset, cute_call):
     """Rows staged in shared memory (N <= 32k) or swept from global memory; per-thread candidate lists that fit
     or overflow (three distinct values); 16-byte or (offset: rows 4 bytes off alignment) 4-byte staging copies."""
     scores = torch.randn(4, N + offset, device="cuda")[:, offset:]
@@ -112,7 +123,7 @@ def test_opcheck_and_compile(device):
 
 
 @requires_cuda
-def test_cuda_graph_replay_fresh_data():
+def test_cuda_graph_replay_fresh_data(cute_call):
     scores = torch.randn(8, 5000, device="cuda")
     lengths = torch.full((8,), 5000, dtype=torch.int32, device="cuda")
     out = torch.empty(8, 300, dtype=torch.int32, device="cuda")

@@ -5,7 +5,7 @@ import pytest
 import torch
 import triton
 
-from conftest import (DEVICES, bytes_of, opcheck, paged_pools, poison_, requires_cuda, run_python,
+from conftest import (DEVICES, SYNTHETIC, bytes_of, opcheck, paged_pools, poison_, requires_cuda, run_python,
                       synthetic_calibration)
 from kvops.triattention import SHIPPED, load_calibration, mean_phase
 from kvops.triattention.reference import normalize_reference, raw_scores_reference, reduce_reference, gather_keys
@@ -189,6 +189,44 @@ def test_bad_arguments(device):
         reduce_rows(raw, stats, N.repeat(2), P.repeat(2), "union", 2)
     with pytest.raises(ValueError, match="num_kv_heads"):
         reduce_rows(raw, stats, N, P, "union", 3)
+
+
+@requires_cuda
+@pytest.mark.parametrize("Hq,D,T", [(8, 128, 16), (6, 128, 32), (8, 32, 16)])  # in the library; cached; cached
+def test_the_tvm_ffi_path_scores_what_the_jit_path_does(Hq, D, T, monkeypatch, tmp_path):
+    """The scorer called through TVM-FFI (kvops/_cute.py: from the library built at install, or compiled into the
+    cache) against the in-process JIT path, bit for bit, eagerly and replayed from a CUDA graph on fresh keys."""
+    from kvops import _cute
+
+    monkeypatch.setenv("KVOPS_CACHE_DIR", str(tmp_path))
+    L, F = 2, D // 2
+    config = {**SYNTHETIC, "num_hidden_layers": L, "num_attention_heads": Hq, "num_key_value_heads": 2, "head_dim": D}
+    cal = load_calibration({"E_q": torch.randn(L, Hq, F, dtype=torch.complex64),
+                            "E_q_norm": torch.rand(L, Hq, F) * 2 + 1}, config)
+    pools, table, N, P = paged_pools(cal, [5, 0, 9], [5 + CHUNK + 77, 40, 9 + 300], T, "cuda")
+    phase, weights = mean_phase(N.long(), cal.omega.cuda()), tuple(w.cuda() for w in cal.score_weights())
+    n = CHUNK + 80
+    raw = torch.full((3, L, Hq, n), 7.0, device="cuda")
+    stats = torch.full((3, L, Hq, triton.cdiv(n, CHUNK), STATS), 7.0, device="cuda")
+
+    def run(ffi):
+        monkeypatch.setattr(_cute, "FFI", ffi)
+        out = raw.clone(), stats.clone()
+        torch.ops.kvops.triattention_score_(pools, table, P, N, phase, *weights, *out)
+        return out
+
+    for got, want in zip(run(True), run(False)):
+        assert torch.equal(bytes_of(got), bytes_of(want))
+    captured = raw.clone(), stats.clone()
+    monkeypatch.setattr(_cute, "FFI", True)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        torch.ops.kvops.triattention_score_(pools, table, P, N, phase, *weights, *captured)
+    for p in pools:
+        p.copy_(torch.randn_like(p, dtype=torch.float32))
+    graph.replay()
+    for got, want in zip(captured, run(False)):
+        assert torch.equal(bytes_of(got), bytes_of(want))
 
 
 @requires_cuda

@@ -85,6 +85,21 @@ def compile_scorer(dtype: torch.dtype, num_freqs: int, group: int, page_size: in
                         _cute.stream(device))
 
 
+def scorer_spec(dtype: torch.dtype, num_freqs: int, group: int, page_size: int) -> _cute.Spec:
+    """The scorer's shape class as an ahead-of-time spec (kvops/_cute.py), the default knobs."""
+    def build(target: str):
+        from cutlass import Float32, Int32, Int64
+
+        from .score_cute import Scorer
+
+        f32, i32 = (lambda n: _cute.fake(Float32, n, 4)), (lambda n: _cute.fake(Int32, n, 4))  # noqa: E731
+        args = [_cute.fake(Int64, 1, 8), i32(2), i32(1), i32(1), *(f32(3) for _ in range(4)), f32(4), f32(5),
+                Int64(0), Int64(0), Int64(0), Int32(1)]
+        return _cute.ffi_compile(Scorer(KV_DTYPES.index(dtype), num_freqs, group, page_size, CHUNK), args, target)
+
+    return _cute.Spec(f"score_{str(dtype).removeprefix('torch.')}_f{num_freqs}_g{group}_t{page_size}", build)
+
+
 def scorer_arguments(k_pools, page_table, prompt_lengths, cache_lengths, phase, q_real, q_imag, q_extra, raw,
                      stats) -> list:
     """What a compiled scorer is called with (the op's arguments as CuTe views, the pool strides, the stream)."""
@@ -107,6 +122,12 @@ def _score_cuda(k_pools, page_table, prompt_lengths, cache_lengths, phase, q_rea
     if any(p.data_ptr() % 16 for p in k_pools):  # addresses exist only here, at run time, not while tracing
         raise ValueError(f"triattention score: the GPU scorer needs 16-byte aligned k_pools, got base addresses "
                          f"{[hex(p.data_ptr()) for p in k_pools if p.data_ptr() % 16][:4]}")
+    if _cute.FFI:
+        if raw.shape[0] and raw.shape[3]:
+            fn = _cute.ffi_function(scorer_spec(pool.dtype, F, G, T), _cute.arch(pool.device))
+            fn(layer_addresses(k_pools), page_table, prompt_lengths, cache_lengths, phase, q_real, q_imag, q_extra,
+               raw, stats, pool.stride(0), pool.stride(2), pool.stride(3), pool.shape[0])
+        return
     key = ("score", _cute.device_index(pool.device), pool.dtype, F, G, T)
     fn = _cute.compiled("kvops triattention scorer", key, lambda: compile_scorer(pool.dtype, F, G, T, pool.device))
     if raw.shape[0] and raw.shape[3]:

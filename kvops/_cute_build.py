@@ -1,0 +1,79 @@
+"""Build the CuTe kernels kvops ships into one library, kvops/_cute_kernels.so (kvops/_cute.py says how they are
+found): ``python -m kvops._cute_build [--out PATH] [--arch sm_90a --arch sm_100a]``. setup.py runs it at install.
+No GPU is needed: each kernel is compiled for each arch with ``--gpu-arch``.
+
+``python -m kvops warmup`` (``warmup``) makes sure every kernel a model geometry needs is at hand, in the library
+or the persistent cache, compiling what is missing into the cache."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+from . import _cute
+from .topk import SPECS as TOPK_SPECS
+from .triattention.score import KV_DTYPES, scorer_spec
+
+# Scorer shape classes built at install: head_dim 128 (64 rotary frequencies), GQA groups 1 (MHA) to 8, pages of
+# 16, 32 and 64 tokens, bf16 and fp16 pools. Any other class compiles once into the cache at first use.
+SCORER_CLASSES = [(dtype, 64, group, page) for dtype in KV_DTYPES for group in (1, 2, 4, 8) for page in (16, 32, 64)]
+
+
+def shipped_specs() -> list[_cute.Spec]:
+    return [*TOPK_SPECS.values(), *(scorer_spec(*c) for c in SCORER_CLASSES)]
+
+
+def build(out: Path, archs: tuple[str, ...] = _cute.ARCHS, specs: list[_cute.Spec] | None = None,
+          log=print) -> None:
+    specs = shipped_specs() if specs is None else specs
+    start, functions = time.time(), []
+    for target in archs:
+        for i, spec in enumerate(specs):
+            functions.append((_cute.symbol(spec, target), spec.build(target)))
+            log(f"[{len(functions)}/{len(specs) * len(archs)}] {functions[-1][0]} ({time.time() - start:.0f} s)")
+    _cute.export_library(functions, out)
+    log(f"{out}: {len(functions)} kernels in {time.time() - start:.0f} s")
+
+
+def warmup(argv=None) -> int:
+    """kvops warmup: the kernels of one model geometry, from the library or compiled into the cache."""
+    ap = argparse.ArgumentParser(prog="kvops warmup", description=warmup.__doc__)
+    ap.add_argument("--head-dim", type=int, default=128)
+    ap.add_argument("--group", type=int, action="append", help="query heads per KV head (repeatable; default 4)")
+    ap.add_argument("--page-size", type=int, action="append", help="tokens per page (repeatable; default 16)")
+    ap.add_argument("--dtype", choices=[str(d).removeprefix("torch.") for d in KV_DTYPES], default="bfloat16")
+    ap.add_argument("--arch", action="append",
+                    help="GPU arch (repeatable; default: this machine's GPU, or every arch the install builds)")
+    args = ap.parse_args(argv)
+    if args.head_dim % 2 or args.head_dim < 2:
+        ap.error(f"--head-dim must be even and positive, got {args.head_dim}")
+    archs = args.arch or ([_cute.arch(torch.device("cuda"))] if torch.cuda.is_available() else list(_cute.ARCHS))
+    dtype = getattr(torch, args.dtype)
+    specs = [*TOPK_SPECS.values(), *(scorer_spec(dtype, args.head_dim // 2, g, t) for g in args.group or [4]
+                                     for t in args.page_size or [16])]
+    todo = [(spec, target) for target in archs for spec in specs]
+    for i, (spec, target) in enumerate(todo, 1):
+        before, start = _cute.compile_count, time.time()
+        _cute.ffi_function(spec, target)
+        how = "compiled into the cache" if _cute.compile_count > before else "ready"
+        print(f"[{i}/{len(todo)}] {_cute.symbol(spec, target)}: {how} ({time.time() - start:.1f} s)", flush=True)
+    print(f"cache: {_cute.cache_dir()}")
+    return 0
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m kvops._cute_build", description=__doc__)
+    ap.add_argument("--out", type=Path, default=_cute.LIBRARY)
+    ap.add_argument("--arch", action="append", help=f"GPU arch (repeatable; default {' '.join(_cute.ARCHS)})")
+    args = ap.parse_args(argv)
+    build(args.out, tuple(args.arch or _cute.ARCHS))
+    return 0
+
+
+if __name__ == "__main__":
+    torch.set_num_threads(1)
+    sys.exit(main())

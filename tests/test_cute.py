@@ -1,0 +1,101 @@
+"""The CuTe kernels ahead of time (kvops/_cute.py): the library built at install, the persistent cache, warm-up.
+
+These run without a GPU: compiling for an arch, exporting, linking and loading need none (calling does; the GPU
+tests of the ops call them)."""
+
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+pytest.importorskip("cutlass")
+pytest.importorskip("tvm_ffi")
+
+from kvops import _cute  # noqa: E402
+from kvops._cute_build import shipped_specs  # noqa: E402
+
+# A scorer class the install does not build (group 3), so it must come from the cache.
+UNSHIPPED = "from kvops.triattention.score import scorer_spec; spec = scorer_spec(torch.bfloat16, 64, 3, 16)\n"
+
+
+def _python(code: str, **env: str) -> str:
+    out = subprocess.run([sys.executable, "-c", "import torch\nfrom kvops import _cute\n" + code],
+                         env={**os.environ, **env}, capture_output=True, text=True, timeout=600)
+    assert out.returncode == 0, out.stderr[-3000:]
+    return out.stdout
+
+
+@pytest.mark.skipif(os.environ.get("KVOPS_NO_CUTE") == "1", reason="installed without the CuTe library")
+def test_the_installed_library_holds_every_shipped_kernel():
+    import tvm_ffi
+
+    assert _cute.LIBRARY.exists(), f"{_cute.LIBRARY} was not built (setup.py runs python -m kvops._cute_build)"
+    library = tvm_ffi.load_module(str(_cute.LIBRARY))
+    missing = []
+    for target in _cute.ARCHS:
+        for spec in shipped_specs():
+            try:
+                library[_cute.symbol(spec, target)]
+            except AttributeError:
+                missing.append(_cute.symbol(spec, target))
+    assert not missing, missing
+
+
+def test_a_kernel_outside_the_library_compiles_once_into_the_cache_and_a_second_process_reuses_it(tmp_path):
+    code = UNSHIPPED + "fn = _cute.ffi_function(spec, 'sm_90a'); print(_cute.compile_count, type(fn).__name__)\n"
+    env = dict(KVOPS_CACHE_DIR=str(tmp_path))
+    assert _python(code, **env).split() == ["1", "Function"]
+    assert _python(code, **env).split() == ["0", "Function"]  # loaded from the cache: no compile
+    assert len(list(tmp_path.glob("cute-*/kvops_score_bfloat16_f64_g3_t16_sm_90a.so"))) == 1
+
+
+def test_a_library_without_a_kernel_falls_back_to_the_cache(tmp_path):
+    """A library holding only the vector top-k: that one comes from it, the scalar one is compiled (once)."""
+    code = ("from pathlib import Path\nfrom kvops.topk import SPECS\n"
+            f"_cute.export_library([(_cute.symbol(SPECS[True], 'sm_90a'), SPECS[True].build('sm_90a'))], "
+            f"Path({str(tmp_path / 'lib.so')!r}))\n")
+    _python(code)
+    code = (f"from pathlib import Path\nfrom kvops.topk import SPECS\n_cute.LIBRARY = Path({str(tmp_path / 'lib.so')!r})\n"
+            "_cute.ffi_function(SPECS[True], 'sm_90a'); print(_cute.compile_count)\n"
+            "_cute.ffi_function(SPECS[False], 'sm_90a'); print(_cute.compile_count)\n")
+    assert _python(code, KVOPS_CACHE_DIR=str(tmp_path / "cache")).split() == ["0", "1"]
+
+
+def test_two_processes_compiling_one_kernel_at_once_compile_it_once(tmp_path):
+    code = UNSHIPPED + "_cute.ffi_function(spec, 'sm_100a'); print(_cute.compile_count)\n"
+    env = {**os.environ, "KVOPS_CACHE_DIR": str(tmp_path)}
+    procs = [subprocess.Popen([sys.executable, "-c", "import torch\nfrom kvops import _cute\n" + code], env=env,
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for _ in range(2)]
+    counts = []
+    for p in procs:
+        out, err = p.communicate(timeout=600)
+        assert p.returncode == 0, err[-3000:]
+        counts.append(int(out.split()[-1]))
+    assert sorted(counts) == [0, 1]
+
+
+def test_warmup_fills_the_cache_for_a_geometry(tmp_path):
+    out = subprocess.run([sys.executable, "-m", "kvops", "warmup", "--arch", "sm_90a", "--group", "3"],
+                         env={**os.environ, "KVOPS_CACHE_DIR": str(tmp_path)}, capture_output=True, text=True,
+                         timeout=600)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert "[3/3] kvops_score_bfloat16_f64_g3_t16_sm_90a: compiled into the cache" in out.stdout
+    # the top-k kernels come from the library when the install built it
+    assert len(list(tmp_path.glob("cute-*/*.so"))) == (1 if _cute.LIBRARY.exists() else 3)
+
+
+def test_an_old_dsl_is_refused_with_a_clear_message(monkeypatch):
+    import cutlass
+
+    monkeypatch.setattr(cutlass, "__version__", "4.3.5")
+    with pytest.raises(ImportError, match=r"nvidia-cutlass-dsl >= 4\.8\.1 \(found 4\.3\.5\)"):
+        _cute.require_dsl()
+
+
+def test_arch_names():
+    if torch.cuda.is_available():
+        major, minor = torch.cuda.get_device_capability()
+        assert _cute.arch(torch.device("cuda")) == f"sm_{major}{minor}a"
+    assert _cute.symbol(shipped_specs()[0], "sm_90a") == "kvops_topk_vector_sm_90a"
