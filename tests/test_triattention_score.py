@@ -123,14 +123,17 @@ def test_reduce_triton_kernel_in_the_interpreter():
     code = ("import torch, kvops\n"
             "from kvops.triattention.reduce import reduce_rows, _reduce_torch\n"
             "from kvops.triattention.score import CHUNK\n"
-            "raw = torch.randn(2, 3, 4, CHUNK + 188); raw[0, 1, 2, 5] = float('nan'); raw[1, 2, 0, 9] = float('inf')\n"
-            "stats = torch.randn(2, 3, 4, 2, 3).abs(); stats[..., 2] = torch.randint(1, 1000, (2, 3, 4, 2))\n"
-            "P = torch.tensor([1, 2], dtype=torch.int32)\n"
-            "N = P + torch.tensor([CHUNK + 188, CHUNK + 1], dtype=torch.int32)\n"
-            "for mode in ('union', 'per_head', 'per_layer_perhead'):\n"
-            "    got = reduce_rows(raw, stats, N, P, mode, 2)\n"
-            "    want = torch.empty_like(got); _reduce_torch(raw, stats, P, N, want, mode, 2, True)\n"
-            "    assert torch.allclose(got, want, rtol=1e-5, atol=1e-5), mode\n")
+            "from kvops.triattention.reduce import union_splits\n"
+            "for R in (2, 6):  # the union split over 3 layer blocks (2 x 3 column blocks < 16 programs), then not\n"
+            "    assert union_splits(R, 3, 3, 16) == (3 if R == 2 else 1)\n"
+            "    raw = torch.randn(R, 3, 4, CHUNK + 188); raw[0, 1, 2, 5] = float('nan'); raw[1, 2, 0, 9] = float('inf')\n"
+            "    stats = torch.randn(R, 3, 4, 2, 3).abs(); stats[..., 2] = torch.randint(1, 1000, (R, 3, 4, 2))\n"
+            "    P = torch.randint(0, 5, (R,), dtype=torch.int32)\n"
+            "    N = P + torch.tensor([CHUNK + 188, CHUNK + 1, 7, 0, CHUNK, 1][:R], dtype=torch.int32)\n"
+            "    for mode in ('union', 'per_head', 'per_layer_perhead'):\n"
+            "        got = reduce_rows(raw, stats, N, P, mode, 2)\n"
+            "        want = torch.empty_like(got); _reduce_torch(raw, stats, P, N, want, mode, 2, True)\n"
+            "        assert torch.allclose(got, want, rtol=1e-5, atol=1e-5), (R, mode)\n")
     run_python(code, TRITON_INTERPRET="1")
 
 

@@ -72,7 +72,10 @@ def _moments_kernel(stats, prompt_lengths, cache_lengths, moments, n, NC, planes
 @triton.jit
 def _reduce_kernel(raw, moments, prompt_lengths, cache_lengths, rows, n, ROWS, L: tl.constexpr, Hq: tl.constexpr,
                    G: tl.constexpr, GP: tl.constexpr, MODE: tl.constexpr, NORMALIZE: tl.constexpr,
-                   BLOCK_J: tl.constexpr):
+                   BLOCK_J: tl.constexpr, SPLIT: tl.constexpr):
+    """Grid (R, rows, column blocks); a union row split over SPLIT layer blocks has grid (R, SPLIT, column blocks)
+    and writes each block's partial maxima (+inf still marking a poisoned column) to rows [R, SPLIT, n], which
+    _max_kernel finishes."""
     r = tl.program_id(0)
     row = tl.program_id(1)
     j = tl.program_id(2) * BLOCK_J + tl.arange(0, BLOCK_J)
@@ -85,11 +88,11 @@ def _reduce_kernel(raw, moments, prompt_lengths, cache_lengths, rows, n, ROWS, L
     if MODE == 2:    # per_layer_perhead: row = layer * Hkv + g
         l_lo = row // (Hq // G)
         h_lo = (row % (Hq // G)) * G
-    else:            # union: every (layer, group); per_head: every layer, the group of KV head `row`
-        l_lo = 0
+    else:            # union: every (layer, group) of layer block `row`; per_head: every layer, KV head `row`'s group
+        l_lo = row * (L // SPLIT) if MODE == 0 else 0
         h_lo = 0 if MODE == 0 else row * G
     acc = tl.full([BLOCK_J], 0.0 if MODE == 1 else -float("inf"), tl.float32)
-    for dl in range(0, 1 if MODE == 2 else L):
+    for dl in range(0, 1 if MODE == 2 else L // SPLIT):
         for dg in range(0, Hq // G if MODE == 0 else 1):
             plane = (r.to(tl.int64) * L + l_lo + dl) * Hq + h_lo + dg * G + dh                  # [GP]
             s = tl.load(raw + plane[:, None] * n + j[None, :], mask=live_h[:, None] & valid[None, :], other=0.0)
@@ -108,8 +111,32 @@ def _reduce_kernel(raw, moments, prompt_lengths, cache_lengths, rows, n, ROWS, L
                 acc = tl.maximum(acc, best)
     if MODE == 1:
         acc = acc / L
-    out = tl.where(valid & (acc < float("inf")), acc, -float("inf"))
-    tl.store(rows + (r.to(tl.int64) * ROWS + row) * n + j, out, mask=j < n)
+    if SPLIT == 1:
+        acc = tl.where(valid & (acc < float("inf")), acc, -float("inf"))
+    tl.store(rows + (r.to(tl.int64) * ROWS + row) * n + j, acc, mask=j < n)
+
+
+@triton.jit
+def _max_kernel(partial, prompt_lengths, cache_lengths, rows, n, SPLIT: tl.constexpr, BLOCK_J: tl.constexpr):
+    """rows[r, 0] = the max over a split union's layer blocks, -inf where poisoned or past the decode tokens."""
+    r = tl.program_id(0)
+    j = tl.program_id(1) * BLOCK_J + tl.arange(0, BLOCK_J)
+    count = tl.minimum(tl.maximum(tl.load(cache_lengths + r) - tl.load(prompt_lengths + r), 0), n)
+    acc = tl.full([BLOCK_J], -float("inf"), tl.float32)
+    for s in range(0, SPLIT):
+        acc = tl.maximum(acc, tl.load(partial + (r.to(tl.int64) * SPLIT + s) * n + j, mask=j < n, other=0.0))
+    tl.store(rows + r.to(tl.int64) * n + j, tl.where((j < count) & (acc < float("inf")), acc, -float("inf")),
+             mask=j < n)
+
+
+def union_splits(requests: int, blocks: int, layers: int, programs: int) -> int:
+    """Layer blocks for a union row: the fewest that divide the layers and give at least `programs` programs (the
+    SM count), so a round of few requests is not a few programs each looping over every layer; 1 when the
+    requests alone fill the GPU. The max over blocks is exact, so the rows do not depend on it."""
+    for split in range(1, layers + 1):
+        if layers % split == 0 and requests * blocks * split >= programs:
+            return split
+    return layers
 
 
 @triton_op("kvops::triattention_reduce_", mutates_args={"rows"})
@@ -127,12 +154,28 @@ def _reduce_op(raw: torch.Tensor, stats: torch.Tensor, prompt_lengths: torch.Ten
             stats, prompt_lengths, cache_lengths, moments, n, stats.shape[3], L * Hq, CHUNK=CHUNK, STATS=STATS,
             BLOCK_P=block_p, BLOCK_C=max(triton.next_power_of_2(stats.shape[3]), 2))
     # A union program loops over every (layer, group): narrower blocks give it more programs to overlap those
-    # loops (docs/triattention.md, "Speed").
+    # loops (docs/triattention.md, "Speed"), and with few requests the layers are split over programs too.
     block_j = 512 if mode == "union" else 1024
-    launch[(R, rows.shape[1], triton.cdiv(n, block_j))](
-        raw, moments, prompt_lengths, cache_lengths, rows, n, rows.shape[1], L=L, Hq=Hq,
+    split = 1
+    if mode == "union":
+        programs = torch.cuda.get_device_properties(raw.device).multi_processor_count if raw.is_cuda else 16
+        split = union_splits(R, triton.cdiv(n, block_j), L, programs)  # (16 in the interpreter: the tests split)
+    _reduce_launch(launch, raw, moments, prompt_lengths, cache_lengths, rows, mode, num_kv_heads, normalize, block_j,
+                   split)
+
+
+def _reduce_launch(launch, raw, moments, prompt_lengths, cache_lengths, rows, mode, num_kv_heads, normalize, block_j,
+                   split):
+    R, L, Hq, n = raw.shape
+    blocks = triton.cdiv(n, block_j)
+    out = rows if split == 1 else raw.new_empty(R, split, n)  # partial maxima per layer block
+    launch[(R, split if mode == "union" else rows.shape[1], blocks)](
+        raw, moments, prompt_lengths, cache_lengths, out, n, out.shape[1], L=L, Hq=Hq,
         G=Hq // num_kv_heads, GP=triton.next_power_of_2(Hq // num_kv_heads),
-        MODE=MODES.index(mode), NORMALIZE=normalize, BLOCK_J=block_j)
+        MODE=MODES.index(mode), NORMALIZE=normalize, BLOCK_J=block_j, SPLIT=split)
+    if split > 1:
+        triton_launcher(_max_kernel, raw.device)[(R, blocks)](out, prompt_lengths, cache_lengths, rows, n,
+                                                              SPLIT=split, BLOCK_J=block_j)
 
 
 def reduce_rows(raw: torch.Tensor, stats: torch.Tensor, cache_lengths: torch.Tensor, prompt_lengths: torch.Tensor,
