@@ -8,6 +8,7 @@ from hypothesis import strategies as st
 
 from conftest import DEVICES
 from kvops.cache import PagedKVCache
+from kvops.compaction.reference import fill_order
 from kvops.nvfp4 import PageBlobCodec, RowSpec
 
 L, H, D, T = 2, 2, 32, 8
@@ -55,10 +56,13 @@ def test_random_churn_keeps_accounting_and_contents(ops, layout):
                 tail = 1
                 scored = length - tail
                 kept = torch.randperm(scored)[:keep].sort().values.int().view(1, 1, keep)
+                order_name = ("fill", "ordered")[n % 2]  # fill: the cache's default
                 cache.compact([rid], kept, torch.tensor([scored], dtype=torch.int32),
                               torch.tensor([tail], dtype=torch.int32), torch.tensor([0], dtype=torch.int32),
-                              max_tail=tail)
+                              max_tail=tail, order=order_name)
                 order = torch.cat([kept.view(-1).long(), torch.arange(scored, length)])
+                if order_name == "fill":
+                    order = torch.tensor(fill_order(order.tolist(), base=0))
                 shadow[rid] = shadow[rid][:, :, order]
             elif op == "offload":
                 cache.offload(rid)
