@@ -62,6 +62,18 @@ def run_python(code: str, **env: str) -> None:
     assert out.returncode == 0, out.stderr[-3000:]
 
 
+@pytest.fixture(params=["jit", "ffi"])
+def cute_call(request, monkeypatch, tmp_path):
+    """How the GPU ops call their CuTe kernels (kvops/_cute.py): in-process JIT through DLPack views (fp8 pools score
+    in torch there), or through TVM-FFI from the library built at install, else compiled into a fresh cache (fp8
+    pools take the CuTe scorer there)."""
+    from kvops import _cute
+
+    monkeypatch.setenv("KVOPS_CACHE_DIR", str(tmp_path))
+    monkeypatch.setattr(_cute, "FFI", request.param == "ffi")
+    return request.param
+
+
 # ---- TriAttention inputs shared by the selection and scoring tests ----------------------------------------
 
 SYNTHETIC = dict(num_hidden_layers=3, num_attention_heads=8, num_key_value_heads=2, head_dim=32, rope_theta=1e4)

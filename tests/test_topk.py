@@ -86,17 +86,6 @@ def test_short_rows_triton_interpreter():
         "    assert torch.equal(out, topk_reference(s, n, k)), (N, k)\n", TRITON_INTERPRET="1")
 
 
-@pytest.fixture(params=["jit", "ffi"])
-def cute_call(request, monkeypatch, tmp_path):
-    """The CuTe class called in-process (JIT, DLPack views) and through TVM-FFI (kvops/_cute.py: from the library
-    built at install, else compiled into a fresh cache)."""
-    from kvops import _cute
-
-    monkeypatch.setenv("KVOPS_CACHE_DIR", str(tmp_path))
-    monkeypatch.setattr(_cute, "FFI", request.param == "ffi")
-    return request.param
-
-
 @requires_cuda
 @pytest.mark.parametrize("N,k", [(16_384, 2048), (32_768, 2048), (131_072, 8192), (262_144, 8192)])
 @pytest.mark.parametrize("offset", [0, 1])

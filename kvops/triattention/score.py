@@ -19,8 +19,10 @@ from .._checks import check_device, check_float32, check_int, check_int32
 
 CHUNK = 1024  # decode tokens per statistics partial (and per scorer CTA)
 STATS = 3     # per partial: mean, M2 and count of the chunk's finite scores
-KV_DTYPES = (torch.bfloat16, torch.float16)      # what the CuTe scorer reads (KV_TYPES in score_cute.py)
-POOL_DTYPES = KV_DTYPES + (torch.float8_e4m3fn,)  # fp8 pools: the torch path, on either device
+# What the CuTe scorer reads (KV_TYPES in score_cute.py, by index): fp8 keys widen to fp32 in registers.
+KV_DTYPES = (torch.bfloat16, torch.float16, torch.float8_e4m3fn, torch.float8_e5m2)
+FP8_DTYPES = KV_DTYPES[2:]  # read by the CuTe scorer on the TVM-FFI path only (kvops/_cute.py: FFI) until it has
+                            # run on the GPU; the JIT path scores them in torch
 
 def _score_torch(k_pools, page_table, prompt_lengths, cache_lengths, phase, q_real, q_imag, q_extra, raw, stats):
     R, L, Hq, n = raw.shape
@@ -115,7 +117,7 @@ def scorer_arguments(k_pools, page_table, prompt_lengths, cache_lengths, phase, 
 @_score_op.register_kernel("cuda")
 def _score_cuda(k_pools, page_table, prompt_lengths, cache_lengths, phase, q_real, q_imag, q_extra, raw, stats):
     pool = k_pools[0]
-    if pool.dtype not in KV_DTYPES:  # no CuTe kernel for fp8 pools yet: the same math in torch (capturable)
+    if pool.dtype in FP8_DTYPES and not _cute.FFI:  # the same math in torch (capturable)
         _score_torch(k_pools, page_table, prompt_lengths, cache_lengths, phase, q_real, q_imag, q_extra, raw, stats)
         return
     G, F, T = raw.shape[2] // pool.shape[2], q_real.shape[-1], pool.shape[3]
@@ -158,8 +160,9 @@ def check_pools(what: str, k_pools: Sequence[torch.Tensor], num_layers: int, num
         raise ValueError(f"{what}: k_pools' kv_head count {num_kv_heads} must divide the calibration's "
                          f"{num_query_heads} query heads")
     group = num_query_heads // num_kv_heads
-    if first.dtype not in POOL_DTYPES:
-        raise ValueError(f"{what}: k_pools must be bfloat16, float16 or float8_e4m3fn, got {first.dtype}")
+    if first.dtype not in KV_DTYPES:
+        raise ValueError(f"{what}: k_pools must be one of {[str(d).removeprefix('torch.') for d in KV_DTYPES]}, "
+                         f"got {first.dtype}")
     if first.shape[4] < 2 * num_freqs or first.stride(4) != 1:
         raise ValueError(f"{what}: k_pools need head_dim >= {2 * num_freqs} (the rotary dims) with unit dim "
                          f"stride, got {tuple(first.shape)} strides {first.stride()}")
@@ -167,7 +170,7 @@ def check_pools(what: str, k_pools: Sequence[torch.Tensor], num_layers: int, num
         if (pool.shape, pool.stride(), pool.dtype, pool.device) != (first.shape, first.stride(), first.dtype,
                                                                     first.device):
             raise ValueError(f"{what}: k_pools[{layer}] differs from k_pools[0] in shape, strides, dtype or device")
-    if first.is_cuda and first.dtype in KV_DTYPES:
+    if first.is_cuda:
         from .score_cute import lane_split
 
         fpl, lanes = lane_split(num_freqs, group)

@@ -20,7 +20,7 @@ from cutlass import Float32, Int32, Int64
 from cutlass._mlir.dialects import llvm
 from cutlass.cutlass_dsl import T, dsl_user_op
 
-KV_TYPES = (cutlass.BFloat16, cutlass.Float16)  # passed by index: DSL 4.3.5 takes no type as a compile argument
+KV_TYPES = (cutlass.BFloat16, cutlass.Float16, cutlass.Float8E4M3FN, cutlass.Float8E5M2)  # by index (KV_DTYPES)
 
 
 def lane_split(num_freqs: int, group: int, freqs_per_lane: int | None = None) -> tuple[int, int]:
