@@ -72,8 +72,11 @@ class TriAttentionManager(KVCacheCompressionManager):
         # confirm several); anything newer is the protected tail, which stays within beta while no step confirms
         # more than beta + 1 tokens.
         self.max_tail = config.beta
+        # A cache that stores its keys scaled (fp8, vLLM's k_scale) says so with a `k_scale` attribute: float32
+        # [L] or [L, Hkv] (TriAttentionSelector).
         self.selector = TriAttentionSelector(calibration, config.budget, config.eviction_mode,
-                                             config.normalize_scores, max_decode=config.budget + 2 * config.beta)
+                                             config.normalize_scores, max_decode=config.budget + 2 * config.beta,
+                                             k_scale=getattr(kv_cache, "k_scale", None))
         self.prompt_length: dict[Any, int] = {}
         self.since_round: dict[Any, int] = {}
         self.num_compressed_tokens: dict[Any, int] = {}

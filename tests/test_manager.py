@@ -79,6 +79,18 @@ def test_rounds_follow_budget_and_beta_and_match_the_reference(calibration, comp
     assert "a" not in manager.prompt_length
 
 
+def test_a_cache_with_a_k_scale_gives_it_to_the_selector(calibration):
+    """An fp8 cache that stores keys scaled exposes k_scale ([L] or [L, Hkv]); the manager hands it on, checked."""
+    cache = _cache()
+    cache.k_scale = torch.tensor([0.5, 2.0])
+    tri = TriAttentionConfig(calibration_path=calibration, normalize_scores=False)
+    manager = create_compression_manager(tri, cache, MODEL)
+    assert torch.equal(manager.selector.k_scale, torch.tensor([[0.5, 0.5], [2.0, 2.0]]))
+    cache.k_scale = torch.tensor([0.5, 0.0])
+    with pytest.raises(ValueError, match="positive and finite"):
+        create_compression_manager(tri, cache, MODEL)
+
+
 def test_admission(calibration):
     cache = _cache()
     tri = TriAttentionConfig(calibration_path=calibration)

@@ -133,10 +133,13 @@ def test_reduce_triton_kernel_in_the_interpreter():
             "    stats = torch.randn(R, 3, 4, 2, 3).abs(); stats[..., 2] = torch.randint(1, 1000, (R, 3, 4, 2))\n"
             "    P = torch.randint(0, 5, (R,), dtype=torch.int32)\n"
             "    N = P + torch.tensor([CHUNK + 188, CHUNK + 1, 7, 0, CHUNK, 1][:R], dtype=torch.int32)\n"
+            "    ks = torch.rand(3, 2) + 0.5  # the keys' scale per (layer, KV head), read without normalization\n"
             "    for mode in ('union', 'per_head', 'per_layer_perhead'):\n"
-            "        got = reduce_rows(raw, stats, N, P, mode, 2)\n"
-            "        want = torch.empty_like(got); _reduce_torch(raw, stats, P, N, want, mode, 2, True)\n"
-            "        assert torch.allclose(got, want, rtol=1e-5, atol=1e-5), (R, mode)\n")
+            "        for normalize in (True, False):\n"
+            "            got = reduce_rows(raw, stats, N, P, mode, 2, normalize, ks)\n"
+            "            want = torch.empty_like(got)\n"
+            "            _reduce_torch(raw, stats, P, N, want, mode, 2, normalize, None if normalize else ks)\n"
+            "            assert torch.allclose(got, want, rtol=1e-5, atol=1e-5), (R, mode, normalize)\n")
     run_python(code, TRITON_INTERPRET="1")
 
 
@@ -153,6 +156,9 @@ def test_opcheck(device):
     rows = torch.empty(2, cal.num_kv_heads, n, device=device)
     opcheck(torch.ops.kvops.triattention_reduce_.default, (raw, stats.abs(), P, N, rows, "per_head",
                                                            cal.num_kv_heads, True))
+    k_scale = torch.rand(cal.num_layers, cal.num_kv_heads, device=device) + 0.5
+    opcheck(torch.ops.kvops.triattention_reduce_.default, (raw, stats.abs(), P, N, rows[:, :1], "union",
+                                                           cal.num_kv_heads, False, k_scale))
 
 
 @pytest.mark.parametrize("device", DEVICES)

@@ -9,15 +9,17 @@ from kvops.triattention.reference import select_reference
 from kvops.triattention.select import TriAttentionSelector, score_rows
 
 
-def _check(cal, device, mode, budget, prompt, cache, T=16, normalize=True):
-    pools, table, N, P = paged_pools(cal, prompt, cache, T, device)
+def _check(cal, device, mode, budget, prompt, cache, T=16, normalize=True, k_scale=None, dtype=torch.bfloat16):
+    pools, table, N, P = paged_pools(cal, prompt, cache, T, device, dtype)
     starts = (N + torch.randint(0, 2 ** 22, N.shape, device=device)).long()
     max_decode = max(n - p for n, p in zip(cache, prompt)) + 5
-    selector = TriAttentionSelector(cal, budget, mode, normalize, max_decode=max_decode)
+    selector = TriAttentionSelector(cal, budget, mode, normalize, max_decode=max_decode, k_scale=k_scale)
     kept = selector.select(pools, table, N, P, starts)
     ref, ref_rows = select_reference([p.cpu() for p in pools], table.cpu(), N.cpu(), P.cpu(), starts.cpu(), cal,
-                                     budget, mode, normalize)
-    rows = score_rows(pools, table, N, P, mean_phase(starts, cal.omega.to(device)), cal, mode, max_decode, normalize)
+                                     budget, mode, normalize, k_scale)
+    scale = None if k_scale is None or normalize else selector.k_scale.to(device)
+    rows = score_rows(pools, table, N, P, mean_phase(starts, cal.omega.to(device)), cal, mode, max_decode, normalize,
+                      k_scale=scale)
     for r, want in enumerate(ref_rows):
         got = rows[r, :, :want.shape[1]].double().cpu()
         assert ((got - want).abs() / want.abs().clamp_min(1.0)).max() < 1e-4
@@ -47,6 +49,41 @@ def test_real_calibrations_all_modes(name, mode, device):
 def testsynthetic_calibration(mode, normalize, device):
     _check(synthetic_calibration(), device, mode, budget=10, prompt=[3, 0, 17], cache=[50, 12, 64], T=8,
            normalize=normalize)
+
+
+@pytest.mark.parametrize("mode", ["union", "per_head", "per_layer_perhead"])
+@pytest.mark.parametrize("normalize", [True, False])
+@pytest.mark.parametrize("per_head", [False, True])
+@pytest.mark.parametrize("device", DEVICES)
+def test_fp8_pools_with_a_k_scale_keep_what_the_dequantized_keys_do(mode, normalize, per_head, device):
+    """fp8 e4m3 pools with a positive K scale per layer (or per layer and KV head) against the reference on the
+    dequantized keys. With normalization the scale cannot change the keep set: it equals the unscaled one."""
+    cal = synthetic_calibration()
+    k_scale = torch.rand(cal.num_layers, *([cal.num_kv_heads] if per_head else [])) * 4 + 0.1
+    kept = _check(cal, device, mode, budget=10, prompt=[3, 0, 17], cache=[50, 12, 64], T=8, normalize=normalize,
+                  k_scale=k_scale, dtype=torch.float8_e4m3fn)
+    if normalize:
+        torch.manual_seed(0)
+        pools, table, N, P = paged_pools(cal, [3, 0], [50, 12], 8, device, torch.float8_e4m3fn)
+        starts = N.long() + 5
+        scaled = TriAttentionSelector(cal, 10, mode, max_decode=60, k_scale=k_scale).select(pools, table, N, P, starts)
+        plain = TriAttentionSelector(cal, 10, mode, max_decode=60).select(pools, table, N, P, starts)
+        assert torch.equal(scaled, plain) and kept.shape[1] == scaled.shape[1]
+
+
+def test_k_scale_is_refused_unless_positive_finite_float32_per_layer():
+    cal = synthetic_calibration()
+    L, Hkv = cal.num_layers, cal.num_kv_heads
+    for bad, error, match in ((torch.ones(L, dtype=torch.float64), TypeError, "float32"),
+                              ([1.0] * L, TypeError, "float32"),
+                              (torch.ones(L + 1), ValueError, r"\[3\] \(per layer\) or \[3, 2\]"),
+                              (torch.ones(L, Hkv, 1), ValueError, "per layer"),
+                              (torch.tensor([1.0, 0.0, 1.0]), ValueError, "positive and finite"),
+                              (torch.tensor([1.0, -2.0, 1.0]), ValueError, "positive and finite"),
+                              (torch.tensor([1.0, float("nan"), 1.0]), ValueError, "positive and finite"),
+                              (torch.full((L, Hkv), float("inf")), ValueError, "positive and finite")):
+        with pytest.raises(error, match=match):
+            TriAttentionSelector(cal, 8, k_scale=bad)
 
 
 @pytest.mark.parametrize("device", DEVICES)

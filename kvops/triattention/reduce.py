@@ -9,6 +9,8 @@ at or past N - P are -inf in the rows.
 
 from __future__ import annotations
 
+from typing import Optional
+
 import torch
 import triton
 import triton.language as tl
@@ -20,13 +22,15 @@ from ..compaction.compact import MODES, decision_rows
 from .score import CHUNK, STATS
 
 
-def _reduce_torch(raw, stats, prompt_lengths, cache_lengths, rows, mode, num_kv_heads, normalize):
+def _reduce_torch(raw, stats, prompt_lengths, cache_lengths, rows, mode, num_kv_heads, normalize, k_scale=None):
     R, L, Hq, n = raw.shape
     count = (cache_lengths - prompt_lengths).clamp(0, n)
     valid = torch.arange(n, device=raw.device)[None, :] < count[:, None]             # [R, n]
     s = torch.where(valid[:, None, None], raw, 0)
     finite = torch.isfinite(s)
     s = torch.where(finite, s, 0)
+    if k_scale is not None:  # [L, Hkv]: query head h scores KV head h // G
+        s = s * k_scale.repeat_interleave(Hq // num_kv_heads, 1)[None, :, :, None]
     if normalize:
         nc = stats.shape[3]
         written = (count[:, None] > torch.arange(nc, device=raw.device)[None] * CHUNK)[:, None, None, :]
@@ -70,9 +74,9 @@ def _moments_kernel(stats, prompt_lengths, cache_lengths, moments, n, NC, planes
 
 
 @triton.jit
-def _reduce_kernel(raw, moments, prompt_lengths, cache_lengths, rows, n, ROWS, L: tl.constexpr, Hq: tl.constexpr,
-                   G: tl.constexpr, GP: tl.constexpr, MODE: tl.constexpr, NORMALIZE: tl.constexpr,
-                   BLOCK_J: tl.constexpr, SPLIT: tl.constexpr):
+def _reduce_kernel(raw, moments, k_scale, prompt_lengths, cache_lengths, rows, n, ROWS, L: tl.constexpr,
+                   Hq: tl.constexpr, G: tl.constexpr, GP: tl.constexpr, MODE: tl.constexpr, NORMALIZE: tl.constexpr,
+                   SCALED: tl.constexpr, BLOCK_J: tl.constexpr, SPLIT: tl.constexpr):
     """Grid (R, rows, column blocks); a union row split over SPLIT layer blocks has grid (R, SPLIT, column blocks)
     and writes each block's partial maxima (+inf still marking a poisoned column) to rows [R, SPLIT, n], which
     _max_kernel finishes."""
@@ -100,6 +104,8 @@ def _reduce_kernel(raw, moments, prompt_lengths, cache_lengths, rows, n, ROWS, L
             # layers, and the normalization, so +inf at the end marks the column poisoned (one compare, no
             # reduction of its own). The statistics count only finite scores.
             s = tl.where(tl.abs(s) < float("inf"), s, float("inf"))
+            if SCALED:  # the keys' scale of (layer, KV head) [L, Hkv]: a positive factor of every score
+                s = s * tl.load(k_scale + (l_lo + dl) * (Hq // G) + (h_lo + dg * G) // G)
             if NORMALIZE:  # (r, layer, h)'s mean and std, merged once by _moments_kernel
                 mean = tl.load(moments + plane * 2, mask=live_h, other=0.0)
                 std = tl.load(moments + plane * 2 + 1, mask=live_h, other=1.0)
@@ -141,10 +147,11 @@ def union_splits(requests: int, blocks: int, layers: int, programs: int) -> int:
 
 @triton_op("kvops::triattention_reduce_", mutates_args={"rows"})
 def _reduce_op(raw: torch.Tensor, stats: torch.Tensor, prompt_lengths: torch.Tensor, cache_lengths: torch.Tensor,
-               rows: torch.Tensor, mode: str, num_kv_heads: int, normalize: bool) -> None:
+               rows: torch.Tensor, mode: str, num_kv_heads: int, normalize: bool,
+               k_scale: Optional[torch.Tensor] = None) -> None:
     launch = triton_launcher(_reduce_kernel, raw.device)
     if launch is None:
-        _reduce_torch(raw, stats, prompt_lengths, cache_lengths, rows, mode, num_kv_heads, normalize)
+        _reduce_torch(raw, stats, prompt_lengths, cache_lengths, rows, mode, num_kv_heads, normalize, k_scale)
         return
     R, L, Hq, n = raw.shape
     moments = raw.new_empty(R, L * Hq, 2) if normalize else raw  # (unread without normalization)
@@ -156,34 +163,32 @@ def _reduce_op(raw: torch.Tensor, stats: torch.Tensor, prompt_lengths: torch.Ten
     # A union program loops over every (layer, group): narrower blocks give it more programs to overlap those
     # loops (docs/triattention.md, "Speed"), and with few requests the layers are split over programs too.
     block_j = 512 if mode == "union" else 1024
-    split = 1
-    if mode == "union":
-        programs = torch.cuda.get_device_properties(raw.device).multi_processor_count if raw.is_cuda else 16
-        split = union_splits(R, triton.cdiv(n, block_j), L, programs)  # (16 in the interpreter: the tests split)
-    _reduce_launch(launch, raw, moments, prompt_lengths, cache_lengths, rows, mode, num_kv_heads, normalize, block_j,
-                   split)
-
-
-def _reduce_launch(launch, raw, moments, prompt_lengths, cache_lengths, rows, mode, num_kv_heads, normalize, block_j,
-                   split):
-    R, L, Hq, n = raw.shape
     blocks = triton.cdiv(n, block_j)
+    split = 1
+    if mode == "union":  # (16 programs in the interpreter, so that the tests split)
+        split = union_splits(R, blocks, L, torch.cuda.get_device_properties(raw.device).multi_processor_count
+                             if raw.is_cuda else 16)
     out = rows if split == 1 else raw.new_empty(R, split, n)  # partial maxima per layer block
     launch[(R, split if mode == "union" else rows.shape[1], blocks)](
-        raw, moments, prompt_lengths, cache_lengths, out, n, out.shape[1], L=L, Hq=Hq,
-        G=Hq // num_kv_heads, GP=triton.next_power_of_2(Hq // num_kv_heads),
-        MODE=MODES.index(mode), NORMALIZE=normalize, BLOCK_J=block_j, SPLIT=split)
+        raw, moments, raw if k_scale is None else k_scale, prompt_lengths, cache_lengths, out, n, out.shape[1], L=L,
+        Hq=Hq, G=Hq // num_kv_heads, GP=triton.next_power_of_2(Hq // num_kv_heads), MODE=MODES.index(mode),
+        NORMALIZE=normalize, SCALED=k_scale is not None, BLOCK_J=block_j, SPLIT=split)
     if split > 1:
         triton_launcher(_max_kernel, raw.device)[(R, blocks)](out, prompt_lengths, cache_lengths, rows, n,
                                                               SPLIT=split, BLOCK_J=block_j)
 
 
 def reduce_rows(raw: torch.Tensor, stats: torch.Tensor, cache_lengths: torch.Tensor, prompt_lengths: torch.Tensor,
-                mode: str, num_kv_heads: int, normalize: bool = True) -> torch.Tensor:
+                mode: str, num_kv_heads: int, normalize: bool = True, k_scale: torch.Tensor | None = None
+                ) -> torch.Tensor:
     """Row scores float32 [R, rows, n] from score()'s outputs: z = (s - mean) / max(std, 1e-6) per (r, l, h)
     over the finite scores when normalizing, then union = max over (l, h); per_head = mean over l of max over the
     group's heads; per_layer_perhead = max over the group's heads, row l * Hkv + g. Columns past N - P, and
-    columns with a non-finite score in any (l, h) the row reduces over, are -inf."""
+    columns with a non-finite score in any (l, h) the row reduces over, are -inf.
+
+    k_scale: float32 [L, Hkv] on raw's device, positive: the keys' dequantization scale (fp8 caches; a score is
+    linear in its key, so the scale multiplies it). Without normalization it is applied; with it, it is not read:
+    z-scores do not change when every score of an (r, l, h) is multiplied by one positive factor."""
     what = "triattention reduce"
     if mode not in MODES:
         raise ValueError(f"{what}: mode must be one of {MODES}, got {mode!r}")
@@ -197,7 +202,12 @@ def reduce_rows(raw: torch.Tensor, stats: torch.Tensor, cache_lengths: torch.Ten
     check_int32(what, raw.device, cache_lengths=(cache_lengths, 1), prompt_lengths=(prompt_lengths, 1))
     if cache_lengths.shape[0] != R or prompt_lengths.shape[0] != R:
         raise ValueError(f"{what}: cache_lengths and prompt_lengths must have {R} entries (one per request)")
+    if k_scale is not None:
+        check_float32(what, raw.device, k_scale=(k_scale, (L, num_kv_heads)))
+        if not k_scale.is_contiguous():
+            raise ValueError(f"{what}: k_scale must be contiguous")
     rows = torch.empty((R, decision_rows(mode, L, num_kv_heads), n), dtype=torch.float32, device=raw.device)
     if R and n:
-        _reduce_op(raw, stats, prompt_lengths, cache_lengths, rows, mode, num_kv_heads, normalize)
+        _reduce_op(raw, stats, prompt_lengths, cache_lengths, rows, mode, num_kv_heads, normalize,
+                   None if normalize else k_scale)
     return rows

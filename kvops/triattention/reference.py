@@ -79,15 +79,19 @@ def reduce_reference(z: torch.Tensor, mode: str, num_kv_heads: int) -> torch.Ten
 
 
 def select_reference(k_pools, page_table, cache_lengths, prompt_lengths, round_starts, cal: Calibration, budget: int,
-                     mode: str = "union", normalize_scores: bool = True) -> tuple[torch.Tensor, list[torch.Tensor]]:
+                     mode: str = "union", normalize_scores: bool = True, k_scale: torch.Tensor | None = None
+                     ) -> tuple[torch.Tensor, list[torch.Tensor]]:
     """(kept int32 [R, rows, budget] ascending cache positions, -1 past the decode tokens; per-request row
-    scores float64 [rows, n])."""
+    scores float64 [rows, n]). k_scale: [L] or [L, Hkv], the keys' dequantization scale (fp8 caches)."""
     R = page_table.shape[0]
     C, S = mean_phase_reference(round_starts, cal.omega)
     kept, row_scores = [], []
     for r in range(R):
         P, N = int(prompt_lengths[r]), int(cache_lengths[r])
-        s = raw_scores_reference(gather_keys(k_pools, page_table, r, P, N), cal, C[r], S[r])
+        keys = gather_keys(k_pools, page_table, r, P, N)                          # [L, Hkv, n, D]
+        if k_scale is not None:
+            keys = keys * k_scale.double().cpu().reshape(keys.shape[0], -1)[:, :, None, None]
+        s = raw_scores_reference(keys, cal, C[r], S[r])
         z = normalize_reference(s) if normalize_scores else s
         rows = reduce_reference(z, mode, cal.num_kv_heads)
         row_scores.append(rows)

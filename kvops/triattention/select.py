@@ -20,14 +20,15 @@ from ..topk import topk
 
 def score_rows(k_pools: Sequence[torch.Tensor], page_table: torch.Tensor, cache_lengths: torch.Tensor,
                prompt_lengths: torch.Tensor, phase: torch.Tensor, cal: Calibration, mode: str, max_decode: int,
-               normalize_scores: bool = True, weights: tuple | None = None) -> torch.Tensor:
+               normalize_scores: bool = True, weights: tuple | None = None, k_scale: torch.Tensor | None = None
+               ) -> torch.Tensor:
     """Row scores float32 [R, rows, max_decode] of the decode tokens (column j is cache position P + j); columns
     at or past N - P hold -inf. k_pools: per-layer [page, plane, kv_head, token, dim] views (plane 0 is K);
     phase: [R, 2, F] from mean_phase; weights: cal.score_weights() on the pools' device (made here if None)."""
     if weights is None:
         weights = tuple(w.to(page_table.device) for w in cal.score_weights())
     raw, stats = score(k_pools, page_table, cache_lengths, prompt_lengths, phase, weights, max_decode)
-    return reduce_rows(raw, stats, cache_lengths, prompt_lengths, mode, cal.num_kv_heads, normalize_scores)
+    return reduce_rows(raw, stats, cache_lengths, prompt_lengths, mode, cal.num_kv_heads, normalize_scores, k_scale)
 
 
 class TriAttentionSelector:
@@ -46,10 +47,15 @@ class TriAttentionSelector:
     max_decode : int, optional
         The most decode tokens a request may hold (>= budget); it sizes the score buffers. When None, each call
         takes the bound from its page table (``columns * page_size``), so any length the table holds is scored.
+    k_scale : torch.Tensor, optional
+        The keys' dequantization scale of an fp8 cache (vLLM's ``k_scale``): float32 ``[L]`` (per layer) or
+        ``[L, Hkv]`` (per layer and KV head), positive and finite. With ``normalize_scores`` it cannot change a
+        keep set (a z-score ignores a positive factor common to its (layer, head)), so it is checked and not
+        used; without, every score of (layer, KV head) is multiplied by its scale.
     """
 
     def __init__(self, calibration: Calibration, budget: int, mode: str = "union", normalize_scores: bool = True,
-                 max_decode: int | None = None):
+                 max_decode: int | None = None, k_scale: torch.Tensor | None = None):
         what = "TriAttentionSelector"
         if not isinstance(calibration, Calibration):
             raise TypeError(f"{what}: calibration must be a Calibration (load_calibration), got "
@@ -63,6 +69,7 @@ class TriAttentionSelector:
         self.calibration, self.budget, self.mode, self.normalize_scores = calibration, budget, mode, normalize_scores
         self.max_decode = max_decode
         self.rows = decision_rows(mode, calibration.num_layers, calibration.num_kv_heads)
+        self.k_scale = None if k_scale is None else _check_k_scale(what, k_scale, calibration)
         self._on_device: dict[torch.device, tuple] = {}
 
     def _calibration_on(self, device: torch.device) -> tuple:
@@ -70,7 +77,8 @@ class TriAttentionSelector:
         cost a transfer each time and cannot be captured in a CUDA graph."""
         if device not in self._on_device:
             cal = self.calibration
-            self._on_device[device] = (cal.omega.to(device), tuple(w.to(device) for w in cal.score_weights()))
+            k_scale = None if self.k_scale is None else self.k_scale.to(device)
+            self._on_device[device] = (cal.omega.to(device), tuple(w.to(device) for w in cal.score_weights()), k_scale)
         return self._on_device[device]
 
     def select(self, k_pools: Sequence[torch.Tensor], page_table: torch.Tensor, cache_lengths: torch.Tensor,
@@ -80,7 +88,7 @@ class TriAttentionSelector:
         Parameters
         ----------
         k_pools : list of torch.Tensor
-            Per-layer 5-D views ``[page, plane, kv_head, token, dim]`` (plane 0 is K), bf16, fp16 or fp8 e4m3.
+            Per-layer 5-D views ``[page, plane, kv_head, token, dim]`` (plane 0 is K), bf16, fp16 or fp8 (e4m3fn, e5m2).
         page_table : torch.Tensor
             int32 ``[R, pages]``: request r's cache position p lives in page ``page_table[r, p // page_size]``.
         cache_lengths, prompt_lengths : torch.Tensor
@@ -110,15 +118,31 @@ class TriAttentionSelector:
         max_decode = self.max_decode or page_table.shape[1] * k_pools[0].shape[3]
         if validate:
             _check_round(what, k_pools, page_table, cache_lengths, prompt_lengths, max_decode)
-        omega, weights = self._calibration_on(device)
+        omega, weights, k_scale = self._calibration_on(device)
         R = page_table.shape[0]
         phase = mean_phase(round_starts, omega)
         scores = score_rows(k_pools, page_table, cache_lengths, prompt_lengths, phase, cal, self.mode,
-                            max_decode, self.normalize_scores, weights)
+                            max_decode, self.normalize_scores, weights, k_scale)
         count = (cache_lengths - prompt_lengths).clamp(0, max_decode).to(torch.int32)
         picked = topk(scores.view(R * self.rows, -1), count.repeat_interleave(self.rows), self.budget)
         picked = picked.view(R, self.rows, self.budget)
         return torch.where(picked >= 0, picked + prompt_lengths.view(R, 1, 1).to(torch.int32), picked)
+
+
+def _check_k_scale(what: str, k_scale, cal: Calibration) -> torch.Tensor:
+    """k_scale as float32 [L, Hkv] (a per-layer scale repeated over the KV heads), on the host once: refused
+    unless float32, [L] or [L, Hkv], positive and finite."""
+    L, Hkv = cal.num_layers, cal.num_kv_heads
+    if not isinstance(k_scale, torch.Tensor) or k_scale.dtype != torch.float32:
+        raise TypeError(f"{what}: k_scale must be a float32 tensor, got "
+                        f"{getattr(k_scale, 'dtype', type(k_scale).__name__)}")
+    if tuple(k_scale.shape) not in ((L,), (L, Hkv)):
+        raise ValueError(f"{what}: k_scale must be [{L}] (per layer) or [{L}, {Hkv}] (per layer and KV head), got "
+                         f"{tuple(k_scale.shape)}")
+    host = k_scale.detach().cpu()
+    if not bool((torch.isfinite(host) & (host > 0)).all()):
+        raise ValueError(f"{what}: k_scale must be positive and finite, got {host.flatten()[:8].tolist()}")
+    return host.reshape(L, -1).expand(L, Hkv).contiguous()
 
 
 def _check_round(what: str, k_pools: Sequence[torch.Tensor], page_table: torch.Tensor, cache_lengths: torch.Tensor,
