@@ -13,7 +13,8 @@ Rows:
   round_steady*  the round where serving runs it: R in {1, 8, 32, 128} due requests of prompt 1024 + 2176 decode
               tokens (budget 2048 + beta 128), pages of 32, HND pools with K and V planes, modes union and
               per_layer_perhead, compaction ordered and fill: `_select` (TriAttentionSelector), `_compact` and the
-              whole round as the manager runs it (TriAttentionRound), each from a graph. Floor: the decode tokens'
+              whole round as the manager runs it (TriAttentionRound), each from a graph, and `_select_eager`
+              (the same call without a graph; KVOPS_CUTE_CALL=ffi for the TVM-FFI call path). Floor: the decode tokens'
               K read once plus, read and written, the bytes fill order must move, at the copy bandwidth.
 """
 
@@ -149,16 +150,19 @@ def _round_steady(rows_out: list[Row], copy_gbps: float, quick: bool) -> list[st
                 pt, lengths = rnd.page_table[:R], rnd.lengths[:, :R]
                 select_us = time_us(graphed(lambda: selector.select(w.pools, pt, lengths[0], lengths[1],
                                                                      lengths[3])), iters=10)
+                eager_us = time_us(lambda: selector.select(w.pools, pt, lengths[0], lengths[1], lengths[3]), iters=10)
                 compact_us = time_us(graphed(lambda: compact(rnd.params, R)), iters=10)
                 round_us = time_us(rnd.graphs[R].replay, iters=10)
                 shape = f"R={R} {w.prompt}+{w.budget + w.beta} L={w.L} Hkv={w.Hkv} {mode} {order}"
                 for routine, us, nbytes in (("round_steady_select", select_us, k_bytes),
+                                            ("round_steady_select_eager", eager_us, k_bytes),
                                             ("round_steady_compact", compact_us, floor_bytes - k_bytes),
                                             ("round_steady", round_us, floor_bytes)):
                     rows_out.append(Row.make(FAMILY, routine, shape, "bfloat16", us, nbytes, copy_gbps))
                 floor = floor_bytes / copy_gbps / 1e3
                 notes.append(f"round_steady {shape}: {round_us:.0f} us = {round_us / floor:.2f}x its floor "
-                             f"({floor:.0f} us); select {select_us:.0f} us, compact {compact_us:.0f} us.")
+                             f"({floor:.0f} us); select {select_us:.0f} us ({eager_us / select_us:.2f}x eager), "
+                             f"compact {compact_us:.0f} us.")
         del w
         torch.cuda.empty_cache()
     return notes

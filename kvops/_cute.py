@@ -77,6 +77,12 @@ def compiled(what: str, key: Hashable, build: Callable[[], object]):
     return _compiled[key]
 
 
+def eager_bypass(t: torch.Tensor) -> bool:
+    """Whether a wrapper may call its op's CUDA kernel directly, skipping the dispatcher (quack's eager bypass): on
+    the TVM-FFI path, for CUDA tensors, outside torch.compile (which keeps tracing the custom op and its fake)."""
+    return FFI and t.is_cuda and not torch.compiler.is_compiling()
+
+
 def _refuse_in_capture(what: str, key) -> None:
     if torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
         raise RuntimeError(f"{what}: the CuTe kernel for {key} is not compiled yet and a CUDA graph is being "

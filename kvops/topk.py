@@ -201,7 +201,7 @@ def topk(scores: torch.Tensor, lengths: torch.Tensor, k: int, out: torch.Tensor 
         if out.shape[0] and (overlap(out, scores) or overlap(out, lengths)):
             raise ValueError(f"{what}: out shares memory with scores or lengths")
     if k and scores.shape[0]:
-        _topk_op(scores, lengths, k, out)
+        (_topk_cuda if _cute.eager_bypass(scores) else _topk_op)(scores, lengths, k, out)
     return out
 
 

@@ -228,6 +228,6 @@ def score(k_pools: Sequence[torch.Tensor], page_table: torch.Tensor, cache_lengt
     check_int(what, "max_decode", max_decode)
     raw = torch.empty((R, L, Hq, max_decode), dtype=torch.float32, device=device)
     stats = torch.empty((R, L, Hq, triton.cdiv(max_decode, CHUNK), STATS), dtype=torch.float32, device=device)
-    _score_op(list(k_pools), page_table, prompt_lengths, cache_lengths, phase, q_real,
-              q_imag, q_extra, raw, stats)
+    (_score_cuda if _cute.eager_bypass(raw) else _score_op)(list(k_pools), page_table, prompt_lengths, cache_lengths,
+                                                            phase, q_real, q_imag, q_extra, raw, stats)
     return raw, stats
