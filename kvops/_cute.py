@@ -8,8 +8,9 @@ Two ways to reach a compiled kernel:
   compiles it with ``--enable-tvm-ffi`` for one GPU arch against fake tensors of symbolic shape (no GPU needed), so
   the result takes torch tensors directly and runs on the caller's current stream. ``python -m kvops._cute_build``
   (run by setup.py at install) exports every shipped spec for sm_90a and sm_100a and links them into one library,
-  ``kvops/_cute_kernels.so``. A spec that library lacks (another arch, another shape class, an install without
-  it) is compiled once into a persistent cache (``KVOPS_CACHE_DIR``, default ``~/.cache/kvops``), keyed by the DSL
+  ``kvops/_cute_kernels.so``; symbols carry a hash of the kernel sources, so a library built from other sources
+  is not used. A spec that library lacks (another arch, another shape class, an install without it, edited
+  sources) is compiled once into a persistent cache (``KVOPS_CACHE_DIR``, default ``~/.cache/kvops``), keyed by the DSL
   and TVM-FFI versions and a hash of the kernel sources, written atomically under a file lock so that concurrent
   processes compile it once; later processes load it in milliseconds. ``python -m kvops warmup`` fills it.
 """
@@ -17,6 +18,7 @@ Two ways to reach a compiled kernel:
 from __future__ import annotations
 
 import fcntl
+import functools
 import hashlib
 import os
 import subprocess
@@ -143,8 +145,18 @@ def ffi_compile(kernel, args: Sequence, target: str):
                         options=f"--enable-tvm-ffi --gpu-arch {target}")
 
 
+@functools.cache
+def sources_hash() -> str:
+    """A short hash of SOURCES: in every exported symbol, so a library or cache entry built from other kernel
+    sources (an editable install edited since) is never used."""
+    digest = hashlib.sha256()
+    for name in SOURCES:
+        digest.update((Path(__file__).parent / name).read_bytes())
+    return digest.hexdigest()[:12]
+
+
 def symbol(spec: Spec, target: str) -> str:
-    return f"kvops_{spec.name}_{target}"
+    return f"kvops_{spec.name}_{target}_{sources_hash()}"
 
 
 def export_library(functions: Sequence[tuple[str, object]], path: Path) -> None:
@@ -174,10 +186,7 @@ def cache_dir() -> Path:
 
     root = os.environ.get("KVOPS_CACHE_DIR") or os.path.join(
         os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "kvops")
-    sources = hashlib.sha256()
-    for name in SOURCES:
-        sources.update((Path(__file__).parent / name).read_bytes())
-    return Path(root) / f"cute-{cutlass.__version__}-tvmffi{tvm_ffi.__version__}-{sources.hexdigest()[:16]}"
+    return Path(root) / f"cute-{cutlass.__version__}-tvmffi{tvm_ffi.__version__}-{sources_hash()}"
 
 
 def _prebuilt(name: str):

@@ -22,7 +22,7 @@ from ._checks import check_device, check_int, check_int32, overlap
 from ._triton import triton_launcher
 
 MAX_K = 2**31 - 1  # indices are int32
-SHORT_ROW = 4096    # the widest row the register kernel serves (its keys in one warp's registers)
+SHORT_ROW = 4096    # the widest row the register kernel serves (its keys in one program's registers)
 
 
 @triton.jit

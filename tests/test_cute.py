@@ -48,7 +48,7 @@ def test_a_kernel_outside_the_library_compiles_once_into_the_cache_and_a_second_
     env = dict(KVOPS_CACHE_DIR=str(tmp_path))
     assert _python(code, **env).split() == ["1", "Function"]
     assert _python(code, **env).split() == ["0", "Function"]  # loaded from the cache: no compile
-    assert len(list(tmp_path.glob("cute-*/kvops_score_bfloat16_f64_g3_t16_sm_90a.so"))) == 1
+    assert len(list(tmp_path.glob("cute-*/kvops_score_bfloat16_f64_g3_t16_sm_90a_*.so"))) == 1
 
 
 def test_a_library_without_a_kernel_falls_back_to_the_cache(tmp_path):
@@ -81,7 +81,7 @@ def test_warmup_fills_the_cache_for_a_geometry(tmp_path):
                          env={**os.environ, "KVOPS_CACHE_DIR": str(tmp_path)}, capture_output=True, text=True,
                          timeout=600)
     assert out.returncode == 0, out.stderr[-3000:]
-    assert "[3/3] kvops_score_bfloat16_f64_g3_t16_sm_90a: compiled into the cache" in out.stdout
+    assert f"[3/3] kvops_score_bfloat16_f64_g3_t16_sm_90a_{_cute.sources_hash()}: compiled into the cache" in out.stdout
     # the top-k kernels come from the library when the install built it
     assert len(list(tmp_path.glob("cute-*/*.so"))) == (1 if _cute.LIBRARY.exists() else 3)
 
@@ -98,4 +98,4 @@ def test_arch_names():
     if torch.cuda.is_available():
         major, minor = torch.cuda.get_device_capability()
         assert _cute.arch(torch.device("cuda")) == f"sm_{major}{minor}a"
-    assert _cute.symbol(shipped_specs()[0], "sm_90a") == "kvops_topk_vector_sm_90a"
+    assert _cute.symbol(shipped_specs()[0], "sm_90a") == f"kvops_topk_vector_sm_90a_{_cute.sources_hash()}"
