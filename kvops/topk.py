@@ -206,8 +206,9 @@ def topk(scores: torch.Tensor, lengths: torch.Tensor, k: int, out: torch.Tensor 
 
 
 def topk_reference(scores: torch.Tensor, lengths: torch.Tensor, k: int) -> torch.Tensor:
-    """The independent reference (float64, Python sorts, CPU): int32 [rows, k]: per row, the ascending indices of the k largest of scores[row, :length]; ties go to the
-    lowest index; NaN ranks below -inf; -1 fills a row shorter than k."""
+    """The independent reference (float64, Python sorts, CPU): int32 [rows, k]: per row, the ascending indices of
+    the k largest of scores[row, :length]; ties go to the lowest index; NaN ranks below -inf; -1 fills a row
+    shorter than k."""
     out = torch.full((scores.shape[0], k), -1, dtype=torch.int32)
     for row in range(scores.shape[0]):
         n = int(lengths[row])

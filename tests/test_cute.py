@@ -57,7 +57,8 @@ def test_a_library_without_a_kernel_falls_back_to_the_cache(tmp_path):
             f"_cute.export_library([(_cute.symbol(SPECS[True], 'sm_90a'), SPECS[True].build('sm_90a'))], "
             f"Path({str(tmp_path / 'lib.so')!r}))\n")
     _python(code)
-    code = (f"from pathlib import Path\nfrom kvops.topk import SPECS\n_cute.LIBRARY = Path({str(tmp_path / 'lib.so')!r})\n"
+    code = ("from pathlib import Path\nfrom kvops.topk import SPECS\n"
+            f"_cute.LIBRARY = Path({str(tmp_path / 'lib.so')!r})\n"
             "_cute.ffi_function(SPECS[True], 'sm_90a'); print(_cute.compile_count)\n"
             "_cute.ffi_function(SPECS[False], 'sm_90a'); print(_cute.compile_count)\n")
     assert _python(code, KVOPS_CACHE_DIR=str(tmp_path / "cache")).split() == ["0", "1"]

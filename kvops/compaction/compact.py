@@ -161,7 +161,8 @@ def build_compaction_params(pools: Sequence[torch.Tensor], page_table: torch.Ten
     params = CompactionParams(
         pools, page_table, kept, scored_lengths, tail_lengths, destination_bases,
         sources=torch.full((R, list_rows, K + max_tail), -1, dtype=torch.int32, device=device),
-        moves=torch.full((R, list_rows, K + max_tail), -1, dtype=torch.int32, device=device) if order == "fill" else None,
+        moves=(torch.full((R, list_rows, K + max_tail), -1, dtype=torch.int32, device=device) if order == "fill"
+               else None),
         new_lengths=torch.zeros(R, dtype=torch.int32, device=device),
         layer_row_base=row_base, head_row_stride=row_stride, max_tail=max_tail, order=order)
     # A dry run with no requests: the op checks the pools (geometry, dtype, strides, alignment) now, once.
