@@ -41,7 +41,8 @@ def main(argv=None) -> int:
     if not argv or argv[0] in ("-h", "--help"):
         print("usage: kvops demo [--preset tiny|gpu] [--device cpu|cuda] [--dtype D] [--json FILE]\n"
               "       kvops calibrate MODEL_DIR --text FILE --out FILE.pt [--max-tokens N] [--window W]\n"
-              "       kvops warmup [--head-dim D] [--group G ...] [--page-size T ...] [--dtype D] [--arch sm_XXa ...]\n"
+              "       kvops warmup [--model DIR | --head-dim D --group G ...] [--page-size T ...] [--dtype D] "
+              "[--arch sm_XXa ...]\n"
               "       kvops info")
         return 0 if argv else 2
     if argv[0] == "demo":

@@ -8,6 +8,7 @@ or the persistent cache, compiling what is missing into the cache."""
 from __future__ import annotations
 
 import argparse
+import json
 import sys
 import time
 from pathlib import Path
@@ -44,6 +45,7 @@ def build(out: Path, archs: tuple[str, ...] = _cute.ARCHS, specs: list[_cute.Spe
 def warmup(argv=None) -> int:
     """kvops warmup: the kernels of one model geometry, from the library or compiled into the cache."""
     ap = argparse.ArgumentParser(prog="kvops warmup", description=warmup.__doc__)
+    ap.add_argument("--model", help="a Hugging Face model directory: head_dim and group from its config.json")
     ap.add_argument("--head-dim", type=int, default=128)
     ap.add_argument("--group", type=int, action="append", help="query heads per KV head (repeatable; default 4)")
     ap.add_argument("--page-size", type=int, action="append", help="tokens per page (repeatable; default 16)")
@@ -51,6 +53,13 @@ def warmup(argv=None) -> int:
     ap.add_argument("--arch", action="append",
                     help="GPU arch (repeatable; default: this machine's GPU, or every arch the install builds)")
     args = ap.parse_args(argv)
+    if args.model:
+        with open(Path(args.model) / "config.json") as f:
+            config = json.load(f)
+        config = config.get("text_config", config)
+        heads = config["num_attention_heads"]
+        args.head_dim = config.get("head_dim") or config["hidden_size"] // heads
+        args.group = [heads // config.get("num_key_value_heads", heads)]
     if args.head_dim % 2 or args.head_dim < 2:
         ap.error(f"--head-dim must be even and positive, got {args.head_dim}")
     archs = args.arch or ([_cute.arch(torch.device("cuda"))] if torch.cuda.is_available() else list(_cute.ARCHS))

@@ -87,6 +87,15 @@ def test_warmup_fills_the_cache_for_a_geometry(tmp_path):
     assert len(list(tmp_path.glob("cute-*/*.so"))) == (1 if _cute.LIBRARY.exists() else 3)
 
 
+def test_warmup_reads_the_geometry_from_a_model_config(tmp_path):
+    (tmp_path / "config.json").write_text('{"num_attention_heads": 6, "num_key_value_heads": 2, "hidden_size": 384}')
+    out = subprocess.run([sys.executable, "-m", "kvops", "warmup", "--model", str(tmp_path), "--arch", "sm_90a",
+                          "--page-size", "32"], env={**os.environ, "KVOPS_CACHE_DIR": str(tmp_path / "cache")},
+                         capture_output=True, text=True, timeout=600)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert "kvops_score_bfloat16_f32_g3_t32_sm_90a" in out.stdout  # head_dim 384 / 6 = 64: 32 frequencies; group 3
+
+
 def test_an_old_dsl_is_refused_with_a_clear_message(monkeypatch):
     import cutlass
 
