@@ -10,6 +10,8 @@ Rows:
               bytes: K; baseline: the eager plain-torch implementation of the same math (torch scorer and
               reduce, torch.topk + sort), same inputs.
   mean_phase  the coefficient kernel for 32 requests, Qwen3-8B (F = 64), from a graph.
+  score, round_union with dtype float8_e4m3fn  the same on fp8 pools beside bf16 at 32 x 2176 and 8 x 16384 (fp8
+              pools take the CuTe scorer on the TVM-FFI call path, KVOPS_CUTE_CALL=ffi; the torch math otherwise).
   round_steady*  the round where serving runs it: R in {1, 8, 32, 128} due requests of prompt 1024 + 2176 decode
               tokens (budget 2048 + beta 128), pages of 32, HND pools with K and V planes, modes union and
               per_layer_perhead, compaction ordered and fill: `_select` (TriAttentionSelector), `_compact` and the
@@ -46,12 +48,13 @@ def run(quick: bool = False) -> tuple[list[Row], list[str]]:
     us = time_us(graphed(lambda: mean_phase(starts, omega, phase)), iters=iters)
     rows_out.append(Row.make(FAMILY, "mean_phase", "R=32 F=64", "float32", us, phase.numel() * 4, copy_gbps / 2))
     notes = _round(rows_out, copy_gbps, quick)
+    notes += _kv_dtypes(rows_out, copy_gbps, quick)
     notes += _round_steady(rows_out, copy_gbps, quick)
     return rows_out, notes
 
 
-def qwen3_workload(R: int, n: int, page_size: int = 16) -> SimpleNamespace:
-    """The issue's geometry on the GPU: Qwen3-8B (36 layers, 32/8 heads, head_dim 128, bf16) K pools holding R
+def qwen3_workload(R: int, n: int, page_size: int = 16, dtype: torch.dtype = torch.bfloat16) -> SimpleNamespace:
+    """The issue's geometry on the GPU: Qwen3-8B (36 layers, 32/8 heads, head_dim 128) K pools of `dtype` holding R
     requests of n decode tokens each (no prompt) on shuffled pages, synthetic statistics, random round starts."""
     L, Hq, Hkv, D = 36, 32, 8, 128
     F, pages = D // 2, R * n // page_size
@@ -59,8 +62,9 @@ def qwen3_workload(R: int, n: int, page_size: int = 16) -> SimpleNamespace:
                       1e6 ** -(torch.arange(F) / F), torch.ones(F), Hkv, D)
     starts = torch.randint(n, 2 ** 20, (R,), device="cuda")
     return SimpleNamespace(
-        cal=cal, L=L, Hq=Hq, Hkv=Hkv, D=D, T=page_size, R=R, n=n, starts=starts, k_bytes=L * R * n * Hkv * D * 2,
-        pools=[torch.randn(pages, 1, Hkv, page_size, D, device="cuda", dtype=torch.bfloat16) for _ in range(L)],
+        cal=cal, L=L, Hq=Hq, Hkv=Hkv, D=D, T=page_size, R=R, n=n, starts=starts,
+        k_bytes=L * R * n * Hkv * D * dtype.itemsize,
+        pools=[torch.randn(pages, 1, Hkv, page_size, D, device="cuda").to(dtype) for _ in range(L)],
         table=torch.randperm(pages, device="cuda", dtype=torch.int32).view(R, n // page_size),
         P=torch.zeros(R, dtype=torch.int32, device="cuda"), N=torch.full((R,), n, dtype=torch.int32, device="cuda"),
         weights=tuple(w.cuda() for w in cal.score_weights()), phase=mean_phase(starts, cal.omega.cuda()),
@@ -99,6 +103,29 @@ def _round(rows_out: list[Row], copy_gbps: float, quick: bool) -> list[str]:
         floor = k_bytes / copy_gbps / 1e3
         notes.append(f"round_{mode}: {us / 1e3:.2f} ms = {us / floor:.2f}x the floor of reading K once at the copy "
                      f"bandwidth ({floor / 1e3:.2f} ms); eager torch {base / 1e3:.1f} ms.")
+    return notes
+
+
+def _kv_dtypes(rows_out: list[Row], copy_gbps: float, quick: bool) -> list[str]:
+    """score and the union round (TriAttentionSelector.select) on bf16 and fp8 e4m3 pools at the fp8 issue's shapes:
+    the steady state (32 x 2176) and long contexts (8 x 16384). fp8 pools take the CuTe scorer on the TVM-FFI call
+    path (KVOPS_CUTE_CALL=ffi) and the torch math otherwise."""
+    notes = []
+    for R, n in ((4, 2176),) if quick else ((32, 2176), (8, 16384)):
+        rounds = {}
+        for dtype in (torch.bfloat16, torch.float8_e4m3fn):
+            w = qwen3_workload(R, n, dtype=dtype)
+            name = str(dtype).removeprefix("torch.")
+            us = time_us(graphed(lambda: score(w.pools, w.table, w.N, w.P, w.phase, w.weights, n)), iters=10)
+            rows_out.append(Row.make(FAMILY, "score", w.shape, name, us, w.k_bytes, copy_gbps))
+            selector = TriAttentionSelector(w.cal, 2048, "union", max_decode=n)
+            us = time_us(graphed(lambda: selector.select(w.pools, w.table, w.N, w.P, w.starts)), iters=10)
+            rows_out.append(Row.make(FAMILY, "round_union", w.shape, name, us, w.k_bytes, copy_gbps))
+            rounds[name] = (us, w.k_bytes / copy_gbps / 1e3)
+            del w
+        (bf16, _), (fp8, fp8_floor) = rounds["bfloat16"], rounds["float8_e4m3fn"]
+        notes.append(f"round_union R={R} N={n}: float8_e4m3fn {fp8 / 1e3:.2f} ms = {fp8 / bf16:.2f}x the bfloat16 "
+                     f"round ({bf16 / 1e3:.2f} ms) and {fp8 / fp8_floor:.2f}x its floor of reading K once.")
     return notes
 
 
