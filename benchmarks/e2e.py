@@ -74,7 +74,8 @@ class _RoundTimer:
         cache._compress = timed
 
     def total_seconds(self) -> float:
-        torch.cuda.synchronize() if self.events else None
+        if self.events:
+            torch.cuda.synchronize()
         return self.seconds + sum(s.elapsed_time(e) for s, e in self.events) / 1e3
 
 

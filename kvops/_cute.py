@@ -113,7 +113,12 @@ def device_index(device: torch.device) -> int:
 
 def arch(device: torch.device) -> str:
     """The arch-specific target of a CUDA device, e.g. "sm_90a" for an H100/H200."""
-    major, minor = torch.cuda.get_device_capability(device)
+    return _arch(device_index(device))
+
+
+@functools.cache
+def _arch(index: int) -> str:
+    major, minor = torch.cuda.get_device_capability(index)
     return f"sm_{major}{minor}a"
 
 

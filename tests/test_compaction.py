@@ -459,6 +459,18 @@ def test_bad_arguments_raise_before_anything_moves(device):
                                                    [0, 0, 0])
     with pytest.raises(ValueError, match="sources shape"):
         pack_move_sources(kept, scored, tail, base, params.sources[:, :, :3].contiguous(), params.new_lengths)
+    with pytest.raises(ValueError, match="moves must be contiguous with the shape of sources"):
+        pack_move_sources(kept, scored, tail, base, params.sources, params.new_lengths,
+                          torch.empty_like(params.sources)[:, :, :2])
+    with pytest.raises(ValueError, match="outputs"):  # moves aliasing sources
+        pack_move_sources(kept, scored, tail, base, params.sources, params.new_lengths, params.sources)
+    with pytest.raises(ValueError, match="moves must be contiguous with the shape of sources"):
+        torch.ops.kvops.compaction_compact_layers_(pools, table, params.sources, params.new_lengths, base,
+                                                   list(params.layer_row_base), list(params.head_row_stride),
+                                                   params.sources[:, :, :2])
+    with pytest.raises(ValueError, match="kept needs a contiguous last dim"):
+        build(kept=torch.zeros(kept.shape[2], kept.shape[1], kept.shape[0], dtype=torch.int32,
+                               device=device).transpose(0, 2))
     assert _unchanged(pools, before)
 
 

@@ -15,7 +15,7 @@ from typing import Sequence
 import torch
 
 from .._checks import check_device, check_disjoint, check_int, check_int32, check_no_meta_mix
-from .pack import pack_move_sources
+from . import pack  # noqa: F401  (registers kvops::compaction_pack_move_sources_, which compact() calls)
 
 
 def compact_layers_(pools: Sequence[torch.Tensor], page_table: torch.Tensor, sources: torch.Tensor,
@@ -58,7 +58,11 @@ class CompactionParams:
     layer_row_base: tuple[int, ...]
     head_row_stride: tuple[int, ...]
     max_tail: int
-    order: str = "ordered"           # or "fill" (ORDERS)
+
+    @property
+    def order(self) -> str:
+        """"fill" when the params hold a moves list, else "ordered" (ORDERS)."""
+        return "ordered" if self.moves is None else "fill"
 
 
 ORDERS = ("ordered", "fill")  # how kept tokens land below the new length (kvops/compaction/pack.py)
@@ -140,6 +144,9 @@ def build_compaction_params(pools: Sequence[torch.Tensor], page_table: torch.Ten
                          f"{sorted({tuple(p.shape) for p in pools})[:4]}")
     check_int32(what, device, page_table=(page_table, 2), kept=(kept, 3), scored_lengths=(scored_lengths, 1),
                 tail_lengths=(tail_lengths, 1), destination_bases=(destination_bases, 1))
+    if kept.stride(2) != 1 and kept.shape[2] > 1:
+        raise ValueError(f"{what}: kept needs a contiguous last dim (the pack reads its rows), got strides "
+                         f"{kept.stride()}")
     check_int(what, "max_tail", max_tail)
     if order not in ORDERS:
         raise ValueError(f"{what}: order must be one of {ORDERS}, got {order!r}")
@@ -164,7 +171,7 @@ def build_compaction_params(pools: Sequence[torch.Tensor], page_table: torch.Ten
         moves=(torch.full((R, list_rows, K + max_tail), -1, dtype=torch.int32, device=device) if order == "fill"
                else None),
         new_lengths=torch.zeros(R, dtype=torch.int32, device=device),
-        layer_row_base=row_base, head_row_stride=row_stride, max_tail=max_tail, order=order)
+        layer_row_base=row_base, head_row_stride=row_stride, max_tail=max_tail)
     # A dry run with no requests: the op checks the pools (geometry, dtype, strides, alignment) now, once.
     compact_layers_(pools, page_table[:0], params.sources[:0], params.new_lengths[:0], destination_bases[:0],
                     row_base, row_stride)
@@ -203,9 +210,10 @@ def compact(params: CompactionParams, request_count: int | None = None, *, valid
     if validate or os.environ.get("KVOPS_DEBUG") == "1":
         check_decisions(params, R)
     moves = None if params.moves is None else params.moves[:R]
-    pack_move_sources(params.kept[:R], params.scored_lengths[:R], params.tail_lengths[:R],
-                      params.destination_bases[:R], params.sources[:R], params.new_lengths[:R], moves)
-    # the bound buffers were checked by build_compaction_params: straight to the op
+    # the bound buffers were checked by build_compaction_params: straight to the ops
+    torch.ops.kvops.compaction_pack_move_sources_(params.kept[:R], params.scored_lengths[:R],
+                                                  params.tail_lengths[:R], params.destination_bases[:R],
+                                                  params.sources[:R], params.new_lengths[:R], moves)
     torch.ops.kvops.compaction_compact_layers_(params.pools, params.page_table[:R], params.sources[:R],
                                                params.new_lengths[:R], params.destination_bases[:R],
                                                list(params.layer_row_base), list(params.head_row_stride), moves)

@@ -133,7 +133,8 @@ def _moves_torch(sources, destination_bases, new_lengths):
     i = torch.arange(sources.shape[2], device=sources.device)
     base = destination_bases[:, None, None]
     moving = (i < (new_lengths[:, None, None] - base)) & (sources != base + i) & (sources >= 0)
-    return torch.where(moving, i, sources.shape[2]).sort(-1).values.masked_fill_(~moving.sort(-1, True).values, -1)
+    ascending = torch.where(moving, i, sources.shape[2]).sort(-1).values  # the moving indices first
+    return ascending.masked_fill_(i >= moving.sum(-1, keepdim=True), -1)
 
 
 def _pack_torch(kept, scored_lengths, tail_lengths, destination_bases, sources, new_lengths, moves=None):

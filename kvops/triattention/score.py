@@ -9,6 +9,7 @@ outside the pool, or a column past the table) is absent: its raw score is NaN an
 
 from __future__ import annotations
 
+import functools
 from typing import Sequence
 
 import torch
@@ -87,6 +88,7 @@ def compile_scorer(dtype: torch.dtype, num_freqs: int, group: int, page_size: in
                         _cute.stream(device))
 
 
+@functools.cache  # one Spec per shape class: the eager call path looks it up, it does not build one
 def scorer_spec(dtype: torch.dtype, num_freqs: int, group: int, page_size: int) -> _cute.Spec:
     """The scorer's shape class as an ahead-of-time spec (kvops/_cute.py), the default knobs."""
     def build(target: str):
