@@ -201,6 +201,9 @@ def test_bad_arguments(device):
         reduce_rows(raw, stats, N.repeat(2), P.repeat(2), "union", 2)
     with pytest.raises(ValueError, match="num_kv_heads"):
         reduce_rows(raw, stats, N, P, "union", 3)
+    for k_scale in (torch.ones(3, 2, dtype=torch.float64), torch.ones(3), torch.ones(2, 3).t()):
+        with pytest.raises(ValueError, match=r"k_scale must be contiguous float32 \[3, 2\]"):
+            reduce_rows(raw, stats, N, P, "union", 2, False, k_scale.to(raw.device))
 
 
 @requires_cuda

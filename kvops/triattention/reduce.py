@@ -204,8 +204,6 @@ def reduce_rows(raw: torch.Tensor, stats: torch.Tensor, cache_lengths: torch.Ten
         raise ValueError(f"{what}: cache_lengths and prompt_lengths must have {R} entries (one per request)")
     if k_scale is not None:
         check_float32(what, raw.device, k_scale=(k_scale, (L, num_kv_heads)))
-        if not k_scale.is_contiguous():
-            raise ValueError(f"{what}: k_scale must be contiguous")
     rows = torch.empty((R, decision_rows(mode, L, num_kv_heads), n), dtype=torch.float32, device=raw.device)
     if R and n:
         _reduce_op(raw, stats, prompt_lengths, cache_lengths, rows, mode, num_kv_heads, normalize,
