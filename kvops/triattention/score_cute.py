@@ -180,13 +180,22 @@ class Scorer:
             for step in cutlass.range(0, todo, self.TOKENS * self.UNROLL):
                 self.load_keys(nr, ni, step + self.TOKENS * self.UNROLL, *where)
                 acc = cute.make_rmem_tensor(self.UNROLL * self.G, Float32)
+                wr, wi = kr, ki
+                if cutlass.const_expr(self.BYTES == 1):
+                    # fp8 keys widen to fp16 a whole lane slice at once (one cvt per pair of keys), then to fp32
+                    # frequency by frequency as bf16 keys do
+                    wr = [cute.make_rmem_tensor(self.FPL, cutlass.Float16) for _ in range(self.UNROLL)]
+                    wi = [cute.make_rmem_tensor(self.FPL, cutlass.Float16) for _ in range(self.UNROLL)]
+                    for u in cutlass.range_constexpr(self.UNROLL):
+                        wr[u].store(kr[u].load().to(cutlass.Float16))
+                        wi[u].store(ki[u].load().to(cutlass.Float16))
                 for i in cutlass.range_constexpr(self.UNROLL * self.G):
                     acc[i] = Float32(0.0)
                 # Frequency by frequency, so only one frequency's fp32 values are live (the registers go to more
                 # CTAs per SM instead); each coefficient is read once from shared memory and used for UNROLL tokens.
                 for f in cutlass.range_constexpr(self.FPL):
-                    xr = [Float32(kr[u][f]) for u in range(self.UNROLL)]
-                    xi = [Float32(ki[u][f]) for u in range(self.UNROLL)]
+                    xr = [Float32(wr[u][f]) for u in range(self.UNROLL)]
+                    xi = [Float32(wi[u][f]) for u in range(self.UNROLL)]
                     mg = [sqrt_approx(xr[u] * xr[u] + xi[u] * xi[u]) for u in range(self.UNROLL)]
                     for hg in cutlass.range_constexpr(self.HG):
                         a4, b4, e4 = (sCoef[None, self.coef_column(w, hg, f, q)].load() for w in range(3))
