@@ -10,13 +10,12 @@ Rows:
               bytes: K; baseline: the eager plain-torch implementation of the same math (torch scorer and
               reduce, torch.topk + sort), same inputs.
   mean_phase  the coefficient kernel for 32 requests, Qwen3-8B (F = 64), from a graph.
-  score, round_union with dtype float8_e4m3fn  the same on fp8 pools beside bf16 at 32 x 2176 and 8 x 16384 (fp8
-              pools take the CuTe scorer on the TVM-FFI call path, KVOPS_CUTE_CALL=ffi; the torch math otherwise).
+  score, round_union with dtype float8_e4m3fn  the same on fp8 pools beside bf16 at 32 x 2176 and 8 x 16384.
   round_steady*  the round where serving runs it: R in {1, 8, 32, 128} due requests of prompt 1024 + 2176 decode
               tokens (budget 2048 + beta 128), pages of 32, HND pools with K and V planes, modes union and
               per_layer_perhead, compaction ordered and fill: `_select` (TriAttentionSelector), `_compact` and the
               whole round as the manager runs it (TriAttentionRound), each from a graph, and `_select_eager`
-              (the same call without a graph; KVOPS_CUTE_CALL=ffi for the TVM-FFI call path). Floor: the decode tokens'
+              (the same call without a graph). Floor: the decode tokens'
               K read once plus, read and written, the bytes fill order must move, at the copy bandwidth.
 """
 
@@ -108,8 +107,7 @@ def _round(rows_out: list[Row], copy_gbps: float, quick: bool) -> list[str]:
 
 def _kv_dtypes(rows_out: list[Row], copy_gbps: float, quick: bool) -> list[str]:
     """score and the union round (TriAttentionSelector.select) on bf16 and fp8 e4m3 pools at the fp8 issue's shapes:
-    the steady state (32 x 2176) and long contexts (8 x 16384). fp8 pools take the CuTe scorer on the TVM-FFI call
-    path (KVOPS_CUTE_CALL=ffi) and the torch math otherwise."""
+    the steady state (32 x 2176) and long contexts (8 x 16384)."""
     notes = []
     for R, n in ((4, 2176),) if quick else ((32, 2176), (8, 16384)):
         rounds = {}

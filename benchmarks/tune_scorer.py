@@ -1,12 +1,16 @@
 """Sweep the CuTe scorer's launch knobs (frequencies per lane, tokens in flight, CTA size) at the benchmark
 geometry: `python -m benchmarks.tune_scorer`. Each variant is compiled with its knobs as constructor arguments
-(`compile_scorer(..., **knobs)`) and checked against the first one's raw scores."""
+(`scorer_spec(..., **knobs)`, compiled for this GPU and called through TVM-FFI as the op calls the shipped ones) and
+checked against the first one's raw scores: `python -m benchmarks.tune_scorer [--dtype float8_e4m3fn]`."""
 
 from __future__ import annotations
 
+import argparse
+
 import torch
 
-from kvops.triattention.score import compile_scorer, score, scorer_arguments
+from kvops import _cute
+from kvops.triattention.score import KV_DTYPES, layer_addresses, score, scorer_spec
 
 from .bench_triattention import qwen3_workload
 from .common import device_copy_gbps, graphed, time_us
@@ -18,7 +22,9 @@ CONFIGS = [dict(freqs_per_lane=8, unroll=4, threads=64), dict(freqs_per_lane=8, 
 
 
 def main() -> None:
-    w = qwen3_workload(32, 16384)
+    ap = argparse.ArgumentParser(description=__doc__)
+    ap.add_argument("--dtype", choices=[str(d).removeprefix("torch.") for d in KV_DTYPES], default="bfloat16")
+    w = qwen3_workload(32, 16384, dtype=getattr(torch, ap.parse_args().dtype))
     pools, table, N, P, phase, weights, n, k_bytes = w.pools, w.table, w.N, w.P, w.phase, w.weights, w.n, w.k_bytes
     copy = device_copy_gbps()
     raw, stats = score(pools, table, N, P, phase, weights, n)  # the buffers (and a check of the arguments)
@@ -26,8 +32,9 @@ def main() -> None:
     pool = pools[0]
     G, F, T = raw.shape[2] // pool.shape[2], weights[0].shape[-1], pool.shape[3]
     for knobs in CONFIGS:
-        fn = compile_scorer(pool.dtype, F, G, T, pool.device, **knobs)
-        args = scorer_arguments(pools, table, P, N, phase, *weights, raw, stats)
+        fn = scorer_spec(pool.dtype, F, G, T, **knobs).build(_cute.arch(pool.device))
+        args = (layer_addresses(pools), table, P, N, phase, *weights, raw, stats, pool.stride(0), pool.stride(2),
+                pool.stride(3), pool.shape[0])
         us = time_us(graphed(lambda: fn(*args)), iters=10)
         err = ((raw - first).abs() / first.abs().clamp_min(1)).max().item()
         gbps = k_bytes / us / 1e3

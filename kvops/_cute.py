@@ -1,18 +1,14 @@
-"""What every kvops CuTe DSL op shares.
+"""What every kvops CuTe DSL op shares: kernels built ahead of time and called through TVM-FFI.
 
-Two ways to reach a compiled kernel:
-
-- **In-process JIT** (``compiled``): ``cute.compile`` at first use against DLPack views of the real tensors
-  (``dynamic``), cached per process. A compile inside a CUDA-graph capture raises.
-- **Ahead of time, through TVM-FFI** (``ffi_function``): each kernel class is a ``Spec`` whose ``build(arch)``
-  compiles it with ``--enable-tvm-ffi`` for one GPU arch against fake tensors of symbolic shape (no GPU needed), so
-  the result takes torch tensors directly and runs on the caller's current stream. ``python -m kvops._cute_build``
-  (run by setup.py at install) exports every shipped spec for sm_90a and sm_100a and links them into one library,
-  ``kvops/_cute_kernels.so``; symbols carry a hash of the kernel sources, so a library built from other sources
-  is not used. A spec that library lacks (another arch, another shape class, an install without it, edited
-  sources) is compiled once into a persistent cache (``KVOPS_CACHE_DIR``, default ``~/.cache/kvops``), keyed by the DSL
-  and TVM-FFI versions and a hash of the kernel sources, written atomically under a file lock so that concurrent
-  processes compile it once; later processes load it in milliseconds. ``python -m kvops warmup`` fills it.
+Each kernel class is a ``Spec`` whose ``build(arch)`` compiles it with ``--enable-tvm-ffi`` for one GPU arch against
+fake tensors of symbolic shape (no GPU needed), so the result takes torch tensors directly and runs on the caller's
+current stream. ``python -m kvops._cute_build`` (run by setup.py at install) exports every shipped spec for sm_90a
+and sm_100a and links them into one library, ``kvops/_cute_kernels.so``; symbols carry a hash of the kernel sources,
+so a library built from other sources is not used. A spec that library lacks (another arch, another shape class, an
+install without it, edited sources) is compiled once into a persistent cache (``KVOPS_CACHE_DIR``, default
+``~/.cache/kvops``), keyed by the DSL and TVM-FFI versions and a hash of the kernel sources, written atomically under
+a file lock so that concurrent processes compile it once; later processes load it in milliseconds. ``python -m kvops
+warmup`` fills it. Nothing compiles inside a CUDA-graph capture.
 """
 
 from __future__ import annotations
@@ -25,7 +21,7 @@ import subprocess
 import tempfile
 import threading
 from pathlib import Path
-from typing import Callable, Hashable, NamedTuple, Sequence
+from typing import Callable, NamedTuple, Sequence
 
 import torch
 
@@ -35,14 +31,10 @@ LIBRARY = Path(__file__).with_name("_cute_kernels.so")
 # The files whose text decides what a spec compiles to (part of the persistent cache key).
 SOURCES = ("_cute.py", "topk.py", "topk_cute.py", "triattention/score.py", "triattention/score_cute.py")
 
-_compiled: dict[Hashable, object] = {}
 _functions: dict[tuple[str, str], object] = {}
 _library: list = []  # [the loaded prebuilt library, or None]
 _lock = threading.Lock()
 compile_count = 0  # kernels this process compiled (the tests count cache hits with it)
-# How the ops call their CuTe kernels on the GPU: "jit" (compiled in process, called through DLPack views; the
-# default until the TVM-FFI path has run on the GPU) or "ffi" (ffi_function: prebuilt, cached).
-FFI = os.environ.get("KVOPS_CUTE_CALL", "jit") == "ffi"
 
 
 class Spec(NamedTuple):
@@ -64,56 +56,15 @@ def require_dsl():
     return cutlass
 
 
-def compiled(what: str, key: Hashable, build: Callable[[], object]):
-    """The in-process JIT kernel for `key` (device, dtype, constexprs), built once by `build()`."""
-    global compile_count
-    fn = _compiled.get(key)
-    if fn is not None:
-        return fn
-    _refuse_in_capture(what, key)
-    with _lock:
-        if key not in _compiled:
-            require_dsl()
-            _compiled[key] = build()
-            compile_count += 1
-    return _compiled[key]
-
-
-def eager_bypass(t: torch.Tensor) -> bool:
-    """Whether a wrapper may call its op's CUDA kernel directly, skipping the dispatcher (quack's eager bypass): on
-    the TVM-FFI path, for CUDA tensors, outside torch.compile (which keeps tracing the custom op and its fake)."""
-    return FFI and t.is_cuda and not torch.compiler.is_compiling()
-
-
 def _refuse_in_capture(what: str, key) -> None:
     if torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
         raise RuntimeError(f"{what}: the CuTe kernel for {key} is not compiled yet and a CUDA graph is being "
                            f"captured; call it once with the same shapes before capturing (warm-up)")
 
 
-def dynamic(*tensors: torch.Tensor) -> list:
-    """CuTe views of torch tensors with dynamic shapes and strides (one compile serves every shape)."""
-    from cutlass.cute.runtime import from_dlpack
-
-    return [from_dlpack(t).mark_layout_dynamic(leading_dim=t.dim() - 1) for t in tensors]
-
-
-def stream(device: torch.device | None):
-    """The current torch stream of `device` as a CUDA driver stream (None: the null stream, to compile only)."""
-    from cuda.bindings import driver
-
-    return driver.CUstream(0 if device is None else torch.cuda.current_stream(device).cuda_stream)
-
-
-def device_index(device: torch.device) -> int:
-    return device.index if device.index is not None else torch.cuda.current_device()
-
-
-# ---- ahead of time, through TVM-FFI ------------------------------------------------------------------------------
-
 def arch(device: torch.device) -> str:
     """The arch-specific target of a CUDA device, e.g. "sm_90a" for an H100/H200."""
-    return _arch(device_index(device))
+    return _arch(device.index if device.index is not None else torch.cuda.current_device())
 
 
 @functools.cache
@@ -123,8 +74,7 @@ def _arch(index: int) -> str:
 
 
 def fake(dtype, ndim: int, align: int = 16, divisibility: int = 1):
-    """A fake tensor for an ahead-of-time compile, the counterpart of ``dynamic``: every extent and stride symbolic
-    but a unit last stride; `divisibility`: a known divisor of the last extent and of the next-to-last stride."""
+    """A fake tensor for an ahead-of-time compile: every extent and stride symbolic but a unit last stride; `divisibility`: a known divisor of the last extent and of the next-to-last stride."""
     import cutlass.cute as cute
     from cutlass.cute.runtime import make_fake_tensor
 

@@ -20,10 +20,9 @@ from .topk import SPECS as TOPK_SPECS
 from .triattention.score import KV_DTYPES, scorer_spec
 
 # Scorer shape classes built at install: head_dim 128 (64 rotary frequencies), GQA groups 1 (MHA) to 8, pages of
-# 16, 32 and 64 tokens, bf16 and fp16 pools. Any other class (fp8 pools too, for now) compiles once into the cache
-# at first use.
-SCORER_CLASSES = [(dtype, 64, group, page) for dtype in (torch.bfloat16, torch.float16) for group in (1, 2, 4, 8)
-                  for page in (16, 32, 64)]
+# 16, 32 and 64 tokens, every KV dtype (bf16, fp16, fp8 e4m3fn and e5m2). Any other class compiles once into the
+# cache at first use.
+SCORER_CLASSES = [(dtype, 64, group, page) for dtype in KV_DTYPES for group in (1, 2, 4, 8) for page in (16, 32, 64)]
 
 
 def shipped_specs() -> list[_cute.Spec]:

@@ -1,4 +1,5 @@
-"""How a kvops Triton op reaches its kernel on each device."""
+"""How a kvops op reaches its kernel: the launchable Triton kernel per device, and the eager bypass of the
+dispatcher."""
 
 from __future__ import annotations
 
@@ -15,3 +16,10 @@ def triton_launcher(kernel, device: torch.device):
     if device.type == "cpu":
         return kernel if os.environ.get("TRITON_INTERPRET") == "1" else None
     return wrap_triton(kernel)
+
+
+def eager_bypass(t: torch.Tensor) -> bool:
+    """Whether a wrapper may call its op's CUDA implementation directly, skipping the dispatcher (quack's eager
+    bypass; the dispatch of a custom op costs more than a kernel launch): for CUDA tensors, outside torch.compile,
+    which keeps tracing the registered op and its fake."""
+    return t.is_cuda and not torch.compiler.is_compiling()

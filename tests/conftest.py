@@ -62,15 +62,21 @@ def run_python(code: str, **env: str) -> None:
     assert out.returncode == 0, out.stderr[-3000:]
 
 
-@pytest.fixture(params=["jit", "ffi"])
-def cute_call(request, monkeypatch, tmp_path):
-    """How the GPU ops call their CuTe kernels (kvops/_cute.py): in-process JIT through DLPack views (fp8 pools score
-    in torch there), or through TVM-FFI from the library built at install, else compiled into a fresh cache (fp8
-    pools take the CuTe scorer there)."""
+@pytest.fixture(scope="session")
+def cute_cache_dir(tmp_path_factory):
+    return tmp_path_factory.mktemp("kvops-cute-cache")
+
+
+@pytest.fixture(params=["library", "cache"])
+def cute_call(request, monkeypatch, cute_cache_dir):
+    """Where the GPU ops find their CuTe kernels (kvops/_cute.py): the library built at install (a class it lacks
+    from the cache), or, with the library set aside, the persistent cache only (compiled there once per session)."""
     from kvops import _cute
 
-    monkeypatch.setenv("KVOPS_CACHE_DIR", str(tmp_path))
-    monkeypatch.setattr(_cute, "FFI", request.param == "ffi")
+    monkeypatch.setenv("KVOPS_CACHE_DIR", str(cute_cache_dir))
+    monkeypatch.setattr(_cute, "_functions", {})  # looked up afresh, and forgotten after the test
+    if request.param == "cache":
+        monkeypatch.setattr(_cute, "_prebuilt", lambda name: None)
     return request.param
 
 

@@ -54,7 +54,7 @@ def _run_score(cal, pools, table, N, P, starts, n):
 @pytest.mark.parametrize("name,config,layout,dtype", _cases())
 @pytest.mark.parametrize("device", DEVICES)
 def test_raw_scores_and_chunk_stats(name, config, layout, dtype, device, cute_call):
-    if device == "cpu" and cute_call == "ffi":
+    if device == "cpu" and cute_call == "cache":
         pytest.skip("a GPU call path")
     cal = _load(name, config)
     # ragged: several chunks with a partial last one, a prompt, an empty request, a request shorter than a chunk
@@ -208,12 +208,12 @@ def test_bad_arguments(device):
 
 @requires_cuda
 @pytest.mark.parametrize("Hq,D,T", [(8, 128, 16), (6, 128, 32), (8, 32, 16)])  # in the library; cached; cached
-def test_the_tvm_ffi_path_scores_what_the_jit_path_does(Hq, D, T, monkeypatch, tmp_path):
-    """The scorer called through TVM-FFI (kvops/_cute.py: from the library built at install, or compiled into the
-    cache) against the in-process JIT path, bit for bit, eagerly and replayed from a CUDA graph on fresh keys."""
+def test_the_cached_scorer_scores_what_the_library_scorer_does(Hq, D, T, monkeypatch, cute_cache_dir):
+    """The scorer from the library built at install (or, for a class it lacks, the cache) against the same class
+    compiled into the cache, bit for bit, eagerly and replayed from a CUDA graph on fresh keys."""
     from kvops import _cute
 
-    monkeypatch.setenv("KVOPS_CACHE_DIR", str(tmp_path))
+    monkeypatch.setenv("KVOPS_CACHE_DIR", str(cute_cache_dir))
     L, F = 2, D // 2
     config = {**SYNTHETIC, "num_hidden_layers": L, "num_attention_heads": Hq, "num_key_value_heads": 2, "head_dim": D}
     cal = load_calibration({"E_q": torch.randn(L, Hq, F, dtype=torch.complex64),
@@ -224,8 +224,9 @@ def test_the_tvm_ffi_path_scores_what_the_jit_path_does(Hq, D, T, monkeypatch, t
     raw = torch.full((3, L, Hq, n), 7.0, device="cuda")
     stats = torch.full((3, L, Hq, triton.cdiv(n, CHUNK), STATS), 7.0, device="cuda")
 
-    def run(ffi):
-        monkeypatch.setattr(_cute, "FFI", ffi)
+    def run(prebuilt):
+        monkeypatch.setattr(_cute, "_functions", {})
+        monkeypatch.setattr(_cute, "_prebuilt", _cute._prebuilt if prebuilt else lambda name: None)
         out = raw.clone(), stats.clone()
         torch.ops.kvops.triattention_score_(pools, table, P, N, phase, *weights, *out)
         return out
@@ -233,7 +234,6 @@ def test_the_tvm_ffi_path_scores_what_the_jit_path_does(Hq, D, T, monkeypatch, t
     for got, want in zip(run(True), run(False)):
         assert torch.equal(bytes_of(got), bytes_of(want))
     captured = raw.clone(), stats.clone()
-    monkeypatch.setattr(_cute, "FFI", True)
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         torch.ops.kvops.triattention_score_(pools, table, P, N, phase, *weights, *captured)
@@ -260,14 +260,14 @@ def test_misaligned_pools_are_refused():
 def test_cute_kernels_compile_without_a_gpu(arch):
     """CI has no GPU: still compile every CuTe kernel and shape class, so an API break fails CI."""
     pytest.importorskip("cutlass")
-    code = ("import torch\n"
-            "from kvops.triattention.score import compile_scorer\n"
-            "from kvops.topk import compile_topk\n"
-            "compile_topk(None, vector=True)\ncompile_topk(None, vector=False)\n"
-            "for F, G in ((64, 4), (32, 8), (16, 4)):\n"
-            "    compile_scorer(torch.bfloat16, F, G, 16, None)\n"
-            "compile_scorer(torch.float16, 64, 4, 64, None)\n")
-    run_python(code, CUTE_DSL_ARCH=arch)
+    code = ("import sys, torch\n"
+            "from kvops.triattention.score import scorer_spec\n"
+            "from kvops.topk import SPECS\n"
+            "for spec in SPECS.values():\n"
+            f"    spec.build({arch!r})\n"
+            "for F, G in ((32, 8), (16, 4)):\n"
+            f"    scorer_spec(torch.bfloat16, F, G, 16).build({arch!r})\n")
+    run_python(code)
 
 
 @pytest.mark.parametrize("mode", ["union", "per_head", "per_layer_perhead"])

@@ -132,6 +132,10 @@ def test_bad_arguments():
     pools, table, N, P = paged_pools(cal, [3], [20], 8, "cpu")
     with pytest.raises(ValueError, match="pools"):
         TriAttentionSelector(cal, 8).select(pools[:2], table, N, P, N.long())
+    with pytest.raises(ValueError, match=r"round_starts must be \[1\]"):
+        TriAttentionSelector(cal, 8).select(pools, table, N, P, N.long().repeat(2))
+    with pytest.raises(ValueError, match=r"cache_lengths must be int32 \[1\]"):
+        TriAttentionSelector(cal, 8).select(pools, table, N.repeat(2), P, N.long())
 
 
 @pytest.mark.parametrize("device", DEVICES)

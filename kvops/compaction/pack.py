@@ -35,7 +35,7 @@ import triton.language as tl
 from torch.library import triton_op
 
 from .._checks import check_disjoint, check_int32
-from .._triton import triton_launcher
+from .._dispatch import eager_bypass, triton_launcher
 
 _BLOCK = 512
 
@@ -156,8 +156,7 @@ def _pack_torch(kept, scored_lengths, tail_lengths, destination_bases, sources, 
         moves.copy_(_moves_torch(sources, destination_bases, new_lengths))
 
 
-@triton_op("kvops::compaction_pack_move_sources_", mutates_args={"sources", "new_lengths", "moves"})
-def _pack_op(kept: torch.Tensor, scored_lengths: torch.Tensor, tail_lengths: torch.Tensor,
+def _pack_launch(kept: torch.Tensor, scored_lengths: torch.Tensor, tail_lengths: torch.Tensor,
              destination_bases: torch.Tensor, sources: torch.Tensor, new_lengths: torch.Tensor,
              moves: Optional[torch.Tensor]) -> None:
     R, rows, K = kept.shape
@@ -173,6 +172,10 @@ def _pack_op(kept: torch.Tensor, scored_lengths: torch.Tensor, tail_lengths: tor
         triton_launcher(_fill_kernel, kept.device)[grid](
             kept, kept.stride(0), kept.stride(1), scored_lengths, tail_lengths, destination_bases, sources, moves,
             rows, K, capacity, KP=triton.next_power_of_2(max(K, 1)), LOG=capacity.bit_length(), BLOCK=_BLOCK)
+
+
+_pack_op = triton_op("kvops::compaction_pack_move_sources_", mutates_args={"sources", "new_lengths", "moves"})(
+    _pack_launch)
 
 
 def pack_move_sources(kept: torch.Tensor, scored_lengths: torch.Tensor, tail_lengths: torch.Tensor,
@@ -203,4 +206,5 @@ def pack_move_sources(kept: torch.Tensor, scored_lengths: torch.Tensor, tail_len
         raise ValueError(f"{what}: moves must be contiguous with the shape of sources {tuple(sources.shape)}, got "
                          f"{tuple(moves.shape)}")
     check_disjoint(what, "outputs", [sources, new_lengths] + ([] if moves is None else [moves]))
-    _pack_op(kept, scored_lengths, tail_lengths, destination_bases, sources, new_lengths, moves)
+    (_pack_launch if eager_bypass(kept) else _pack_op)(kept, scored_lengths, tail_lengths, destination_bases, sources,
+                                                       new_lengths, moves)

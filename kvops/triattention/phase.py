@@ -13,7 +13,7 @@ import triton.language as tl
 from torch.library import triton_op
 
 from .._checks import check_device, check_float32
-from .._triton import triton_launcher
+from .._dispatch import eager_bypass, triton_launcher
 from .reference import PHASE_OFFSETS
 
 _BLOCK_F = 64
@@ -46,8 +46,7 @@ def _mean_phase_torch(round_starts: torch.Tensor, omega: torch.Tensor, phase: to
     phase[:, 1].copy_(angle.sin().mean(1))
 
 
-@triton_op("kvops::triattention_mean_phase_", mutates_args={"phase"})
-def _mean_phase_op(round_starts: torch.Tensor, omega: torch.Tensor, phase: torch.Tensor) -> None:
+def _mean_phase_launch(round_starts: torch.Tensor, omega: torch.Tensor, phase: torch.Tensor) -> None:
     launch = triton_launcher(_mean_phase_kernel, round_starts.device)
     if launch is None:
         _mean_phase_torch(round_starts, omega, phase)
@@ -55,6 +54,9 @@ def _mean_phase_op(round_starts: torch.Tensor, omega: torch.Tensor, phase: torch
     F = omega.shape[0]
     launch[(round_starts.shape[0], triton.cdiv(F, _BLOCK_F))](round_starts, omega, phase, F,
                                                               NUM_OFFSETS=len(PHASE_OFFSETS), BLOCK_F=_BLOCK_F)
+
+
+_mean_phase_op = triton_op("kvops::triattention_mean_phase_", mutates_args={"phase"})(_mean_phase_launch)
 
 
 def mean_phase(round_starts: torch.Tensor, omega: torch.Tensor, phase: torch.Tensor | None = None) -> torch.Tensor:
@@ -86,5 +88,5 @@ def mean_phase(round_starts: torch.Tensor, omega: torch.Tensor, phase: torch.Ten
         phase = torch.empty(shape, dtype=torch.float32, device=device)
     else:
         check_float32(what, device, phase=(phase, shape))
-    _mean_phase_op(round_starts, omega.contiguous(), phase)
+    (_mean_phase_launch if eager_bypass(phase) else _mean_phase_op)(round_starts, omega.contiguous(), phase)
     return phase

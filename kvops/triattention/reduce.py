@@ -17,7 +17,7 @@ import triton.language as tl
 from torch.library import triton_op
 
 from .._checks import check_float32, check_int, check_int32
-from .._triton import triton_launcher
+from .._dispatch import eager_bypass, triton_launcher
 from ..compaction.compact import MODES, decision_rows
 from .score import CHUNK, STATS
 
@@ -145,8 +145,7 @@ def union_splits(requests: int, blocks: int, layers: int, programs: int) -> int:
     return layers
 
 
-@triton_op("kvops::triattention_reduce_", mutates_args={"rows"})
-def _reduce_op(raw: torch.Tensor, stats: torch.Tensor, prompt_lengths: torch.Tensor, cache_lengths: torch.Tensor,
+def _reduce_launch(raw: torch.Tensor, stats: torch.Tensor, prompt_lengths: torch.Tensor, cache_lengths: torch.Tensor,
                rows: torch.Tensor, mode: str, num_kv_heads: int, normalize: bool,
                k_scale: Optional[torch.Tensor] = None) -> None:
     launch = triton_launcher(_reduce_kernel, raw.device)
@@ -178,6 +177,9 @@ def _reduce_op(raw: torch.Tensor, stats: torch.Tensor, prompt_lengths: torch.Ten
                                                               SPLIT=split, BLOCK_J=block_j)
 
 
+_reduce_op = triton_op("kvops::triattention_reduce_", mutates_args={"rows"})(_reduce_launch)
+
+
 def reduce_rows(raw: torch.Tensor, stats: torch.Tensor, cache_lengths: torch.Tensor, prompt_lengths: torch.Tensor,
                 mode: str, num_kv_heads: int, normalize: bool = True, k_scale: torch.Tensor | None = None
                 ) -> torch.Tensor:
@@ -204,8 +206,14 @@ def reduce_rows(raw: torch.Tensor, stats: torch.Tensor, cache_lengths: torch.Ten
         raise ValueError(f"{what}: cache_lengths and prompt_lengths must have {R} entries (one per request)")
     if k_scale is not None:
         check_float32(what, raw.device, k_scale=(k_scale, (L, num_kv_heads)))
+    return reduce_unchecked(raw, stats, cache_lengths, prompt_lengths, mode, num_kv_heads, normalize, k_scale)
+
+
+def reduce_unchecked(raw, stats, cache_lengths, prompt_lengths, mode, num_kv_heads, normalize, k_scale):
+    """reduce_rows() on arguments its checks have passed (score()'s fresh outputs in the selector)."""
+    R, L, _, n = raw.shape
     rows = torch.empty((R, decision_rows(mode, L, num_kv_heads), n), dtype=torch.float32, device=raw.device)
     if R and n:
-        _reduce_op(raw, stats, prompt_lengths, cache_lengths, rows, mode, num_kv_heads, normalize,
-                   None if normalize else k_scale)
+        (_reduce_launch if eager_bypass(raw) else _reduce_op)(raw, stats, prompt_lengths, cache_lengths, rows, mode,
+                                                              num_kv_heads, normalize, None if normalize else k_scale)
     return rows

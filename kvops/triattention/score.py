@@ -1,5 +1,5 @@
 """TriAttention raw scores from the paged K pools (``kvops::triattention_score_``; GPU: the CuTe DSL kernel in
-score_cute.py; CPU and fp8 pools: batched torch).
+score_cute.py, built ahead of time (kvops/_cute.py); CPU: batched torch).
 
 It reads every decode token's key once and writes, for each (request, layer, query head), the raw scores
 ``raw[R, L, Hq, n]`` and per-CHUNK-token partial statistics ``stats[R, L, Hq, ceil(n / CHUNK), 3]`` = (mean, M2,
@@ -17,13 +17,12 @@ import triton
 
 from .. import _cute
 from .._checks import check_device, check_float32, check_int, check_int32
+from .._dispatch import eager_bypass
 
 CHUNK = 1024  # decode tokens per statistics partial (and per scorer CTA)
 STATS = 3     # per partial: mean, M2 and count of the chunk's finite scores
 # What the CuTe scorer reads (KV_TYPES in score_cute.py, by index): fp8 keys widen to fp32 in registers.
 KV_DTYPES = (torch.bfloat16, torch.float16, torch.float8_e4m3fn, torch.float8_e5m2)
-FP8_DTYPES = KV_DTYPES[2:]  # read by the CuTe scorer on the TVM-FFI path only (kvops/_cute.py: FFI) until it has
-                            # run on the GPU; the JIT path scores them in torch
 
 def _score_torch(k_pools, page_table, prompt_lengths, cache_lengths, phase, q_real, q_imag, q_extra, raw, stats):
     R, L, Hq, n = raw.shape
@@ -69,28 +68,10 @@ def _score_op(k_pools: list[torch.Tensor], page_table: torch.Tensor,
     _score_torch(k_pools, page_table, prompt_lengths, cache_lengths, phase, q_real, q_imag, q_extra, raw, stats)
 
 
-def compile_scorer(dtype: torch.dtype, num_freqs: int, group: int, page_size: int, device: torch.device | None,
-                   **knobs):
-    """Compile the CuTe scorer for one shape class (device None: compile only, for CI without a GPU). knobs:
-    Scorer's launch knobs (threads, unroll, freqs_per_lane), for the sweep in benchmarks/tune_scorer.py."""
-    import cutlass.cute as cute
-    from cutlass import Int32, Int64
-
-    from .score_cute import Scorer
-
-    on = device or torch.device("cpu")
-    i32 = lambda *s: torch.zeros(s, dtype=torch.int32, device=on)  # noqa: E731
-    f32 = lambda *s: torch.zeros(s, dtype=torch.float32, device=on)  # noqa: E731
-    dummies = (torch.zeros(1, dtype=torch.int64, device=on), i32(2, 2), i32(2), i32(2), f32(2, 2, num_freqs),
-               *(f32(1, group, num_freqs) for _ in range(3)), f32(2, 1, group, 4), f32(2, 1, group, 1, STATS))
-    scorer = Scorer(KV_DTYPES.index(dtype), num_freqs, group, page_size, CHUNK, **knobs)
-    return cute.compile(scorer, *_cute.dynamic(*dummies), Int64(0), Int64(0), Int64(0), Int32(1),
-                        _cute.stream(device))
-
-
 @functools.cache  # one Spec per shape class: the eager call path looks it up, it does not build one
-def scorer_spec(dtype: torch.dtype, num_freqs: int, group: int, page_size: int) -> _cute.Spec:
-    """The scorer's shape class as an ahead-of-time spec (kvops/_cute.py), the default knobs."""
+def scorer_spec(dtype: torch.dtype, num_freqs: int, group: int, page_size: int, **knobs) -> _cute.Spec:
+    """The scorer's shape class as an ahead-of-time spec (kvops/_cute.py). knobs: Scorer's launch knobs (threads,
+    unroll, freqs_per_lane; the defaults when none are given), for the sweep in benchmarks/tune_scorer.py."""
     def build(target: str):
         from cutlass import Float32, Int32, Int64
 
@@ -99,44 +80,24 @@ def scorer_spec(dtype: torch.dtype, num_freqs: int, group: int, page_size: int) 
         f32, i32 = (lambda n: _cute.fake(Float32, n, 4)), (lambda n: _cute.fake(Int32, n, 4))  # noqa: E731
         args = [_cute.fake(Int64, 1, 8), i32(2), i32(1), i32(1), *(f32(3) for _ in range(4)), f32(4), f32(5),
                 Int64(0), Int64(0), Int64(0), Int32(1)]
-        return _cute.ffi_compile(Scorer(KV_DTYPES.index(dtype), num_freqs, group, page_size, CHUNK), args, target)
+        return _cute.ffi_compile(Scorer(KV_DTYPES.index(dtype), num_freqs, group, page_size, CHUNK, **knobs), args,
+                                 target)
 
-    return _cute.Spec(f"score_{str(dtype).removeprefix('torch.')}_f{num_freqs}_g{group}_t{page_size}", build)
-
-
-def scorer_arguments(k_pools, page_table, prompt_lengths, cache_lengths, phase, q_real, q_imag, q_extra, raw,
-                     stats) -> list:
-    """What a compiled scorer is called with (the op's arguments as CuTe views, the pool strides, the stream)."""
-    from cutlass import Int32, Int64
-
-    pool = k_pools[0]
-    return [*_cute.dynamic(layer_addresses(k_pools), page_table, prompt_lengths, cache_lengths, phase, q_real,
-                           q_imag, q_extra, raw, stats),
-            Int64(pool.stride(0)), Int64(pool.stride(2)), Int64(pool.stride(3)), Int32(pool.shape[0]),
-            _cute.stream(pool.device)]
+    tuned = "".join(f"_{k}{v}" for k, v in sorted(knobs.items()))
+    return _cute.Spec(f"score_{str(dtype).removeprefix('torch.')}_f{num_freqs}_g{group}_t{page_size}{tuned}", build)
 
 
 @_score_op.register_kernel("cuda")
 def _score_cuda(k_pools, page_table, prompt_lengths, cache_lengths, phase, q_real, q_imag, q_extra, raw, stats):
     pool = k_pools[0]
-    if pool.dtype in FP8_DTYPES and not _cute.FFI:  # the same math in torch (capturable)
-        _score_torch(k_pools, page_table, prompt_lengths, cache_lengths, phase, q_real, q_imag, q_extra, raw, stats)
-        return
     G, F, T = raw.shape[2] // pool.shape[2], q_real.shape[-1], pool.shape[3]
     if any(p.data_ptr() % 16 for p in k_pools):  # addresses exist only here, at run time, not while tracing
         raise ValueError(f"triattention score: the GPU scorer needs 16-byte aligned k_pools, got base addresses "
                          f"{[hex(p.data_ptr()) for p in k_pools if p.data_ptr() % 16][:4]}")
-    if _cute.FFI:
-        if raw.shape[0] and raw.shape[3]:
-            fn = _cute.ffi_function(scorer_spec(pool.dtype, F, G, T), _cute.arch(pool.device))
-            fn(layer_addresses(k_pools), page_table, prompt_lengths, cache_lengths, phase, q_real, q_imag, q_extra,
-               raw, stats, pool.stride(0), pool.stride(2), pool.stride(3), pool.shape[0])
-        return
-    key = ("score", _cute.device_index(pool.device), pool.dtype, F, G, T)
-    fn = _cute.compiled("kvops triattention scorer", key, lambda: compile_scorer(pool.dtype, F, G, T, pool.device))
     if raw.shape[0] and raw.shape[3]:
-        fn(*scorer_arguments(k_pools, page_table, prompt_lengths, cache_lengths, phase, q_real, q_imag, q_extra,
-                             raw, stats))
+        fn = _cute.ffi_function(scorer_spec(pool.dtype, F, G, T), _cute.arch(pool.device))
+        fn(layer_addresses(k_pools), page_table, prompt_lengths, cache_lengths, phase, q_real, q_imag, q_extra,
+           raw, stats, pool.stride(0), pool.stride(2), pool.stride(3), pool.shape[0])
 
 
 @_score_op.register_fake
@@ -214,9 +175,20 @@ def score(k_pools: Sequence[torch.Tensor], page_table: torch.Tensor, cache_lengt
     page is missing from the page table).
     """
     what = "triattention score"
-    q_real, q_imag, q_extra = weights
-    L, Hq, F = q_real.shape
-    check_pools(what, k_pools, L, Hq, F)
+    L, Hq, F = weights[0].shape
+    device = check_round_inputs(what, k_pools, page_table, cache_lengths, prompt_lengths, L, Hq, F)
+    check_float32(what, device, phase=(phase, (page_table.shape[0], 2, F)),
+                  **{f"weights[{i}]": (w, (L, Hq, F)) for i, w in enumerate(weights)})
+    check_int(what, "max_decode", max_decode)
+    return score_unchecked(k_pools, page_table, cache_lengths, prompt_lengths, phase, weights, max_decode)
+
+
+def check_round_inputs(what: str, k_pools: Sequence[torch.Tensor], page_table: torch.Tensor,
+                       cache_lengths: torch.Tensor, prompt_lengths: torch.Tensor, num_layers: int,
+                       num_query_heads: int, num_freqs: int) -> torch.device:
+    """The pools (check_pools), an int32 [R, pages] contiguous page table and int32 [R] lengths on their device;
+    returns it."""
+    check_pools(what, k_pools, num_layers, num_query_heads, num_freqs)
     device = check_int32(what, k_pools[0].device, page_table=(page_table, 2), cache_lengths=(cache_lengths, 1),
                          prompt_lengths=(prompt_lengths, 1))
     R = page_table.shape[0]
@@ -225,11 +197,15 @@ def score(k_pools: Sequence[torch.Tensor], page_table: torch.Tensor, cache_lengt
             raise ValueError(f"{what}: {name} must be int32 [{R}] (one per page-table row), got {tuple(t.shape)}")
     if not page_table.is_contiguous():
         raise ValueError(f"{what}: page_table must be contiguous")
-    check_float32(what, device, phase=(phase, (R, 2, F)),
-                  **{f"weights[{i}]": (w, (L, Hq, F)) for i, w in enumerate(weights)})
-    check_int(what, "max_decode", max_decode)
-    raw = torch.empty((R, L, Hq, max_decode), dtype=torch.float32, device=device)
-    stats = torch.empty((R, L, Hq, triton.cdiv(max_decode, CHUNK), STATS), dtype=torch.float32, device=device)
-    (_score_cuda if _cute.eager_bypass(raw) else _score_op)(list(k_pools), page_table, prompt_lengths, cache_lengths,
-                                                            phase, q_real, q_imag, q_extra, raw, stats)
+    return device
+
+
+def score_unchecked(k_pools, page_table, cache_lengths, prompt_lengths, phase, weights, max_decode):
+    """score() on arguments its checks have passed (the selector checks once per round)."""
+    R, (L, Hq, _) = page_table.shape[0], weights[0].shape
+    raw = torch.empty((R, L, Hq, max_decode), dtype=torch.float32, device=page_table.device)
+    stats = torch.empty((R, L, Hq, triton.cdiv(max_decode, CHUNK), STATS), dtype=torch.float32,
+                        device=page_table.device)
+    (_score_cuda if eager_bypass(raw) else _score_op)(list(k_pools), page_table, prompt_lengths, cache_lengths,
+                                                      phase, *weights, raw, stats)
     return raw, stats

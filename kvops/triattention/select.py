@@ -9,12 +9,12 @@ from typing import Sequence
 
 import torch
 
-from .._checks import check_bool, check_device, check_int, check_int32
+from .._checks import check_bool, check_device, check_int
 from .calibration import Calibration
 from .phase import mean_phase
 from ..compaction.compact import MODES, decision_rows
-from .reduce import reduce_rows
-from .score import check_pools, score
+from .reduce import reduce_unchecked
+from .score import check_round_inputs, score_unchecked
 from ..topk import topk
 
 
@@ -24,11 +24,14 @@ def score_rows(k_pools: Sequence[torch.Tensor], page_table: torch.Tensor, cache_
                ) -> torch.Tensor:
     """Row scores float32 [R, rows, max_decode] of the decode tokens (column j is cache position P + j); columns
     at or past N - P hold -inf. k_pools: per-layer [page, plane, kv_head, token, dim] views (plane 0 is K);
-    phase: [R, 2, F] from mean_phase; weights: cal.score_weights() on the pools' device (made here if None)."""
+    phase: [R, 2, F] from mean_phase; weights: cal.score_weights() on the pools' device (made here if None).
+    The arguments are those TriAttentionSelector.select has checked (check_round_inputs); score() and
+    reduce_rows() are the checked entries of the two steps."""
     if weights is None:
         weights = tuple(w.to(page_table.device) for w in cal.score_weights())
-    raw, stats = score(k_pools, page_table, cache_lengths, prompt_lengths, phase, weights, max_decode)
-    return reduce_rows(raw, stats, cache_lengths, prompt_lengths, mode, cal.num_kv_heads, normalize_scores, k_scale)
+    raw, stats = score_unchecked(k_pools, page_table, cache_lengths, prompt_lengths, phase, weights, max_decode)
+    return reduce_unchecked(raw, stats, cache_lengths, prompt_lengths, mode, cal.num_kv_heads, normalize_scores,
+                            k_scale)
 
 
 class TriAttentionSelector:
@@ -110,10 +113,12 @@ class TriAttentionSelector:
         """
         what = "TriAttentionSelector.select"
         cal = self.calibration
-        check_pools(what, k_pools, cal.num_layers, cal.num_query_heads, cal.num_freqs)
-        device = check_int32(what, k_pools[0].device, page_table=(page_table, 2), cache_lengths=(cache_lengths, 1),
-                             prompt_lengths=(prompt_lengths, 1))
+        device = check_round_inputs(what, k_pools, page_table, cache_lengths, prompt_lengths, cal.num_layers,
+                                    cal.num_query_heads, cal.num_freqs)
         check_device(what, device, round_starts=round_starts)
+        if round_starts.shape[:1] != page_table.shape[:1]:
+            raise ValueError(f"{what}: round_starts must be [{page_table.shape[0]}] (one per page-table row), got "
+                             f"{tuple(round_starts.shape)}")
         check_bool(what, "validate", validate)
         max_decode = self.max_decode or page_table.shape[1] * k_pools[0].shape[3]
         if validate:
