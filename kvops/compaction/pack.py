@@ -35,7 +35,7 @@ import triton.language as tl
 from torch.library import triton_op
 
 from .._checks import check_disjoint, check_int32
-from .._dispatch import eager_bypass, triton_launcher
+from .._dispatch import call_triton_op, triton_launcher
 
 _BLOCK = 512
 
@@ -206,5 +206,5 @@ def pack_move_sources(kept: torch.Tensor, scored_lengths: torch.Tensor, tail_len
         raise ValueError(f"{what}: moves must be contiguous with the shape of sources {tuple(sources.shape)}, got "
                          f"{tuple(moves.shape)}")
     check_disjoint(what, "outputs", [sources, new_lengths] + ([] if moves is None else [moves]))
-    (_pack_launch if eager_bypass(kept) else _pack_op)(kept, scored_lengths, tail_lengths, destination_bases, sources,
-                                                       new_lengths, moves)
+    call_triton_op(_pack_op, _pack_launch, kept, scored_lengths, tail_lengths, destination_bases, sources, new_lengths,
+                   moves)

@@ -13,7 +13,7 @@ import triton.language as tl
 from torch.library import triton_op
 
 from .._checks import check_device, check_float32
-from .._dispatch import eager_bypass, triton_launcher
+from .._dispatch import call_triton_op, triton_launcher
 from .reference import PHASE_OFFSETS
 
 _BLOCK_F = 64
@@ -88,5 +88,5 @@ def mean_phase(round_starts: torch.Tensor, omega: torch.Tensor, phase: torch.Ten
         phase = torch.empty(shape, dtype=torch.float32, device=device)
     else:
         check_float32(what, device, phase=(phase, shape))
-    (_mean_phase_launch if eager_bypass(phase) else _mean_phase_op)(round_starts, omega.contiguous(), phase)
+    call_triton_op(_mean_phase_op, _mean_phase_launch, round_starts, omega.contiguous(), phase)
     return phase

@@ -17,7 +17,7 @@ import triton.language as tl
 from torch.library import triton_op
 
 from .._checks import check_float32, check_int, check_int32
-from .._dispatch import eager_bypass, triton_launcher
+from .._dispatch import call_triton_op, triton_launcher
 from ..compaction.compact import MODES, decision_rows
 from .score import CHUNK, STATS
 
@@ -214,6 +214,6 @@ def reduce_unchecked(raw, stats, cache_lengths, prompt_lengths, mode, num_kv_hea
     R, L, _, n = raw.shape
     rows = torch.empty((R, decision_rows(mode, L, num_kv_heads), n), dtype=torch.float32, device=raw.device)
     if R and n:
-        (_reduce_launch if eager_bypass(raw) else _reduce_op)(raw, stats, prompt_lengths, cache_lengths, rows, mode,
-                                                              num_kv_heads, normalize, None if normalize else k_scale)
+        call_triton_op(_reduce_op, _reduce_launch, raw, stats, prompt_lengths, cache_lengths, rows, mode, num_kv_heads,
+                       normalize, None if normalize else k_scale)
     return rows

@@ -24,6 +24,13 @@ STATS = 3     # per partial: mean, M2 and count of the chunk's finite scores
 # What the CuTe scorer reads (KV_TYPES in score_cute.py, by index): fp8 keys widen to fp32 in registers.
 KV_DTYPES = (torch.bfloat16, torch.float16, torch.float8_e4m3fn, torch.float8_e5m2)
 
+def lane_split(num_freqs: int, group: int, freqs_per_lane: int | None = None) -> tuple[int, int]:
+    """The CuTe scorer's (frequencies per lane, lanes per token): by default 8 frequencies (one 16-byte bf16 load per rotary half)
+    for G <= 4; 4 for larger groups, whose G accumulators per token leave fewer registers for a lane's keys."""
+    fpl = freqs_per_lane or (8 if group <= 4 else 4)
+    return fpl, num_freqs // fpl
+
+
 def _score_torch(k_pools, page_table, prompt_lengths, cache_lengths, phase, q_real, q_imag, q_extra, raw, stats):
     R, L, Hq, n = raw.shape
     Hkv, T = k_pools[0].shape[2], k_pools[0].shape[3]
@@ -134,8 +141,6 @@ def check_pools(what: str, k_pools: Sequence[torch.Tensor], num_layers: int, num
                                                                     first.device):
             raise ValueError(f"{what}: k_pools[{layer}] differs from k_pools[0] in shape, strides, dtype or device")
     if first.is_cuda:
-        from .score_cute import lane_split
-
         fpl, lanes = lane_split(num_freqs, group)
         if num_freqs % fpl or lanes & (lanes - 1) or lanes > 32:
             raise ValueError(f"{what}: the GPU scorer needs F a multiple of {fpl} with F/{fpl} a power of two "

@@ -20,14 +20,9 @@ from cutlass import Float32, Int32, Int64
 from cutlass._mlir.dialects import llvm
 from cutlass.cutlass_dsl import T, dsl_user_op
 
+from .score import lane_split
+
 KV_TYPES = (cutlass.BFloat16, cutlass.Float16, cutlass.Float8E4M3FN, cutlass.Float8E5M2)  # by index (KV_DTYPES)
-
-
-def lane_split(num_freqs: int, group: int, freqs_per_lane: int | None = None) -> tuple[int, int]:
-    """(frequencies per lane, lanes per token): by default 8 frequencies (one 16-byte bf16 load per rotary half)
-    for G <= 4; 4 for larger groups, whose G accumulators per token leave fewer registers for a lane's keys."""
-    fpl = freqs_per_lane or (8 if group <= 4 else 4)
-    return fpl, num_freqs // fpl
 
 
 @dsl_user_op
