@@ -2,7 +2,7 @@
 then the CuTe DSL kernels (kvops/_cute_kernels.so, by `python -m kvops._cute_build`; no GPU needed).
 
 Default CUDA archs are sm_90a (Hopper) and sm_100a (Blackwell); TORCH_CUDA_ARCH_LIST overrides them
-(e.g. TORCH_CUDA_ARCH_LIST="9.0" for a quick Hopper-only build) for kvops._C. Build with --no-build-isolation so
+(e.g. TORCH_CUDA_ARCH_LIST="9.0a" for a quick Hopper-only build) for kvops._C and the CuTe library. Build with --no-build-isolation so
 the extension links against the torch you run with. KVOPS_NO_CUTE=1 skips the CuTe library (the kernels then
 compile into the user cache at first use).
 """

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 import time
 from pathlib import Path
@@ -29,9 +30,23 @@ def shipped_specs() -> list[_cute.Spec]:
     return [*TOPK_SPECS.values(), *(scorer_spec(*c) for c in SCORER_CLASSES)]
 
 
-def build(out: Path, archs: tuple[str, ...] = _cute.ARCHS, specs: list[_cute.Spec] | None = None,
+def install_archs() -> tuple[str, ...]:
+    """The archs the install builds: _cute.ARCHS, narrowed by TORCH_CUDA_ARCH_LIST as kvops._C is (e.g. "9.0a" for
+    a Hopper-only build: sm_90a; entries below sm_90, where the kernels do not run, are left out)."""
+    listed = os.environ.get("TORCH_CUDA_ARCH_LIST")
+    if not listed:
+        return _cute.ARCHS
+    wanted = {f"sm_{v.split('+')[0].replace('.', '').rstrip('a')}a" for v in listed.replace(";", " ").split()}
+    return tuple(a for a in _cute.ARCHS if a in wanted)
+
+
+def build(out: Path, archs: tuple[str, ...] | None = None, specs: list[_cute.Spec] | None = None,
           log=print) -> None:
     specs = shipped_specs() if specs is None else specs
+    archs = install_archs() if archs is None else archs
+    if not archs:
+        log(f"no arch of {_cute.ARCHS} in TORCH_CUDA_ARCH_LIST: no CuTe library (the kernels compile into the cache)")
+        return
     start, functions = time.time(), []
     for target in archs:
         for i, spec in enumerate(specs):
@@ -78,9 +93,10 @@ def warmup(argv=None) -> int:
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(prog="python -m kvops._cute_build", description=__doc__)
     ap.add_argument("--out", type=Path, default=_cute.LIBRARY)
-    ap.add_argument("--arch", action="append", help=f"GPU arch (repeatable; default {' '.join(_cute.ARCHS)})")
+    ap.add_argument("--arch", action="append", help=f"GPU arch (repeatable; default {' '.join(_cute.ARCHS)}, "
+                                                    f"narrowed by TORCH_CUDA_ARCH_LIST)")
     args = ap.parse_args(argv)
-    build(args.out, tuple(args.arch or _cute.ARCHS))
+    build(args.out, tuple(args.arch) if args.arch else None)
     return 0
 
 
