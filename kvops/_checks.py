@@ -64,13 +64,16 @@ def check_device_or_host(what: str, device: torch.device, **tensors) -> None:
 
 def check_int32(what: str, device: torch.device | None = None, **tensors: tuple[torch.Tensor, int]) -> torch.device:
     """Each keyword is (tensor, ndim); all must be int32 tensors on one real device (`device` when given,
-    else the first tensor's), which is returned."""
+    else the first tensor's), which is returned. 1-D ones (per-request or per-row values: the kernels index them
+    by request) must be contiguous; callers check the layout of the others."""
     for name, (t, ndim) in tensors.items():
         device = check_device(what, device, **{name: t})
         if t.dtype != torch.int32:
             raise ValueError(f"{what}: {name} must be int32, got {t.dtype}")
         if t.dim() != ndim:
             raise ValueError(f"{what}: {name} must be {ndim}-D, got shape {tuple(t.shape)}")
+        if ndim == 1 and not t.is_contiguous():
+            raise ValueError(f"{what}: {name} must be contiguous, got stride {t.stride()}")
     return device
 
 

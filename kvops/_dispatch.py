@@ -1,24 +1,33 @@
-"""How a kvops op reaches its kernel: the launchable Triton kernel per device, and the eager bypass of the
-dispatcher."""
+"""How a kvops op reaches its kernel: the launchable Triton kernel per device, the registration of a Python op, and
+the eager bypass of the dispatcher."""
 
 from __future__ import annotations
 
 import os
 
 import torch
-from torch._library.triton import is_wrap_triton_enabled, set_wrap_triton_enabled
-from torch.library import wrap_triton
 
 
 def triton_launcher(kernel, device: torch.device):
-    """The launchable kernel for tensors on `device`, or None where the op's plain-torch path runs instead (CPU
-    without TRITON_INTERPRET=1). The interpreter launches the kernel directly: torch 2.11's wrap_triton rejects
-    interpreted kernels."""
-    if device.type == "cpu":
-        return kernel if os.environ.get("TRITON_INTERPRET") == "1" else None
-    # the kernel itself where wrap_triton would launch it straight anyway (an eager call), without importing the
-    # higher-order op's machinery at the first call (seconds)
-    return wrap_triton(kernel) if is_wrap_triton_enabled() else kernel
+    """`kernel` where it can run on `device`'s tensors, or None where the op's plain-torch path runs instead (CPU
+    without TRITON_INTERPRET=1)."""
+    if device.type == "cpu" and os.environ.get("TRITON_INTERPRET") != "1":
+        return None
+    return kernel
+
+
+def python_op(name: str, mutates_args: set[str]):
+    """Register a function that writes its outputs in place (and launches its kernels on the current stream) as
+    the op ``kvops::<name>`` for every device, with a fake that does nothing: ``torch.compile`` traces the op
+    and calls it opaquely. A plain custom op rather than ``torch.library.triton_op``: that one parses its
+    function's source and imports torch._inductor when it is registered, seconds of every ``import kvops``, for
+    an inlining of kernels that only launch."""
+    def register(fn):
+        op = torch.library.custom_op(f"kvops::{name}", mutates_args=mutates_args)(fn)
+        op.register_fake(lambda *args, **kwargs: None)
+        return op
+
+    return register
 
 
 def eager_bypass(t: torch.Tensor) -> bool:
@@ -28,12 +37,6 @@ def eager_bypass(t: torch.Tensor) -> bool:
     return t.is_cuda and not torch.compiler.is_compiling()
 
 
-def call_triton_op(op, launch, *args) -> None:
-    """``op(*args)`` for a ``triton_op`` whose function is `launch`; under the eager bypass (probed on args[0]),
-    `launch` itself, its Triton kernels launched straight as triton_op's own eager dispatch launches them (through
-    wrap_triton's higher-order op an eager launch costs about 1 ms)."""
-    if eager_bypass(args[0]):
-        with set_wrap_triton_enabled(False):
-            launch(*args)
-    else:
-        op(*args)
+def call(op, impl, *args) -> None:
+    """``op(*args)``, or under the eager bypass (probed on args[0]) its implementation `impl` itself."""
+    (impl if eager_bypass(args[0]) else op)(*args)

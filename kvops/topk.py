@@ -20,7 +20,7 @@ import triton.language as tl
 
 from . import _cute
 from ._checks import check_device, check_int, check_int32, overlap
-from ._dispatch import eager_bypass, triton_launcher
+from ._dispatch import call, triton_launcher
 
 MAX_K = 2**31 - 1  # indices are int32
 SHORT_ROW = 4096    # the widest row the register kernel serves (its keys in one program's registers)
@@ -187,7 +187,7 @@ def topk(scores: torch.Tensor, lengths: torch.Tensor, k: int, out: torch.Tensor 
         if out.shape[0] and (overlap(out, scores) or overlap(out, lengths)):
             raise ValueError(f"{what}: out shares memory with scores or lengths")
     if k and scores.shape[0]:
-        (_topk_cuda if eager_bypass(scores) else _topk_op)(scores, lengths, k, out)
+        call(_topk_op, _topk_cuda, scores, lengths, k, out)
     return out
 
 

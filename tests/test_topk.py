@@ -135,7 +135,8 @@ def test_bad_arguments(device):
     for args, match in [((s.double(), n, 3), "float32"), ((s[0], n, 3), "2-D"), ((s.t(), n[:1].expand(10), 3), "last dim"),
                         ((s, n.long(), 3), "lengths"), ((s, n[:1], 3), "lengths"), ((s, n, -1), "k must be in"),
                         ((s, n, 2.0), "k must be an int"), ((s, n, 2**40), "k must be in"),
-                        ((s.to("meta"), n, 3), "meta")]:
+                        ((s.to("meta"), n, 3), "meta"), ((s, n[:1].expand(2), 3), "lengths must be contiguous"),
+                        ((s, torch.stack([n, n], 1)[:, 0], 3), "lengths must be contiguous")]:
         with pytest.raises((ValueError, TypeError), match=match):
             topk(*args)
     with pytest.raises(ValueError, match="out shares memory"):

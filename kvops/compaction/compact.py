@@ -15,7 +15,7 @@ from typing import Sequence
 import torch
 
 from .._checks import check_device, check_disjoint, check_int, check_int32, check_no_meta_mix
-from .._dispatch import call_triton_op
+from .._dispatch import call
 from .pack import _pack_launch, _pack_op
 
 
@@ -212,7 +212,7 @@ def compact(params: CompactionParams, request_count: int | None = None, *, valid
         check_decisions(params, R)
     moves = None if params.moves is None else params.moves[:R]
     # the bound buffers were checked by build_compaction_params: straight to the ops
-    call_triton_op(_pack_op, _pack_launch, params.kept[:R], params.scored_lengths[:R], params.tail_lengths[:R],
+    call(_pack_op, _pack_launch, params.kept[:R], params.scored_lengths[:R], params.tail_lengths[:R],
                    params.destination_bases[:R], params.sources[:R], params.new_lengths[:R], moves)
     torch.ops.kvops.compaction_compact_layers_(params.pools, params.page_table[:R], params.sources[:R],
                                                params.new_lengths[:R], params.destination_bases[:R],

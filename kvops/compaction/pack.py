@@ -32,10 +32,9 @@ from typing import Optional
 import torch
 import triton
 import triton.language as tl
-from torch.library import triton_op
 
 from .._checks import check_disjoint, check_int32
-from .._dispatch import call_triton_op, triton_launcher
+from .._dispatch import call, python_op, triton_launcher
 
 _BLOCK = 512
 
@@ -174,8 +173,7 @@ def _pack_launch(kept: torch.Tensor, scored_lengths: torch.Tensor, tail_lengths:
             rows, K, capacity, KP=triton.next_power_of_2(max(K, 1)), LOG=capacity.bit_length(), BLOCK=_BLOCK)
 
 
-_pack_op = triton_op("kvops::compaction_pack_move_sources_", mutates_args={"sources", "new_lengths", "moves"})(
-    _pack_launch)
+_pack_op = python_op("compaction_pack_move_sources_", mutates_args={"sources", "new_lengths", "moves"})(_pack_launch)
 
 
 def pack_move_sources(kept: torch.Tensor, scored_lengths: torch.Tensor, tail_lengths: torch.Tensor,
@@ -206,5 +204,5 @@ def pack_move_sources(kept: torch.Tensor, scored_lengths: torch.Tensor, tail_len
         raise ValueError(f"{what}: moves must be contiguous with the shape of sources {tuple(sources.shape)}, got "
                          f"{tuple(moves.shape)}")
     check_disjoint(what, "outputs", [sources, new_lengths] + ([] if moves is None else [moves]))
-    call_triton_op(_pack_op, _pack_launch, kept, scored_lengths, tail_lengths, destination_bases, sources, new_lengths,
+    call(_pack_op, _pack_launch, kept, scored_lengths, tail_lengths, destination_bases, sources, new_lengths,
                    moves)

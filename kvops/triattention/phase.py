@@ -10,10 +10,9 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
-from torch.library import triton_op
 
 from .._checks import check_device, check_float32
-from .._dispatch import call_triton_op, triton_launcher
+from .._dispatch import call, python_op, triton_launcher
 from .reference import PHASE_OFFSETS
 
 _BLOCK_F = 64
@@ -56,7 +55,7 @@ def _mean_phase_launch(round_starts: torch.Tensor, omega: torch.Tensor, phase: t
                                                               NUM_OFFSETS=len(PHASE_OFFSETS), BLOCK_F=_BLOCK_F)
 
 
-_mean_phase_op = triton_op("kvops::triattention_mean_phase_", mutates_args={"phase"})(_mean_phase_launch)
+_mean_phase_op = python_op("triattention_mean_phase_", mutates_args={"phase"})(_mean_phase_launch)
 
 
 def mean_phase(round_starts: torch.Tensor, omega: torch.Tensor, phase: torch.Tensor | None = None) -> torch.Tensor:
@@ -88,5 +87,5 @@ def mean_phase(round_starts: torch.Tensor, omega: torch.Tensor, phase: torch.Ten
         phase = torch.empty(shape, dtype=torch.float32, device=device)
     else:
         check_float32(what, device, phase=(phase, shape))
-    call_triton_op(_mean_phase_op, _mean_phase_launch, round_starts, omega.contiguous(), phase)
+    call(_mean_phase_op, _mean_phase_launch, round_starts, omega.contiguous(), phase)
     return phase

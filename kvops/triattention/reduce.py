@@ -14,10 +14,9 @@ from typing import Optional
 import torch
 import triton
 import triton.language as tl
-from torch.library import triton_op
 
 from .._checks import check_float32, check_int, check_int32
-from .._dispatch import call_triton_op, triton_launcher
+from .._dispatch import call, python_op, triton_launcher
 from ..compaction.compact import MODES, decision_rows
 from .score import CHUNK, STATS
 
@@ -146,11 +145,11 @@ def union_splits(requests: int, blocks: int, layers: int, programs: int) -> int:
 
 
 def _reduce_launch(raw: torch.Tensor, stats: torch.Tensor, prompt_lengths: torch.Tensor, cache_lengths: torch.Tensor,
-               rows: torch.Tensor, mode: str, num_kv_heads: int, normalize: bool,
+               rows: torch.Tensor, row_mode: str, num_kv_heads: int, normalize: bool,
                k_scale: Optional[torch.Tensor] = None) -> None:
     launch = triton_launcher(_reduce_kernel, raw.device)
     if launch is None:
-        _reduce_torch(raw, stats, prompt_lengths, cache_lengths, rows, mode, num_kv_heads, normalize, k_scale)
+        _reduce_torch(raw, stats, prompt_lengths, cache_lengths, rows, row_mode, num_kv_heads, normalize, k_scale)
         return
     R, L, Hq, n = raw.shape
     moments = raw.new_empty(R, L * Hq, 2) if normalize else raw  # (unread without normalization)
@@ -161,23 +160,23 @@ def _reduce_launch(raw: torch.Tensor, stats: torch.Tensor, prompt_lengths: torch
             BLOCK_P=block_p, BLOCK_C=max(triton.next_power_of_2(stats.shape[3]), 2))
     # A union program loops over every (layer, group): narrower blocks give it more programs to overlap those
     # loops (docs/triattention.md, "Speed"), and with few requests the layers are split over programs too.
-    block_j = 512 if mode == "union" else 1024
+    block_j = 512 if row_mode == "union" else 1024
     blocks = triton.cdiv(n, block_j)
     split = 1
-    if mode == "union":  # (16 programs in the interpreter, so that the tests split)
+    if row_mode == "union":  # (16 programs in the interpreter, so that the tests split)
         split = union_splits(R, blocks, L, torch.cuda.get_device_properties(raw.device).multi_processor_count
                              if raw.is_cuda else 16)
     out = rows if split == 1 else raw.new_empty(R, split, n)  # partial maxima per layer block
-    launch[(R, split if mode == "union" else rows.shape[1], blocks)](
+    launch[(R, split if row_mode == "union" else rows.shape[1], blocks)](
         raw, moments, raw if k_scale is None else k_scale, prompt_lengths, cache_lengths, out, n, out.shape[1], L=L,
-        Hq=Hq, G=Hq // num_kv_heads, GP=triton.next_power_of_2(Hq // num_kv_heads), MODE=MODES.index(mode),
+        Hq=Hq, G=Hq // num_kv_heads, GP=triton.next_power_of_2(Hq // num_kv_heads), MODE=MODES.index(row_mode),
         NORMALIZE=normalize, SCALED=k_scale is not None, BLOCK_J=block_j, SPLIT=split)
     if split > 1:
         triton_launcher(_max_kernel, raw.device)[(R, blocks)](out, prompt_lengths, cache_lengths, rows, n,
                                                               SPLIT=split, BLOCK_J=block_j)
 
 
-_reduce_op = triton_op("kvops::triattention_reduce_", mutates_args={"rows"})(_reduce_launch)
+_reduce_op = python_op("triattention_reduce_", mutates_args={"rows"})(_reduce_launch)
 
 
 def reduce_rows(raw: torch.Tensor, stats: torch.Tensor, cache_lengths: torch.Tensor, prompt_lengths: torch.Tensor,
@@ -214,6 +213,6 @@ def reduce_unchecked(raw, stats, cache_lengths, prompt_lengths, mode, num_kv_hea
     R, L, _, n = raw.shape
     rows = torch.empty((R, decision_rows(mode, L, num_kv_heads), n), dtype=torch.float32, device=raw.device)
     if R and n:
-        call_triton_op(_reduce_op, _reduce_launch, raw, stats, prompt_lengths, cache_lengths, rows, mode, num_kv_heads,
+        call(_reduce_op, _reduce_launch, raw, stats, prompt_lengths, cache_lengths, rows, mode, num_kv_heads,
                        normalize, None if normalize else k_scale)
     return rows

@@ -128,8 +128,9 @@ class TriAttentionSelector:
         phase = mean_phase(round_starts, omega)
         scores = score_rows(k_pools, page_table, cache_lengths, prompt_lengths, phase, cal, self.mode,
                             max_decode, self.normalize_scores, weights, k_scale)
-        count = (cache_lengths - prompt_lengths).clamp(0, max_decode).to(torch.int32)
-        picked = topk(scores.view(R * self.rows, -1), count.repeat_interleave(self.rows), self.budget)
+        count = (cache_lengths - prompt_lengths).clamp_(0, max_decode)  # int32, one per request
+        count = count.view(R, 1).expand(R, self.rows).contiguous()      # one per decision row
+        picked = topk(scores.view(R * self.rows, -1), count.view(-1), self.budget)
         picked = picked.view(R, self.rows, self.budget)
         return torch.where(picked >= 0, picked + prompt_lengths.view(R, 1, 1).to(torch.int32), picked)
 
