@@ -114,18 +114,22 @@ def symbol(spec: Spec, target: str) -> str:
     return f"kvops_{spec.name}_{target}_{sources_hash()}"
 
 
-def export_library(functions: Sequence[tuple[str, object]], path: Path) -> None:
-    """Export compiled functions (symbol, compiled) as objects and link them into one shared library at `path`,
-    atomically (a reader sees the old file or the new one, never half of one)."""
+def export_object(name: str, fn, directory: str) -> str:
+    """Export one compiled function as an object file `<name>.o` in `directory` (its TVM-FFI symbol: `name`)."""
+    obj = os.path.join(directory, f"{name}.o")
+    fn.export_to_c(obj, function_name=name, export_only_tvm_ffi_symbols=True)
+    return obj
+
+
+def export_library(functions: Sequence[tuple[str, object]], path: Path, objects: Sequence[str] = ()) -> None:
+    """Export compiled functions (symbol, compiled) as objects and link them, with already exported `objects`, into
+    one shared library at `path`, atomically (a reader sees the old file or the new one, never half of one)."""
     from cutlass.cute.runtime import find_runtime_libraries
 
     path.parent.mkdir(parents=True, exist_ok=True)
     libraries = list(find_runtime_libraries(enable_tvm_ffi=True))
     with tempfile.TemporaryDirectory(dir=path.parent) as tmp:
-        objects = []
-        for name, fn in functions:
-            objects.append(os.path.join(tmp, f"{name}.o"))
-            fn.export_to_c(objects[-1], function_name=name, export_only_tvm_ffi_symbols=True)
+        objects = [*objects, *(export_object(name, fn, tmp) for name, fn in functions)]
         linked = os.path.join(tmp, path.name)
         rpaths = [f"-Wl,-rpath,{d}" for d in sorted({os.path.dirname(lib) for lib in libraries})]
         subprocess.run([os.environ.get("CC", "gcc"), "-shared", "-o", linked, *objects, *libraries, *rpaths],

@@ -9,9 +9,12 @@ from __future__ import annotations
 
 import argparse
 import json
+import multiprocessing
 import os
 import sys
+import tempfile
 import time
+from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
 
 import torch
@@ -40,20 +43,39 @@ def install_archs() -> tuple[str, ...]:
     return tuple(a for a in _cute.ARCHS if a in wanted)
 
 
-def build(out: Path, archs: tuple[str, ...] | None = None, specs: list[_cute.Spec] | None = None,
-          log=print) -> None:
-    specs = shipped_specs() if specs is None else specs
+def build(out: Path, archs: tuple[str, ...] | None = None, jobs: int | None = None) -> None:
+    """Compile every shipped spec for every arch and link them into the library at `out`. The compiles run in
+    `jobs` processes (default: MAX_JOBS, as for kvops._C, else the CPU count), each exporting its objects."""
     archs = install_archs() if archs is None else archs
     if not archs:
-        log(f"no arch of {_cute.ARCHS} in TORCH_CUDA_ARCH_LIST: no CuTe library (the kernels compile into the cache)")
+        print(f"no arch of {_cute.ARCHS} in TORCH_CUDA_ARCH_LIST: no CuTe library (the kernels compile into the cache)")
         return
-    start, functions = time.time(), []
-    for target in archs:
-        for i, spec in enumerate(specs):
-            functions.append((_cute.symbol(spec, target), spec.build(target)))
-            log(f"[{len(functions)}/{len(specs) * len(archs)}] {functions[-1][0]} ({time.time() - start:.0f} s)")
-    _cute.export_library(functions, out)
-    log(f"{out}: {len(functions)} kernels in {time.time() - start:.0f} s")
+    todo = [(i, target) for target in archs for i in range(len(shipped_specs()))]
+    jobs = max(1, min(len(todo), jobs or int(os.environ.get("MAX_JOBS") or os.cpu_count() or 1)))
+    start = time.time()
+    out.parent.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(dir=out.parent) as tmp:
+        shares = [todo[j::jobs] for j in range(jobs)]
+        if jobs == 1:
+            objects = export_objects(shares[0], tmp, start)
+        else:  # spawned: a forked child would inherit the parent's torch and DSL state
+            from kvops import _cute_build  # this module by its name, also when run as __main__, so it pickles
+            with ProcessPoolExecutor(jobs, mp_context=multiprocessing.get_context("spawn")) as pool:
+                objects = [o for part in pool.map(_cute_build.export_objects, shares, [tmp] * jobs, [start] * jobs)
+                           for o in part]
+        _cute.export_library([], out, objects)
+    print(f"{out}: {len(todo)} kernels for {', '.join(archs)} in {time.time() - start:.0f} s ({jobs} processes)")
+
+
+def export_objects(share: list[tuple[int, str]], directory: str, start: float) -> list[str]:
+    """Compile the shipped specs `share` lists (index, arch) and export each as an object in `directory`."""
+    torch.set_num_threads(1)
+    specs, objects = shipped_specs(), []
+    for i, target in share:
+        name = _cute.symbol(specs[i], target)
+        objects.append(_cute.export_object(name, specs[i].build(target), directory))
+        print(f"{name} ({time.time() - start:.0f} s)", flush=True)
+    return objects
 
 
 def warmup(argv=None) -> int:
@@ -95,8 +117,9 @@ def main(argv=None) -> int:
     ap.add_argument("--out", type=Path, default=_cute.LIBRARY)
     ap.add_argument("--arch", action="append", help=f"GPU arch (repeatable; default {' '.join(_cute.ARCHS)}, "
                                                     f"narrowed by TORCH_CUDA_ARCH_LIST)")
+    ap.add_argument("--jobs", type=int, help="compile processes (default: MAX_JOBS, else the CPU count)")
     args = ap.parse_args(argv)
-    build(args.out, tuple(args.arch) if args.arch else None)
+    build(args.out, tuple(args.arch) if args.arch else None, args.jobs)
     return 0
 
 
