@@ -213,7 +213,7 @@ def compact(params: CompactionParams, request_count: int | None = None, *, valid
     moves = None if params.moves is None else params.moves[:R]
     # the bound buffers were checked by build_compaction_params: straight to the ops
     call(_pack_op, _pack_launch, params.kept[:R], params.scored_lengths[:R], params.tail_lengths[:R],
-                   params.destination_bases[:R], params.sources[:R], params.new_lengths[:R], moves)
+         params.destination_bases[:R], params.sources[:R], params.new_lengths[:R], moves)
     torch.ops.kvops.compaction_compact_layers_(params.pools, params.page_table[:R], params.sources[:R],
                                                params.new_lengths[:R], params.destination_bases[:R],
                                                list(params.layer_row_base), list(params.head_row_stride), moves)

@@ -204,5 +204,4 @@ def pack_move_sources(kept: torch.Tensor, scored_lengths: torch.Tensor, tail_len
         raise ValueError(f"{what}: moves must be contiguous with the shape of sources {tuple(sources.shape)}, got "
                          f"{tuple(moves.shape)}")
     check_disjoint(what, "outputs", [sources, new_lengths] + ([] if moves is None else [moves]))
-    call(_pack_op, _pack_launch, kept, scored_lengths, tail_lengths, destination_bases, sources, new_lengths,
-                   moves)
+    call(_pack_op, _pack_launch, kept, scored_lengths, tail_lengths, destination_bases, sources, new_lengths, moves)

@@ -145,8 +145,9 @@ def union_splits(requests: int, blocks: int, layers: int, programs: int) -> int:
 
 
 def _reduce_launch(raw: torch.Tensor, stats: torch.Tensor, prompt_lengths: torch.Tensor, cache_lengths: torch.Tensor,
-               rows: torch.Tensor, row_mode: str, num_kv_heads: int, normalize: bool,
-               k_scale: Optional[torch.Tensor] = None) -> None:
+                   rows: torch.Tensor, row_mode: str, num_kv_heads: int, normalize: bool,
+                   k_scale: Optional[torch.Tensor] = None) -> None:
+    # (row_mode: a custom op's argument may not be called `mode`, a keyword of torch's dispatch-mode machinery)
     launch = triton_launcher(_reduce_kernel, raw.device)
     if launch is None:
         _reduce_torch(raw, stats, prompt_lengths, cache_lengths, rows, row_mode, num_kv_heads, normalize, k_scale)
@@ -214,5 +215,5 @@ def reduce_unchecked(raw, stats, cache_lengths, prompt_lengths, mode, num_kv_hea
     rows = torch.empty((R, decision_rows(mode, L, num_kv_heads), n), dtype=torch.float32, device=raw.device)
     if R and n:
         call(_reduce_op, _reduce_launch, raw, stats, prompt_lengths, cache_lengths, rows, mode, num_kv_heads,
-                       normalize, None if normalize else k_scale)
+             normalize, None if normalize else k_scale)
     return rows
