@@ -136,9 +136,9 @@ def check_pools(what: str, k_pools: Sequence[torch.Tensor], num_layers: int, num
     if first.shape[4] < 2 * num_freqs or first.stride(4) != 1:
         raise ValueError(f"{what}: k_pools need head_dim >= {2 * num_freqs} (the rotary dims) with unit dim "
                          f"stride, got {tuple(first.shape)} strides {first.stride()}")
+    layout = (first.shape, first.stride(), first.dtype, first.device)  # once: this loop runs every round
     for layer, pool in enumerate(k_pools):
-        if (pool.shape, pool.stride(), pool.dtype, pool.device) != (first.shape, first.stride(), first.dtype,
-                                                                    first.device):
+        if (pool.shape, pool.stride(), pool.dtype, pool.device) != layout:
             raise ValueError(f"{what}: k_pools[{layer}] differs from k_pools[0] in shape, strides, dtype or device")
     if first.is_cuda:
         fpl, lanes = lane_split(num_freqs, group)
