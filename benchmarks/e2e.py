@@ -1,7 +1,7 @@
 """End-to-end decode speed of transformers ``generate()`` with kvops' TriAttention cache against the default cache.
 
     python -m benchmarks.e2e [--batch 32] [--context 16384] [--prompt 1024] [--new-tokens 256] [--budget 2048]
-        [--beta 128] [--mode union] [--json FILE]
+        [--beta 128] [--mode union] [--caches default,kvops,kvops-static] [--json FILE]
     python -m benchmarks.e2e --tiny        (CPU, a tiny random Qwen3: the mechanics only, said so in the output)
 
 The model is Qwen3-8B built from its config with random bf16 weights (speed does not need trained weights) and
@@ -9,8 +9,10 @@ the shipped Qwen3-8B calibration. Each request holds `context` tokens before the
 evicted) and `context - prompt` tokens taken as generated, fed `beta` at a time, so the kvops cache runs its rounds
 on them as it would have while generating them, and holds at most prompt + budget + beta. The default cache
 (``DynamicCache``) holds all of them. Then ``generate()`` decodes `new_tokens` greedy tokens per request, timed; the
-rounds inside it are timed apart (CUDA events around each). Both run eagerly: the kvops cache does not yet give
-transformers the static shapes ``torch.compile`` of the decode step needs. Memory: the KV bytes each holds, and
+rounds inside it are timed apart (CUDA events around each). Caches (``--caches``): ``default`` and ``kvops`` run
+eagerly; ``kvops-static`` is the kvops cache with static shapes, for which ``generate`` compiles the decode step by
+itself (inductor, CUDA graphs). Before the timed decode each cache decodes the same number of tokens untimed (see
+``_measure``). Memory: the KV bytes each holds, and
 from them, with the free memory after loading the model, the largest batch each could hold at `--max-context`
 (an estimate from KV bytes alone; activations are not counted).
 """
@@ -80,20 +82,72 @@ class _RoundTimer:
         return self.seconds + sum(s.elapsed_time(e) for s, e in self.events) / 1e3
 
 
-def _decode(model, cache, ids: torch.Tensor, new_tokens: int, device: torch.device) -> float:
-    """Seconds for generate() to decode `new_tokens` tokens per row after `ids[:, :-1]` are cached."""
+def _decode(model, cache, ids: torch.Tensor, new_tokens: int, device: torch.device) -> tuple[float, torch.Tensor]:
+    """Seconds for generate() to decode `new_tokens` tokens per row after `ids[:, :-1]` are cached, and the
+    sequences."""
     sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
     sync()
     start = time.perf_counter()
     with torch.no_grad():
-        model.generate(ids, max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False,
-                       **{cache_keyword(model): cache})
+        seq = model.generate(ids, max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False,
+                             **{cache_keyword(model): cache})
     sync()
-    return time.perf_counter() - start
+    return time.perf_counter() - start, seq
+
+
+def _step(model, cache, batch: int, device: torch.device, steps: int = 8) -> tuple[float, float]:
+    """(host, device) milliseconds of one eager decode forward: the time until the Python call returns and the GPU
+    time between CUDA events around it. Host >= device means the step is bound by Python's launches."""
+    key, token = cache_keyword(model), torch.ones(batch, 1, dtype=torch.long, device=device)
+    host, gpu = [], []
+    with torch.no_grad():
+        for _ in range(steps):
+            torch.cuda.synchronize()
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            t = time.perf_counter()
+            start.record()
+            model(input_ids=token, logits_to_keep=1, **{key: cache})
+            end.record()
+            host.append(time.perf_counter() - t)
+            torch.cuda.synchronize()
+            gpu.append(start.elapsed_time(end) / 1e3)
+    return sorted(host)[steps // 2] * 1e3, sorted(gpu)[steps // 2] * 1e3
+
+
+CACHES = ("default", "kvops", "kvops-static")
+
+
+def _measure(name: str, model, calibration, ids: torch.Tensor, args, device: torch.device) -> dict:
+    """Fill one cache with the context, decode once untimed, then decode timed. The untimed decode leaves what a
+    server that has run a while has: compiled graphs, and per-shape attention plans (cuDNN's SDPA builds one per
+    new KV length, about 2 ms per layer on the host); the default cache is cropped back to the context so that
+    its timed decode sees the same lengths, and kvops' held lengths cycle every beta steps."""
+    transformers = require_transformers()
+    if name == "default":
+        cache = transformers.DynamicCache(config=model.config)
+    else:
+        cache = TriAttentionCache(model.config, calibration, budget=args.budget, beta=args.beta, mode=args.mode,
+                                  static=name == "kvops-static")
+    timer = _RoundTimer(cache) if name != "default" else None
+    _fill(model, cache, ids[:, :-1], args.prompt, 2048 if name == "default" else args.beta)
+    r = dict(kv_bytes=kv_bytes(cache) if timer else sum(t.numel() * t.element_size() for layer in cache.layers
+                                                          for t in (layer.keys, layer.values)))
+    r["warmup_decode_s"], seq = _decode(model, cache, ids, args.new_tokens, device)
+    if name == "default":
+        cache.crop(-(cache.get_seq_length() - args.context))  # back to the context
+        seq = ids
+    rounds, round_s = (len(cache.rounds), timer.total_seconds()) if timer else (0, 0.0)
+    r["decode_s"], _ = _decode(model, cache, seq, args.new_tokens, device)
+    r["tokens_per_s"] = args.batch * args.new_tokens / r["decode_s"]
+    if timer:
+        r["decode_rounds"], r["decode_round_s"] = len(cache.rounds) - rounds, timer.total_seconds() - round_s
+        r["capacity_tokens"] = cache.pools[0].shape[3]
+    if device.type == "cuda" and name != "kvops-static":  # a compiled step is timed by the decode alone
+        r["step_host_ms"], r["step_gpu_ms"] = _step(model, cache, args.batch, device)
+    return r
 
 
 def run(args) -> dict:
-    transformers = require_transformers()
     device = torch.device("cpu" if args.tiny else "cuda")
     fields = TINY if args.tiny else QWEN3_8B
     model = _model(fields, device.type)
@@ -109,30 +163,11 @@ def run(args) -> dict:
     out = dict(device=torch.cuda.get_device_name() if device.type == "cuda" else "cpu", tiny=args.tiny,
                batch=args.batch, context=args.context, prompt=args.prompt, new_tokens=args.new_tokens,
                budget=args.budget, beta=args.beta, mode=args.mode)
-
-    default = transformers.DynamicCache(config=model.config)
-    _fill(model, default, ids[:, :-1], args.prompt, 2048)
-    out["default_kv_bytes"] = sum(t.numel() * t.element_size() for layer in default.layers
-                                  for t in (layer.keys, layer.values))
-    out["default_decode_s"] = _decode(model, default, ids, args.new_tokens, device)
-    del default
-    if device.type == "cuda":
-        torch.cuda.empty_cache()
-
-    cache = TriAttentionCache(model.config, calibration, budget=args.budget, beta=args.beta, mode=args.mode)
-    timer = _RoundTimer(cache)
-    _fill(model, cache, ids[:, :-1], args.prompt, args.beta)
-    fill_rounds, fill_round_s = len(cache.rounds), timer.total_seconds()
-    out["kvops_kv_bytes"] = kv_bytes(cache)
-    out["kvops_decode_s"] = _decode(model, cache, ids, args.new_tokens, device)
-    out["kvops_decode_rounds"] = len(cache.rounds) - fill_rounds
-    out["kvops_decode_round_s"] = timer.total_seconds() - fill_round_s
-    out["kvops_capacity_tokens"] = cache.pools[0].shape[3]
-
-    tokens = args.batch * args.new_tokens
-    out["default_tokens_per_s"] = tokens / out["default_decode_s"]
-    out["kvops_tokens_per_s"] = tokens / out["kvops_decode_s"]
-    out["speedup"] = out["kvops_tokens_per_s"] / out["default_tokens_per_s"]
+    for name in args.caches:
+        out[name] = _measure(name, model, calibration, ids, args, device)
+        print(f"{name}: {json.dumps(out[name])}", flush=True)
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
     if free_bytes is not None:  # the largest batch whose KV fits the memory left after the model (estimate)
         out["max_batch_default"] = free_bytes // (args.max_context * per_token)
         out["max_batch_kvops"] = free_bytes // ((args.prompt + args.budget + args.beta + 1) * per_token)
@@ -149,9 +184,14 @@ def main(argv=None) -> int:
     ap.add_argument("--budget", type=int)
     ap.add_argument("--beta", type=int)
     ap.add_argument("--mode", default="union", choices=["union", "per_head", "per_layer_perhead"])
+    ap.add_argument("--caches", default=",".join(CACHES),
+                    help=f"comma-separated, from {CACHES} (kvops-static: static shapes, generate compiles the step)")
     ap.add_argument("--max-context", type=int, default=32768, help="context for the largest-batch estimate")
     ap.add_argument("--json", help="write the results to this file")
     args = ap.parse_args(argv)
+    args.caches = args.caches.split(",")
+    if not set(args.caches) <= set(CACHES):
+        ap.error(f"--caches: choose from {CACHES}")
     defaults = dict(batch=2, context=160, prompt=16, new_tokens=12, budget=48, beta=8) if args.tiny else \
         dict(batch=32, context=16384, prompt=1024, new_tokens=256, budget=2048, beta=128)
     for name, value in defaults.items():
@@ -162,12 +202,16 @@ def main(argv=None) -> int:
     out = run(args)
     if args.tiny:
         print("tiny random model on the CPU: these numbers show the mechanics run, not kvops' speed")
-    print(f"decode {args.batch} x {args.new_tokens} tokens after {args.context} ({out['device']}): default cache "
-          f"{out['default_tokens_per_s']:.1f} tok/s, kvops TriAttention {out['kvops_tokens_per_s']:.1f} tok/s = "
-          f"{out['speedup']:.2f}x; {out['kvops_decode_rounds']} rounds in the decode took "
-          f"{out['kvops_decode_round_s'] * 1e3:.1f} ms of {out['kvops_decode_s'] * 1e3:.0f} ms")
-    print(f"KV held: default {out['default_kv_bytes'] / 2**20:.2f} MiB, kvops {out['kvops_kv_bytes'] / 2**20:.2f} MiB "
-          f"({out['kvops_capacity_tokens']} slots per row)")
+    base = out.get("default", {}).get("tokens_per_s")
+    print(f"decode {args.batch} x {args.new_tokens} tokens after {args.context} ({out['device']}), tokens/s:")
+    for name in args.caches:
+        r = out[name]
+        line = f"  {name:13s} {r['tokens_per_s']:9.1f}" + (f" = {r['tokens_per_s'] / base:.2f}x default" if base else "")
+        if "decode_rounds" in r:
+            line += f"; {r['decode_rounds']} rounds took {r['decode_round_s'] * 1e3:.1f} ms of {r['decode_s'] * 1e3:.0f}"
+        if "step_gpu_ms" in r:
+            line += f"; one eager step: host {r['step_host_ms']:.1f} ms, GPU {r['step_gpu_ms']:.1f} ms"
+        print(line + f"; KV held {r['kv_bytes'] / 2**20:.1f} MiB")
     if "max_batch_default" in out:
         print(f"largest batch at {args.max_context} tokens, from KV bytes alone: default {out['max_batch_default']}, "
               f"kvops {out['max_batch_kvops']}")

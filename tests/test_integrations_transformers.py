@@ -176,3 +176,45 @@ def test_a_step_that_overshoots_a_round_is_scored_whole():
     ref, _ = select_reference(pools, torch.zeros(1, 1, dtype=torch.int32), i32(held), i32(10), i32(held), cal, 16)
     slots = cache.rounds[1][1]  # logical positions of the kept slots
     assert torch.equal(slots[0, 0].sort().values, held_logical[ref[0, 0].long()].sort().values)
+
+
+def _stepped_logits(model, cache, seq, prompt):
+    """The logits of each position from `prompt - 1` on, the prompt in one forward and then one token per forward:
+    the same tokens for every cache under test, whatever each would have generated."""
+    with torch.no_grad():
+        logits = [model(input_ids=seq[:, :prompt], **_with(model, cache)).logits[:, -1]]
+        for i in range(prompt, seq.shape[1] - 1):
+            logits.append(model(input_ids=seq[:, i:i + 1], **_with(model, cache)).logits[:, -1])
+    return torch.stack(logits, 1).float()
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_static_cache_compiles_the_decode_step_once(device):
+    """static=True: generate compiles the decode step (on the GPU by itself: inductor, CUDA graphs; on the CPU
+    through a compile_config, dynamo only), every step reuses what was compiled, rounds included, and the logits are
+    those of the dynamic cache fed the same tokens."""
+    from torch._dynamo.utils import counters
+
+    model, cal = _setup(device=device)
+    prompt, budget, beta = 10, 16, 4
+    ids = torch.randint(1, TINY["vocab_size"], (2, prompt), device=device)
+    cache = TriAttentionCache(model.config, cal, budget=budget, beta=beta, static=True)
+    assert cache.is_compileable and not TriAttentionCache(model.config, cal).is_compileable
+    kw = {}
+    if device == "cpu":  # generate compiles by itself only on accelerators
+        config = transformers.CompileConfig(backend="eager", mode=None)
+        config._compile_all_devices = True
+        kw = dict(compile_config=config)
+    torch._dynamo.reset()
+    first = _generate(model, ids, cache, 2, **kw)  # the prompt's forward, then one compiled step
+    graphs = counters["stats"]["unique_graphs"]
+    assert graphs > 0
+    out = _generate(model, first.sequences, cache, 41, **kw)
+    assert counters["stats"]["unique_graphs"] == graphs  # 40 more steps and their rounds: nothing recompiled
+    assert len(cache.rounds) >= 5 and cache.held <= prompt + budget + beta
+    assert cache.pools[0].shape[3] == prompt + budget + beta + 1  # what attention reads in every step
+    seq = out.sequences
+    got = torch.cat([torch.stack(first.logits, 1), torch.stack(out.logits, 1)], 1).float()
+    want = _stepped_logits(model, TriAttentionCache(model.config, cal, budget=budget, beta=beta), seq, prompt)
+    cpu = device == "cpu"
+    torch.testing.assert_close(got, want, rtol=0 if cpu else 1e-2, atol=0 if cpu else 3e-2)

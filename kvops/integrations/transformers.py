@@ -14,6 +14,13 @@ the prompt, where left padding lives, is never evicted, so the padding mask read
 without eviction. Batch rows advance in lockstep under ``generate`` (one token per step, one prompt length
 after padding), so every row holds the same number of tokens and a round covers the whole batch.
 
+With ``static=True`` the cache has the static shapes ``torch.compile`` needs (as transformers' ``StaticCache``):
+attention reads every slot of the pools, the mask hides the slots past the held tokens, and the write offset and
+the logical length live in device tensors, so a compiled decode step (``generate`` compiles it by itself on the GPU
+for such a cache) neither recompiles nor reads a Python int per step. The host's bookkeeping of a step (the round
+schedule, the slots' logical positions) runs outside the graph, at the first layer's write (one graph break per
+step), and rounds run between steps, where ``generate`` builds the next step's mask.
+
 ``offload(row)`` / ``onboard(row)`` move one row's KV to pinned host memory through the NVFP4 codec and back (for
 multi-turn sessions); once every row is offloaded the device pools are released.
 """
@@ -24,7 +31,7 @@ import inspect
 
 import torch
 
-from .._checks import check_int
+from .._checks import check_bool, check_int
 from ..calibrate import require_transformers
 from ..compaction import ORDERS
 from ..manager import TriAttentionRound
@@ -43,6 +50,10 @@ class _PoolLayer(_transformers_module.cache_utils.CacheLayerMixin):
         super().__init__()
         self.cache, self.layer_idx = cache, layer_idx
 
+    @property
+    def is_compileable(self) -> bool:
+        return self.cache.static
+
     def lazy_initialization(self, key_states, value_states) -> None:
         self.cache._allocate(key_states)
         self.is_initialized = True
@@ -57,6 +68,8 @@ class _PoolLayer(_transformers_module.cache_utils.CacheLayerMixin):
 
     def get_mask_sizes(self, query_length) -> tuple[int, int]:
         q = query_length.shape[0] if isinstance(query_length, torch.Tensor) else int(query_length)
+        if self.cache.static:  # every slot; the first update (the prompt) allocates q + max_generated of them
+            return (self.cache.pools[0].shape[3] if self.cache.pools is not None else q + self.cache.max_generated), 0
         return self.cache.held + q, 0
 
     def get_max_length(self) -> int:
@@ -99,15 +112,19 @@ class TriAttentionCache(_transformers_module.Cache):
         not matter) or ``"ordered"`` (``kvops.compaction.ORDERS``).
     cuda_graphs : bool
         Replay each round size from a CUDA graph on the GPU (as ``TriAttentionManager`` does).
+    static : bool
+        Static shapes for ``torch.compile`` of the decode step (see the module's docstring): attention reads all
+        ``prompt + budget + beta + 1`` slots under a mask instead of the held ones.
     """
 
     def __init__(self, config, calibration, *, budget: int = 2048, beta: int = 128, mode: str = "union",
-                 compaction_order: str = "fill", cuda_graphs: bool = True):
+                 compaction_order: str = "fill", cuda_graphs: bool = True, static: bool = False):
         what = "TriAttentionCache"
         model_config = config.to_dict() if hasattr(config, "to_dict") else dict(config)
         if not isinstance(calibration, Calibration):
             calibration = load_calibration(calibration, model_config)
         check_int(what, "beta", beta, 1)
+        check_bool(what, "static", static)
         if compaction_order not in ORDERS:
             raise ValueError(f"{what}: compaction_order must be one of {ORDERS}, got {compaction_order!r}")
         if any(kind != "full_attention" for kind in model_config.get("layer_types") or ()):
@@ -120,6 +137,11 @@ class TriAttentionCache(_transformers_module.Cache):
         self.max_generated = budget + beta + 1
         self.selector = TriAttentionSelector(calibration, budget, mode, max_decode=self.max_generated)
         self.budget, self.beta, self.order, self.cuda_graphs = budget, beta, compaction_order, cuda_graphs
+        self.static = static
+        # static: the slot the next token is written to (= held) and the logical length, on the device
+        self._offset: torch.Tensor | None = None
+        self._logical: torch.Tensor | None = None
+        self._start = 0            # the slot a step's first token goes to (set at its first layer's write)
         self.pools: list[torch.Tensor] | None = None  # per layer [batch, 2, kv_head, capacity, dim]
         self.held = 0              # tokens each row holds (physical)
         self.evicted = 0           # tokens each row has dropped (logical length = held + evicted)
@@ -135,13 +157,21 @@ class TriAttentionCache(_transformers_module.Cache):
         self._writing = False      # between a step's first and last layer: no round may move tokens then
 
     # -- what transformers asks -------------------------------------------------------------------------------
-    def get_seq_length(self, layer_idx: int = 0) -> int:
-        """The logical length: every token seen (evicted ones too), from which the model takes RoPE positions."""
+    @property
+    def is_compileable(self) -> bool:
+        return self.static
+
+    def get_seq_length(self, layer_idx: int = 0):
+        """The logical length: every token seen (evicted ones too), from which the model takes RoPE positions (a
+        device tensor once a static cache holds tokens)."""
+        if self.static and self._logical is not None:
+            return self._logical
         return self.held + self.evicted
 
-    def get_query_offset(self, layer_idx: int = 0) -> int:
+    def get_query_offset(self, layer_idx: int = 0):
+        """The slot of the next token: the held tokens precede it (a device tensor in a static cache)."""
         self._settle()
-        return self.held
+        return self._offset if self.static and self._offset is not None else self.held
 
     def get_mask_sizes(self, query_length, layer_idx: int = 0) -> tuple[int, int]:
         self._settle()
@@ -169,29 +199,54 @@ class TriAttentionCache(_transformers_module.Cache):
                       for _ in range(self.num_layers)]
         self.slot_positions = torch.arange(capacity, device=key_states.device).expand(
             B, self.selector.rows, capacity).clone()
+        if self.static:
+            self._offset = torch.zeros((), dtype=torch.long, device=key_states.device)
+            self._logical = torch.zeros((), dtype=torch.long, device=key_states.device)
+            self._mark_static()
+
+    def _mark_static(self) -> None:
+        """What a compiled step writes in place keeps its address (cudagraphs replay on it)."""
+        if not torch.compiler.is_compiling():
+            for t in (*self.pools, self._offset, self._logical):
+                torch._dynamo.mark_static_address(t)
 
     def _write(self, layer_idx: int, key_states: torch.Tensor, value_states: torch.Tensor):
-        q, start = key_states.shape[2], self.held
-        pool = self.pools[layer_idx]
+        q, pool = key_states.shape[2], self.pools[layer_idx]
         if layer_idx == 0:
-            if self._offloaded:
-                raise RuntimeError(f"TriAttentionCache: rows {sorted(self._offloaded)} are offloaded; onboard them "
-                                   f"before generating")
-            self._settle()
-            start = self.held
-            if start + q > pool.shape[3]:
-                raise RuntimeError(f"TriAttentionCache: {start + q} tokens do not fit the {pool.shape[3]} slots; a "
-                                   f"step may add at most beta + 1 tokens past the prompt")
-            logical = start + self.evicted
-            self.slot_positions[..., start:start + q] = torch.arange(logical, logical + q, device=pool.device)
-            self.since_round += q if start else 0
-            self._writing = self.num_layers > 1
-        end = start + q
+            self._begin_step(q)
+        last = layer_idx == self.num_layers - 1
+        if last:
+            self._writing = False
+        if self.static:  # device-side offsets: the same graph every step
+            slots = torch.arange(q, device=pool.device) + self._offset
+            pool[:, 0].index_copy_(2, slots, key_states)
+            pool[:, 1].index_copy_(2, slots, value_states)
+            if last:
+                self._offset.add_(q)
+                self._logical.add_(q)
+            return pool[:, 0], pool[:, 1]
+        start, end = self._start, self._start + q
         pool[:, 0, :, start:end] = key_states
         pool[:, 1, :, start:end] = value_states
-        if layer_idx == self.num_layers - 1:
-            self.held, self._writing = end, False
         return pool[:, 0, :, :end], pool[:, 1, :, :end]
+
+    @torch.compiler.disable
+    def _begin_step(self, q: int) -> None:
+        """The host's side of a step, at its first layer's write, outside any compiled graph: a due round, the
+        capacity check, the new slots' logical positions and the round schedule."""
+        if self._offloaded:
+            raise RuntimeError(f"TriAttentionCache: rows {sorted(self._offloaded)} are offloaded; onboard them "
+                               f"before generating")
+        self._settle()
+        start, capacity = self.held, self.pools[0].shape[3]
+        if start + q > capacity:
+            raise RuntimeError(f"TriAttentionCache: {start + q} tokens do not fit the {capacity} slots; a step may "
+                               f"add at most beta + 1 tokens past the prompt")
+        logical = start + self.evicted
+        self.slot_positions[..., start:start + q] = torch.arange(logical, logical + q, device=self.device)
+        self.since_round += q if start else 0
+        # the step's tokens count as held from here: no round may run until its last layer has written them
+        self._start, self.held, self._writing = start, start + q, self.num_layers > 1
 
     # -- eviction ---------------------------------------------------------------------------------------------
     def _settle(self) -> None:
@@ -216,6 +271,8 @@ class TriAttentionCache(_transformers_module.Cache):
         self.evicted += self.held - end
         self.held = end
         self.since_round = 0
+        if self.static:
+            self._offset.fill_(end)
 
     # -- host tier --------------------------------------------------------------------------------------------
     def _codec(self) -> PageBlobCodec:
@@ -244,6 +301,8 @@ class TriAttentionCache(_transformers_module.Cache):
         if self.pools is None:
             self.pools = [torch.zeros(s, dtype=t, device=d) for s, t, d in self._shapes]
             self._round = None  # its buffers were bound to the released pools
+            if self.static:
+                self._mark_static()
         codec = self._codec()
         pairs = torch.tensor([[row, row]], dtype=torch.int32, device=self.device)
         codec.decode(self._host, self.pools, pairs)
