@@ -10,8 +10,8 @@ evicted) and `context - prompt` tokens taken as generated, fed `beta` at a time,
 on them as it would have while generating them, and holds at most prompt + budget + beta. The default cache
 (``DynamicCache``) holds all of them. Then ``generate()`` decodes `new_tokens` greedy tokens per request, timed; the
 rounds inside it are timed apart (CUDA events around each). Caches (``--caches``): ``default`` and ``kvops`` run
-eagerly; ``kvops-static`` is the kvops cache with static shapes, for which ``generate`` compiles the decode step by
-itself (inductor, CUDA graphs). Before the timed decode each cache decodes the same number of tokens untimed (see
+eagerly (``sdpa`` attention); ``kvops-static`` is the kvops cache with static shapes, for which ``generate`` compiles
+the decode step by itself (inductor, CUDA graphs), under ``GROUPED_SDPA`` attention. Before the timed decode each cache decodes the same number of tokens untimed (see
 ``_measure``). Memory: the KV bytes each holds, and
 from them, with the free memory after loading the model, the largest batch each could hold at `--max-context`
 (an estimate from KV bytes alone; activations are not counted).
@@ -27,7 +27,7 @@ import time
 import torch
 
 from kvops.calibrate import require_transformers
-from kvops.integrations.transformers import TriAttentionCache, cache_keyword, kv_bytes
+from kvops.integrations.transformers import GROUPED_SDPA, TriAttentionCache, cache_keyword, kv_bytes
 from kvops.triattention import load_calibration
 
 QWEN3_8B = dict(vocab_size=151936, hidden_size=4096, intermediate_size=12288, num_hidden_layers=36,
@@ -163,7 +163,10 @@ def run(args) -> dict:
     out = dict(device=torch.cuda.get_device_name() if device.type == "cuda" else "cpu", tiny=args.tiny,
                batch=args.batch, context=args.context, prompt=args.prompt, new_tokens=args.new_tokens,
                budget=args.budget, beta=args.beta, mode=args.mode)
+    attention = model.config._attn_implementation
     for name in args.caches:
+        # a static cache's decode runs under a mask: grouped_sdpa reads its K/V without repeating them
+        model.config._attn_implementation = GROUPED_SDPA if name == "kvops-static" else attention
         out[name] = _measure(name, model, calibration, ids, args, device)
         print(f"{name}: {json.dumps(out[name])}", flush=True)
         if device.type == "cuda":

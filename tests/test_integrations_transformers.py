@@ -15,7 +15,8 @@ transformers = pytest.importorskip("transformers")
 
 from benchmarks.quality import _forward  # noqa: E402
 from kvops.calibrate import calibrate  # noqa: E402
-from kvops.integrations.transformers import TriAttentionCache, cache_keyword, kv_bytes  # noqa: E402
+from kvops.integrations.transformers import (  # noqa: E402
+    GROUPED_SDPA, TriAttentionCache, cache_keyword, grouped_sdpa, kv_bytes)
 from kvops.triattention import load_calibration  # noqa: E402
 from kvops.triattention.reference import select_reference  # noqa: E402
 
@@ -189,22 +190,25 @@ def _stepped_logits(model, cache, seq, prompt):
 
 
 @pytest.mark.parametrize("device", DEVICES)
-def test_static_cache_compiles_the_decode_step_once(device):
-    """static=True: generate compiles the decode step (on the GPU by itself: inductor, CUDA graphs; on the CPU
-    through a compile_config, dynamo only), every step reuses what was compiled, rounds included, and the logits are
-    those of the dynamic cache fed the same tokens."""
+@pytest.mark.parametrize("attention", ["eager", GROUPED_SDPA])
+def test_static_cache_compiles_the_decode_step_once(attention, device):
+    """static=True: generate compiles the decode step as one graph, every step reuses it (rounds between steps
+    included), and the logits are those of the dynamic cache fed the same tokens."""
     from torch._dynamo.utils import counters
 
     model, cal = _setup(device=device)
     prompt, budget, beta = 10, 16, 4
     ids = torch.randint(1, TINY["vocab_size"], (2, prompt), device=device)
     cache = TriAttentionCache(model.config, cal, budget=budget, beta=beta, static=True)
+    model.config._attn_implementation = attention
     assert cache.is_compileable and not TriAttentionCache(model.config, cal).is_compileable
-    kw = {}
-    if device == "cpu":  # generate compiles by itself only on accelerators
-        config = transformers.CompileConfig(backend="eager", mode=None)
+    # fullgraph: a graph break fails the test. On the GPU generate's own choice otherwise (inductor, CUDA graphs);
+    # on the CPU, where generate compiles only when told to, dynamo alone.
+    config = transformers.CompileConfig(fullgraph=True)
+    if device == "cpu":
+        config = transformers.CompileConfig(fullgraph=True, backend="eager", mode=None)
         config._compile_all_devices = True
-        kw = dict(compile_config=config)
+    kw = dict(compile_config=config)
     torch._dynamo.reset()
     first = _generate(model, ids, cache, 2, **kw)  # the prompt's forward, then one compiled step
     graphs = counters["stats"]["unique_graphs"]
@@ -215,6 +219,31 @@ def test_static_cache_compiles_the_decode_step_once(device):
     assert cache.pools[0].shape[3] == prompt + budget + beta + 1  # what attention reads in every step
     seq = out.sequences
     got = torch.cat([torch.stack(first.logits, 1), torch.stack(out.logits, 1)], 1).float()
-    want = _stepped_logits(model, TriAttentionCache(model.config, cal, budget=budget, beta=beta), seq, prompt)
+    # the same tokens, uncompiled: through the dynamic cache, or for grouped_sdpa through a static cache under
+    # transformers' sdpa (a kept set can flip on a last-bit difference, which another kernel may make)
+    model.config._attn_implementation = "eager" if attention == "eager" else "sdpa"
+    reference = TriAttentionCache(model.config, cal, budget=budget, beta=beta, static=attention != "eager")
+    want = _stepped_logits(model, reference, seq, prompt)
     cpu = device == "cpu"
     torch.testing.assert_close(got, want, rtol=0 if cpu else 1e-2, atol=0 if cpu else 3e-2)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("groups", [1, 2, 4])
+def test_grouped_sdpa_equals_sdpa_under_a_mask(groups, device):
+    """One query token of grouped heads under a mask: the packed call equals sdpa over repeated K/V; other shapes
+    are sdpa's own."""
+    from transformers.integrations.sdpa_attention import repeat_kv
+
+    module = torch.nn.Module()
+    module.num_key_value_groups, module.is_causal = groups, True
+    B, Hkv, S, D = 3, 2, 37, 16
+    k, v = (torch.randn(B, Hkv, S, D, device=device) for _ in range(2))
+    for q in (1, 5):
+        query = torch.randn(B, Hkv * groups, q, D, device=device)
+        mask = torch.rand(B, 1, q, S, device=device) > 0.3
+        mask[..., 0] = True
+        got, _ = grouped_sdpa(module, query, k, v, mask, scaling=0.3)
+        want = torch.nn.functional.scaled_dot_product_attention(
+            query, repeat_kv(k, groups), repeat_kv(v, groups), attn_mask=mask, scale=0.3).transpose(1, 2)
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)

@@ -15,11 +15,12 @@ without eviction. Batch rows advance in lockstep under ``generate`` (one token p
 after padding), so every row holds the same number of tokens and a round covers the whole batch.
 
 With ``static=True`` the cache has the static shapes ``torch.compile`` needs (as transformers' ``StaticCache``):
-attention reads every slot of the pools, the mask hides the slots past the held tokens, and the write offset and
-the logical length live in device tensors, so a compiled decode step (``generate`` compiles it by itself on the GPU
-for such a cache) neither recompiles nor reads a Python int per step. The host's bookkeeping of a step (the round
-schedule, the slots' logical positions) runs outside the graph, at the first layer's write (one graph break per
-step), and rounds run between steps, where ``generate`` builds the next step's mask.
+attention reads every slot of the pools, the mask hides the slots past the held tokens, and the write offset, the
+logical length and the slots' logical positions live in device tensors that a step updates in place, so a compiled
+decode step (``generate`` compiles it by itself on the GPU for such a cache) has no graph break, never recompiles
+and reads no Python int. The host reads the held count back and runs due rounds between steps, where ``generate``
+builds the next step's mask (``get_mask_sizes``) outside the compiled graph; a caller that compiles the forward
+itself builds the mask outside it too.
 
 ``offload(row)`` / ``onboard(row)`` move one row's KV to pinned host memory through the NVFP4 codec and back (for
 multi-turn sessions); once every row is offloaded the device pools are released.
@@ -63,8 +64,8 @@ class _PoolLayer(_transformers_module.cache_utils.CacheLayerMixin):
             self.lazy_initialization(key_states, value_states)
         return self.cache._write(self.layer_idx, key_states, value_states)
 
-    def get_seq_length(self) -> int:
-        return self.cache.held
+    def get_seq_length(self):
+        return self.cache._offset if self.cache.static and self.cache._offset is not None else self.cache.held
 
     def get_mask_sizes(self, query_length) -> tuple[int, int]:
         q = query_length.shape[0] if isinstance(query_length, torch.Tensor) else int(query_length)
@@ -143,10 +144,10 @@ class TriAttentionCache(_transformers_module.Cache):
         self._logical: torch.Tensor | None = None
         self._start = 0            # the slot a step's first token goes to (set at its first layer's write)
         self.pools: list[torch.Tensor] | None = None  # per layer [batch, 2, kv_head, capacity, dim]
-        self.held = 0              # tokens each row holds (physical)
+        self._held = 0             # tokens each row holds (physical; mirrors _offset in a static cache)
         self.evicted = 0           # tokens each row has dropped (logical length = held + evicted)
         self.prompt = 0            # the first update's length: never evicted
-        self.since_round = 0
+        self._round_held = 0       # what each row held after the prompt or the last round
         self.slot_positions: torch.Tensor | None = None  # logical position of each slot, [batch, rows, capacity]
         # each round: (the logical position of the first token after it, the kept logical positions of its
         # generated tokens [batch, rows, budget] in slot order)
@@ -161,6 +162,14 @@ class TriAttentionCache(_transformers_module.Cache):
     def is_compileable(self) -> bool:
         return self.static
 
+    @property
+    def held(self) -> int:
+        """Tokens each row holds (physical slots in use). A static cache counts them on the device: reading this
+        waits for it (generate waits at every step anyway, for its stopping check)."""
+        if self.static and self._offset is not None:
+            self._held = int(self._offset)
+        return self._held
+
     def get_seq_length(self, layer_idx: int = 0):
         """The logical length: every token seen (evicted ones too), from which the model takes RoPE positions (a
         device tensor once a static cache holds tokens)."""
@@ -174,7 +183,11 @@ class TriAttentionCache(_transformers_module.Cache):
         return self._offset if self.static and self._offset is not None else self.held
 
     def get_mask_sizes(self, query_length, layer_idx: int = 0) -> tuple[int, int]:
+        """Sizes the next step's mask. A due round runs first. A static cache checks the step here, where the
+        host last sees it before a compiled step writes (generate builds the mask outside the graph)."""
         self._settle()
+        if self.static and self.pools is not None:
+            self._check_step(query_length.shape[0] if isinstance(query_length, torch.Tensor) else int(query_length))
         return self.layers[layer_idx].get_mask_sizes(query_length)
 
     @property
@@ -199,6 +212,7 @@ class TriAttentionCache(_transformers_module.Cache):
                       for _ in range(self.num_layers)]
         self.slot_positions = torch.arange(capacity, device=key_states.device).expand(
             B, self.selector.rows, capacity).clone()
+        self._round_held = q
         if self.static:
             self._offset = torch.zeros((), dtype=torch.long, device=key_states.device)
             self._logical = torch.zeros((), dtype=torch.long, device=key_states.device)
@@ -207,53 +221,58 @@ class TriAttentionCache(_transformers_module.Cache):
     def _mark_static(self) -> None:
         """What a compiled step writes in place keeps its address (cudagraphs replay on it)."""
         if not torch.compiler.is_compiling():
-            for t in (*self.pools, self._offset, self._logical):
+            for t in (*self.pools, self._offset, self._logical, self.slot_positions):
                 torch._dynamo.mark_static_address(t)
 
     def _write(self, layer_idx: int, key_states: torch.Tensor, value_states: torch.Tensor):
         q, pool = key_states.shape[2], self.pools[layer_idx]
-        if layer_idx == 0:
-            self._begin_step(q)
-        last = layer_idx == self.num_layers - 1
-        if last:
-            self._writing = False
-        if self.static:  # device-side offsets: the same graph every step
+        if self.static:  # tensor ops on device-side offsets only: the same graph every step, no host read
             slots = torch.arange(q, device=pool.device) + self._offset
+            if layer_idx == 0:
+                logical = (torch.arange(q, device=pool.device) + self._logical).expand(*self.slot_positions.shape[:2], q)
+                self.slot_positions.index_copy_(2, slots, logical)
             pool[:, 0].index_copy_(2, slots, key_states)
             pool[:, 1].index_copy_(2, slots, value_states)
-            if last:
+            if layer_idx == self.num_layers - 1:
                 self._offset.add_(q)
                 self._logical.add_(q)
             return pool[:, 0], pool[:, 1]
+        if layer_idx == 0:
+            self._begin_step(q)
+        if layer_idx == self.num_layers - 1:
+            self._writing = False
         start, end = self._start, self._start + q
         pool[:, 0, :, start:end] = key_states
         pool[:, 1, :, start:end] = value_states
         return pool[:, 0, :, :end], pool[:, 1, :, :end]
 
-    @torch.compiler.disable
-    def _begin_step(self, q: int) -> None:
-        """The host's side of a step, at its first layer's write, outside any compiled graph: a due round, the
-        capacity check, the new slots' logical positions and the round schedule."""
+    def _check_step(self, q: int) -> None:
         if self._offloaded:
             raise RuntimeError(f"TriAttentionCache: rows {sorted(self._offloaded)} are offloaded; onboard them "
                                f"before generating")
+        if self.held + q > self.pools[0].shape[3]:
+            raise RuntimeError(f"TriAttentionCache: {self.held + q} tokens do not fit the {self.pools[0].shape[3]} "
+                               f"slots; a step may add at most beta + 1 tokens past the prompt")
+
+    def _begin_step(self, q: int) -> None:
+        """The host's side of an eager step, at its first layer's write: a due round, the step's check and its
+        slots' logical positions."""
         self._settle()
-        start, capacity = self.held, self.pools[0].shape[3]
-        if start + q > capacity:
-            raise RuntimeError(f"TriAttentionCache: {start + q} tokens do not fit the {capacity} slots; a step may "
-                               f"add at most beta + 1 tokens past the prompt")
+        self._check_step(q)
+        start = self._held
         logical = start + self.evicted
         self.slot_positions[..., start:start + q] = torch.arange(logical, logical + q, device=self.device)
-        self.since_round += q if start else 0
         # the step's tokens count as held from here: no round may run until its last layer has written them
-        self._start, self.held, self._writing = start, start + q, self.num_layers > 1
+        self._start, self._held, self._writing = start, start + q, self.num_layers > 1
 
     # -- eviction ---------------------------------------------------------------------------------------------
     def _settle(self) -> None:
         """Run a due round. It runs when the cache is next read (the next forward sizes its masks before any layer
         writes), so every layer of a step sees the same held tokens."""
-        if self.pools is not None and not self._offloaded and not self._writing and \
-                self.held - self.prompt > self.budget and self.since_round >= self.beta:
+        if self.pools is None or self._offloaded or self._writing:
+            return
+        held = self.held
+        if held - self.prompt > self.budget and held - self._round_held >= self.beta:
             self._compress()
 
     def _compress(self) -> None:
@@ -261,16 +280,15 @@ class TriAttentionCache(_transformers_module.Cache):
         B = self.pools[0].shape[0]
         if self._round is None:
             self._round = TriAttentionRound(self.selector, self, B, 1, 0, self.cuda_graphs, self.order)
-        table = torch.arange(B, dtype=torch.int32)[:, None]
-        self._round.run(table, [self.held] * B, [self.prompt] * B, [0] * B, [self.held + self.evicted] * B)
+        table, held = torch.arange(B, dtype=torch.int32)[:, None], self.held
+        self._round.run(table, [held] * B, [self.prompt] * B, [0] * B, [held + self.evicted] * B)
         # what landed at prompt + m came from slot sources[m] (the move's own lists): follow the logical positions
         landed = self._round.params.sources[:B, :self.selector.rows, :self.budget].long()
         end = self.prompt + self.budget
         self.slot_positions[..., self.prompt:end] = self.slot_positions.gather(-1, landed)
-        self.rounds.append((self.held + self.evicted, self.slot_positions[..., self.prompt:end].clone()))
-        self.evicted += self.held - end
-        self.held = end
-        self.since_round = 0
+        self.rounds.append((held + self.evicted, self.slot_positions[..., self.prompt:end].clone()))
+        self.evicted += held - end
+        self._held = self._round_held = end
         if self.static:
             self._offset.fill_(end)
 
@@ -309,6 +327,33 @@ class TriAttentionCache(_transformers_module.Cache):
         self._offloaded.discard(row)
 
 
+GROUPED_SDPA = "kvops_grouped_sdpa"
+
+
+def grouped_sdpa(module, query, key, value, attention_mask, **kwargs):
+    """transformers' ``sdpa`` attention, except that one query token of grouped-query heads under a mask reads K
+    and V without repeating them: the G query heads of a KV head become G query rows of that head.
+
+    A static cache needs a mask (it hides the slots past the held tokens), and transformers' ``sdpa`` then repeats K
+    and V once per query head in a compiled step: G times the cache's bytes written and read again per layer.
+    Select it with ``model.set_attn_implementation(GROUPED_SDPA)``; every other case is ``sdpa``'s own.
+    """
+    groups = getattr(module, "num_key_value_groups", 1)
+    B, Hq, q, D = query.shape
+    if attention_mask is None or groups == 1 or q != 1 or kwargs.get("position_bias") is not None:
+        return _sdpa(module, query, key, value, attention_mask, **kwargs)
+    packed = torch.nn.functional.scaled_dot_product_attention(
+        query.reshape(B, Hq // groups, groups, D), key, value, attn_mask=attention_mask,
+        dropout_p=kwargs.get("dropout", 0.0), scale=kwargs.get("scaling"))
+    return packed.reshape(B, Hq, 1, D).transpose(1, 2).contiguous(), None
+
+
+_sdpa = _transformers_module.AttentionInterface._global_mapping["sdpa"]
+_transformers_module.AttentionInterface.register(GROUPED_SDPA, grouped_sdpa)
+_transformers_module.masking_utils.AttentionMaskInterface.register(
+    GROUPED_SDPA, _transformers_module.masking_utils.ALL_MASK_ATTENTION_FUNCTIONS._global_mapping["sdpa"])
+
+
 def cache_keyword(model) -> str:
     """The keyword ``generate`` and ``forward`` take a cache by: ``cache`` from transformers 5.24 on (where
     ``past_key_values`` is deprecated), ``past_key_values`` before."""
@@ -323,4 +368,4 @@ def kv_bytes(cache: TriAttentionCache) -> int:
     return cache.num_layers * p.shape[0] * 2 * p.shape[2] * cache.held * p.shape[4] * p.dtype.itemsize
 
 
-__all__ = ["TriAttentionCache", "cache_keyword", "kv_bytes"]
+__all__ = ["GROUPED_SDPA", "TriAttentionCache", "cache_keyword", "grouped_sdpa", "kv_bytes"]
