@@ -33,6 +33,7 @@ import inspect
 import torch
 
 from .._checks import check_bool, check_int
+from .._dispatch import python_op
 from ..calibrate import require_transformers
 from ..compaction import ORDERS
 from ..manager import TriAttentionRound
@@ -40,6 +41,16 @@ from ..nvfp4 import PageBlobCodec, RowSpec
 from ..triattention import Calibration, TriAttentionSelector, load_calibration
 
 _transformers_module = require_transformers()
+
+
+@python_op("transformers_write_slots_", mutates_args={"pool"})
+def _write_slots(pool: torch.Tensor, slots: torch.Tensor, key_states: torch.Tensor,
+                 value_states: torch.Tensor) -> None:
+    """A step's K and V into `slots` of a pool's planes, in place. An op of its own because a compiled step that
+    wrote into the plane views itself would copy both whole planes per layer (functionalized writes to a view of a
+    graph input are not done in place)."""
+    pool[:, 0].index_copy_(2, slots, key_states)
+    pool[:, 1].index_copy_(2, slots, value_states)
 
 
 class _PoolLayer(_transformers_module.cache_utils.CacheLayerMixin):
@@ -231,8 +242,7 @@ class TriAttentionCache(_transformers_module.Cache):
             if layer_idx == 0:
                 logical = (torch.arange(q, device=pool.device) + self._logical).expand(*self.slot_positions.shape[:2], q)
                 self.slot_positions.index_copy_(2, slots, logical)
-            pool[:, 0].index_copy_(2, slots, key_states)
-            pool[:, 1].index_copy_(2, slots, value_states)
+            _write_slots(pool, slots, key_states, value_states)
             if layer_idx == self.num_layers - 1:
                 self._offset.add_(q)
                 self._logical.add_(q)
