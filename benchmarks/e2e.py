@@ -11,8 +11,8 @@ on them as it would have while generating them, and holds at most prompt + budge
 (``DynamicCache``) holds all of them. Then ``generate()`` decodes `new_tokens` greedy tokens per request, timed; the
 rounds inside it are timed apart (CUDA events around each). Caches (``--caches``): ``default`` and ``kvops`` run
 eagerly (``sdpa`` attention); ``kvops-static`` is the kvops cache with static shapes, for which ``generate`` compiles
-the decode step by itself (inductor, CUDA graphs), under ``GROUPED_SDPA`` attention. Before the timed decode each cache decodes the same number of tokens untimed (see
-``_measure``). Memory: the KV bytes each holds, and
+the decode step by itself (inductor, CUDA graphs), under ``GROUPED_SDPA`` attention. Before the timed decode each
+cache decodes the same number of tokens untimed (see ``_measure``). Memory: the KV bytes each holds, and
 from them, with the free memory after loading the model, the largest batch each could hold at `--max-context`
 (an estimate from KV bytes alone; activations are not counted).
 """
@@ -209,9 +209,12 @@ def main(argv=None) -> int:
     print(f"decode {args.batch} x {args.new_tokens} tokens after {args.context} ({out['device']}), tokens/s:")
     for name in args.caches:
         r = out[name]
-        line = f"  {name:13s} {r['tokens_per_s']:9.1f}" + (f" = {r['tokens_per_s'] / base:.2f}x default" if base else "")
+        line = f"  {name:13s} {r['tokens_per_s']:9.1f}"
+        if base:
+            line += f" = {r['tokens_per_s'] / base:.2f}x default"
         if "decode_rounds" in r:
-            line += f"; {r['decode_rounds']} rounds took {r['decode_round_s'] * 1e3:.1f} ms of {r['decode_s'] * 1e3:.0f}"
+            line += f"; {r['decode_rounds']} rounds took {r['decode_round_s'] * 1e3:.1f} ms of " \
+                    f"{r['decode_s'] * 1e3:.0f}"
         if "step_gpu_ms" in r:
             line += f"; one eager step: host {r['step_host_ms']:.1f} ms, GPU {r['step_gpu_ms']:.1f} ms"
         print(line + f"; KV held {r['kv_bytes'] / 2**20:.1f} MiB")

@@ -1,7 +1,7 @@
 """Quality of KV eviction on a real model: next-token agreement with the full cache and loss, teacher-forced.
 
     python -m benchmarks.quality --model DIR --text FILE [--budgets 64,128,256] [--beta 16] [--window 1024]
-        [--windows 4] [--csv out.csv] [--plot out.png]
+        [--windows 4] [--cache-windows 1] [--csv out.csv] [--plot out.png]
 
 Each method is simulated exactly with one attention mask per query row: in decoding with eviction, the token at
 position t attends to what the cache holds at t (the prompt, the kept tokens, the tokens since the last round),
@@ -14,21 +14,27 @@ kvops' ``TriAttentionSelector`` on the keys the model computed under the masks o
 
 Methods: ``full``; ``triattention`` in ``union``, ``per_head`` and ``per_layer_perhead`` modes (a mask per layer
 reaches each layer's attention through a forward pre-hook); ``recent`` (the last budget tokens), ``sinks`` (4 sink
-tokens + the last budget - 4) and ``random`` (budget random decode tokens, redrawn each round). On a random-weight
+tokens + the last budget - 4) and ``random`` (budget random decode tokens, redrawn each round). Then, on the first
+``--cache-windows`` windows, real caches in bf16 decode token by token (``evaluate_caches``): ``full_cache``,
+``triattention_<mode>_cache`` and ``triattention_<mode>_nvfp4`` (one NVFP4 offload/onboard cycle halfway), with
+decode tokens/s. Every row reports agreement, loss, perplexity and the KV each sequence holds. On a random-weight
 model the numbers show only that the mechanics run (the output says so).
 """
 
 from __future__ import annotations
 
 import argparse
+import copy
 import csv
+import math
 import os
 import sys
+import time
 
 import torch
 
 from kvops.calibrate import calibrate, require_transformers
-from kvops.integrations.transformers import cache_keyword
+from kvops.integrations.transformers import TriAttentionCache, cache_keyword
 from kvops.triattention import TriAttentionSelector, load_calibration
 
 from .common import pyplot
@@ -172,12 +178,72 @@ def evaluate(model, windows: list[torch.Tensor], calibration, budgets, beta: int
                 loss += float(torch.nn.functional.cross_entropy(logits[span], ids[first + 1:], reduction="sum"))
                 count += sim.n - 1 - first
                 held = sim.n if method == "full" else prompt + budget + beta
-            row = {"method": method, "budget": budget, "beta": beta,
-                   "agreement": agree / max(count, 1), "loss": loss / max(count, 1), "positions": count,
-                   "kv_tokens_max": held, "kv_mib_bf16": held * _token_bytes(model) / 2**20}
-            log(f"  {method:>22} budget {row['budget']:>5}: agreement {row['agreement']:.3f}, "
-                f"loss {row['loss']:.3f} over {count} positions")
-            rows.append(row)
+            rows.append(_row(model, method, budget, beta, agree, loss, count, held, log))
+    return rows
+
+
+def _row(model, method, budget, beta, agree, loss, count, held, log, tokens_per_s=None) -> dict:
+    row = {"method": method, "budget": budget, "beta": beta, "agreement": agree / max(count, 1),
+           "loss": loss / max(count, 1), "perplexity": math.exp(loss / max(count, 1)), "positions": count,
+           "kv_tokens_max": held, "kv_mib_bf16": held * _token_bytes(model) / 2**20, "tokens_per_s": tokens_per_s}
+    speed = f", {tokens_per_s:.0f} tokens/s" if tokens_per_s else ""
+    log(f"  {method:>30} budget {budget:>5}: agreement {row['agreement']:.3f}, loss {row['loss']:.3f} over "
+        f"{count} positions{speed}")
+    return row
+
+
+CACHE_MODES = ("union", "per_head", "per_layer_perhead")
+
+
+def _decode(model, cache, ids: torch.Tensor, prompt: int, cycle_at: int | None = None):
+    """Teacher-forced decoding through a real cache, as generate() runs it: the prompt in one forward, then one
+    token per forward. Returns the logits predicting positions prompt .. n-1 and the decode's seconds; at query
+    `cycle_at` the cache's row first goes to the NVFP4 host tier and back (``offload``, ``onboard``)."""
+    key, n = cache_keyword(model), ids.numel()
+    sync = torch.cuda.synchronize if ids.is_cuda else (lambda: None)
+    with torch.no_grad():
+        logits = [model(input_ids=ids[None, :prompt], logits_to_keep=1, **{key: cache}).logits[0, -1]]
+        sync()
+        start = time.perf_counter()
+        for t in range(prompt, n - 1):
+            if t == cycle_at:
+                cache.offload(0)
+                cache.onboard(0)
+            logits.append(model(input_ids=ids[None, t:t + 1], logits_to_keep=1, **{key: cache}).logits[0, -1])
+        sync()
+    return torch.stack(logits).float(), time.perf_counter() - start
+
+
+def evaluate_caches(model, windows: list[torch.Tensor], calibration, budgets, beta: int, prompt: int,
+                    modes=CACHE_MODES, log=print) -> list[dict]:
+    """The same measures through real caches in bf16, decoding token by token: ``full_cache`` (transformers'
+    DynamicCache), ``triattention_<mode>_cache`` (kvops' TriAttentionCache) and ``triattention_<mode>_nvfp4`` (the
+    same cache with one NVFP4 offload/onboard cycle halfway through the window), each against the float32 full
+    cache's predictions, with the decode's tokens/s (batch 1)."""
+    transformers = require_transformers()
+    half = copy.deepcopy(model).to(torch.bfloat16)
+    rows = []
+    for budget in budgets:
+        methods = [("full_cache", None, False)] + [(f"triattention_{m}_{kind}", m, kind == "nvfp4")
+                                                    for m in modes for kind in ("cache", "nvfp4")]
+        for method, mode, cycle in methods:
+            agree = loss = count = positions = 0
+            seconds = 0.0
+            for ids in windows:
+                sim = Simulation(model, ids, prompt, budget, beta)
+                first = next(sim.rounds(), sim.n)
+                with torch.no_grad():
+                    full, _ = _forward(model, ids, sim.causal[None, None], want_keys=False)
+                cache = transformers.DynamicCache(config=half.config) if mode is None else TriAttentionCache(
+                    half.config, calibration, budget=budget, beta=beta, mode=mode)
+                logits, s = _decode(half, cache, ids, prompt, max(first, (prompt + sim.n) // 2) if cycle else None)
+                seconds, positions = seconds + s, positions + sim.n - 1 - prompt
+                span = slice(first - prompt + 1, None)  # logits[i] predicts position prompt + i
+                agree += int((logits[span].argmax(-1) == full[first:sim.n - 1].argmax(-1)).sum())
+                loss += float(torch.nn.functional.cross_entropy(logits[span], ids[first + 1:], reduction="sum"))
+                count += sim.n - 1 - first
+            held = sim.n if mode is None else prompt + budget + beta
+            rows.append(_row(model, method, budget, beta, agree, loss, count, held, log, positions / seconds))
     return rows
 
 
@@ -194,6 +260,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--window", type=int, default=1024, help="tokens per evaluation window")
     ap.add_argument("--windows", type=int, default=4)
     ap.add_argument("--methods", default=",".join(METHODS))
+    ap.add_argument("--cache-windows", type=int, default=1,
+                    help="windows also decoded token by token through real caches in bf16 (full, TriAttention, "
+                         "TriAttention after an NVFP4 offload/onboard cycle), with tokens/s; 0: none")
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     ap.add_argument("--csv")
     ap.add_argument("--plot")
@@ -225,6 +294,8 @@ def main(argv: list[str] | None = None) -> int:
     print(f"benchmarks.quality: {a.model}, {len(windows)} windows of {a.window} tokens, prompt {a.prompt}, "
           f"beta {a.beta}" + ("" if trained else " (random weights: mechanics only)"))
     rows = evaluate(model, windows, calibration, budgets, a.beta, a.prompt, methods)
+    if a.cache_windows > 0:
+        rows += evaluate_caches(model, windows[:a.cache_windows], calibration, budgets, a.beta, a.prompt)
     if a.csv:
         with open(a.csv, "w", newline="") as f:
             writer = csv.DictWriter(f, fieldnames=list(rows[0]))
@@ -232,7 +303,7 @@ def main(argv: list[str] | None = None) -> int:
             writer.writerows(rows)
     if a.plot and (plt := pyplot()) is not None:
         fig, ax = plt.subplots(figsize=(6, 4))
-        for method in methods:
+        for method in dict.fromkeys(r["method"] for r in rows):
             pts = [(r["budget"], r["loss"]) for r in rows if r["method"] == method]
             if pts:
                 ax.plot(*zip(*pts), marker="o", label=method)

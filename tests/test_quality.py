@@ -68,3 +68,23 @@ def test_harness_keeps_what_decoding_with_the_kvops_cache_keeps(mode):
             for h in range(0, len(heads), G):
                 row = 0 if mode == "union" else h // G + (layer * Hkv if mode == "per_layer_perhead" else 0)
                 assert sorted(kept[0, row].tolist()) == sorted(heads[h].tolist())
+
+
+def test_real_caches_decode_with_and_without_an_nvfp4_cycle():
+    """evaluate_caches: the bf16 caches decode the window token by token; TriAttention's cache keeps its memory
+    bound, and an NVFP4 offload/onboard cycle changes its predictions by codec error only."""
+    from benchmarks.quality import evaluate_caches
+
+    model = tiny_model("qwen3")
+    model.config._attn_implementation = "eager"
+    ids = torch.randint(0, TINY["vocab_size"], (80,))
+    cal = load_calibration(calibrate(model, torch.randint(0, TINY["vocab_size"], (128,))), model.config.to_dict())
+    rows = evaluate_caches(model, [ids], cal, [16], beta=4, prompt=8, modes=("union",), log=lambda *a: None)
+    by = {r["method"]: r for r in rows}
+    assert set(by) == {"full_cache", "triattention_union_cache", "triattention_union_nvfp4"}
+    assert by["full_cache"]["agreement"] > 0.9  # bf16 against the float32 full cache
+    assert by["triattention_union_cache"]["kv_tokens_max"] == 8 + 16 + 4 < by["full_cache"]["kv_tokens_max"]
+    assert all(r["tokens_per_s"] > 0 and r["positions"] == by["full_cache"]["positions"] > 0 for r in rows)
+    plain, cycled = by["triattention_union_cache"], by["triattention_union_nvfp4"]
+    assert plain["loss"] != cycled["loss"] and abs(plain["loss"] - cycled["loss"]) < 0.5
+    assert all(abs(r["perplexity"] - torch.tensor(r["loss"]).exp().item()) < 1e-3 * r["perplexity"] for r in rows)

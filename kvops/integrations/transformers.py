@@ -240,8 +240,8 @@ class TriAttentionCache(_transformers_module.Cache):
         if self.static:  # tensor ops on device-side offsets only: the same graph every step, no host read
             slots = torch.arange(q, device=pool.device) + self._offset
             if layer_idx == 0:
-                logical = (torch.arange(q, device=pool.device) + self._logical).expand(*self.slot_positions.shape[:2], q)
-                self.slot_positions.index_copy_(2, slots, logical)
+                logical = torch.arange(q, device=pool.device) + self._logical
+                self.slot_positions.index_copy_(2, slots, logical.expand(*self.slot_positions.shape[:2], q))
             _write_slots(pool, slots, key_states, value_states)
             if layer_idx == self.num_layers - 1:
                 self._offset.add_(q)
@@ -350,7 +350,8 @@ def grouped_sdpa(module, query, key, value, attention_mask, **kwargs):
     """
     groups = getattr(module, "num_key_value_groups", 1)
     B, Hq, q, D = query.shape
-    if attention_mask is None or groups == 1 or q != 1 or kwargs.get("position_bias") is not None:
+    if attention_mask is None or attention_mask.shape[1] != 1 or groups == 1 or q != 1 or \
+            kwargs.get("position_bias") is not None:  # a mask per head would need packing too
         return _sdpa(module, query, key, value, attention_mask, **kwargs)
     packed = torch.nn.functional.scaled_dot_product_attention(
         query.reshape(B, Hq // groups, groups, D), key, value, attn_mask=attention_mask,
