@@ -359,10 +359,10 @@ def grouped_sdpa(module, query, key, value, attention_mask, **kwargs):
     return packed.reshape(B, Hq, 1, D).transpose(1, 2).contiguous(), None
 
 
-_sdpa = _transformers_module.AttentionInterface._global_mapping["sdpa"]
+_sdpa = _transformers_module.modeling_utils.ALL_ATTENTION_FUNCTIONS["sdpa"]
 _transformers_module.AttentionInterface.register(GROUPED_SDPA, grouped_sdpa)
 _transformers_module.masking_utils.AttentionMaskInterface.register(
-    GROUPED_SDPA, _transformers_module.masking_utils.ALL_MASK_ATTENTION_FUNCTIONS._global_mapping["sdpa"])
+    GROUPED_SDPA, _transformers_module.masking_utils.ALL_MASK_ATTENTION_FUNCTIONS["sdpa"])  # sdpa's masks
 
 
 def cache_keyword(model) -> str:
