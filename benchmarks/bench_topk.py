@@ -8,13 +8,15 @@ Rows:
               steady-state round's (budget 2048 + beta 128): one per request (union) or 288 per request
               (per_layer_perhead, Qwen3-8B) at 1 and 32 requests.
   topk_eager  the same call without a graph (includes Python and DLPack argument overhead).
+  topk_radix  short rows only: the register kernel with its 8-bit-digit threshold search (4 histogram passes)
+              instead of the bit-by-bit one (32 passes) that kvops.topk runs, from a CUDA graph.
 """
 
 from __future__ import annotations
 
 import torch
 
-from kvops.topk import topk
+from kvops.topk import SHORT_ROW, _short_rows, _short_rows_kernel, topk
 
 from .common import Row, device_copy_gbps, graphed, time_us
 
@@ -23,6 +25,7 @@ FAMILY = "topk"
 
 def run(quick: bool = False) -> tuple[list[Row], list[str]]:
     copy_gbps = device_copy_gbps()
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
     iters = 5 if quick else 50
     rows_out: list[Row] = []
     shapes = [(64, 32768, 2048), (9216, 2176, 2048)] if quick else [
@@ -36,7 +39,12 @@ def run(quick: bool = False) -> tuple[list[Row], list[str]]:
         ours = time_us(graphed(lambda: topk(scores, lengths, k, out)), iters=iters)
         eager = time_us(lambda: topk(scores, lengths, k, out), iters=iters)
         shape = f"rows={rows} N={N} k={k}"
-        for routine, us in (("topk", ours), ("topk_eager", eager)):
+        timed = [("topk", ours), ("topk_eager", eager)]
+        if N <= SHORT_ROW and rows >= sms:  # the warps kvops.topk picks for the bitwise search
+            warps = 2 if rows >= 4 * sms else 4
+            timed.append(("topk_radix", time_us(graphed(
+                lambda: _short_rows(scores, lengths, k, out, _short_rows_kernel, warps, radix=True)), iters=iters)))
+        for routine, us in timed:
             rows_out.append(Row.make(FAMILY, routine, shape, "float32", us, scores.numel() * 4, copy_gbps / 2,
                                      "torch.topk+sort", base_us))
     notes = ["limit for topk: the read half of the copy bandwidth (the scores are read at least once).",

@@ -3,7 +3,7 @@
 Two shape classes on the GPU, chosen from the shape, both on the current stream:
 - at least one row per SM, of up to SHORT_ROW keys (the steady-state round: budget + beta keys per row, hundreds
   to thousands of rows): a Triton kernel with one small program per row, its keys in registers, many programs
-  per SM;
+  per SM (its threshold search bit by bit; the 8-bit-digit search beside it is benchmarked, not yet the default);
 - otherwise: the CuTe DSL radix select in topk_cute.py (one 1024-thread CTA per row, the row staged in shared
   memory; faster for a few rows), one kernel per staging-copy width (shapes are dynamic), built ahead of time
   (kvops/_cute.py).
@@ -53,22 +53,57 @@ def _place(out, key, at, length, threshold, ties, before):
 
 
 @triton.jit
-def _short_rows_kernel(bits, stride, lengths, out, N, k, HEAD: tl.constexpr, REST: tl.constexpr):
+def _bitwise_threshold(head, rest, k):
+    """The largest T with #{key >= T} >= k (0 if there is none), one bit per pass from the top: 32 passes of a
+    compare and a count. Keys past the length are 0 and never reach a candidate (>= 1)."""
+    threshold = tl.zeros((), tl.uint32)
+    for shift in tl.static_range(31, -1, -1):
+        candidate = threshold | (tl.full((), 1, tl.uint32) << shift)
+        count = tl.sum((head >= candidate).to(tl.int32), 0) + tl.sum((rest >= candidate).to(tl.int32), 0)
+        threshold = tl.where(count >= k, candidate, threshold)
+    return threshold
+
+
+@triton.jit
+def _radix_threshold(head, rest, head_valid, rest_valid, k):
+    """The same T, one 8-bit digit per pass: the histogram of the next digit over the valid keys that match the
+    digits found so far, and the largest digit whose count from the top reaches the keys still needed. Four
+    passes instead of 32; where fewer than k keys match, the digit is 0, so T is 0 with fewer than k keys."""
+    threshold = tl.zeros((), tl.uint32)
+    need = k
+    digits = tl.arange(0, 256)
+    for shift in tl.static_range(24, -1, -8):
+        if shift == 24:
+            head_match, rest_match = head_valid, rest_valid
+        else:
+            head_match = head_valid & ((head >> (shift + 8)) == (threshold >> (shift + 8)))
+            rest_match = rest_valid & ((rest >> (shift + 8)) == (threshold >> (shift + 8)))
+        hist = tl.histogram(((head >> shift) & 0xFF).to(tl.int32), 256, mask=head_match) + \
+            tl.histogram(((rest >> shift) & 0xFF).to(tl.int32), 256, mask=rest_match)
+        at_or_above = tl.cumsum(hist, 0, reverse=True)
+        digit = tl.max(tl.where(at_or_above >= need, digits, 0), 0)
+        need -= tl.sum(tl.where(digits > digit, hist, 0), 0)
+        threshold |= digit.to(tl.uint32) << shift
+    return threshold
+
+
+@triton.jit
+def _short_rows_kernel(bits, stride, lengths, out, N, k, HEAD: tl.constexpr, REST: tl.constexpr,
+                       RADIX: tl.constexpr):
     """One row per program, its keys in registers as a power-of-two head and rest (no padding to the next power
-    of two). The k-th largest key T is found bit by bit from the top: the largest T with #{key >= T} >= k. Then
-    keys > T, and the first k - #{> T} keys == T in index order, land at their exclusive prefix count, so the
-    output ascends."""
+    of two). The k-th largest key T is the largest with #{key >= T} >= k, found bit by bit or (RADIX) digit by
+    digit from the top. Then keys > T, and the first k - #{> T} keys == T in index order, land at their exclusive
+    prefix count, so the output ascends."""
     row = tl.program_id(0)
     length = tl.minimum(tl.maximum(tl.load(lengths + row), 0), N)
     at_head = tl.arange(0, HEAD)
     at_rest = HEAD + tl.arange(0, REST)
     head = _ukeys(bits, stride, row, at_head, length)
     rest = _ukeys(bits, stride, row, at_rest, length)
-    threshold = tl.zeros((), tl.uint32)
-    for shift in tl.static_range(31, -1, -1):  # keys past the length are 0 and never reach a candidate (>= 1)
-        candidate = threshold | (tl.full((), 1, tl.uint32) << shift)
-        count = tl.sum((head >= candidate).to(tl.int32), 0) + tl.sum((rest >= candidate).to(tl.int32), 0)
-        threshold = tl.where(count >= k, candidate, threshold)
+    if RADIX:
+        threshold = _radix_threshold(head, rest, at_head < length, at_rest < length, k)
+    else:
+        threshold = _bitwise_threshold(head, rest, k)
     greater = tl.sum((head > threshold).to(tl.int32), 0) + tl.sum((rest > threshold).to(tl.int32), 0)
     row_out = out + row.to(tl.int64) * k
     kept, ties = _place(row_out, head, at_head, length, threshold, tl.maximum(k - greater, 0), 0)
@@ -82,11 +117,11 @@ def _short_rows_kernel(bits, stride, lengths, out, N, k, HEAD: tl.constexpr, RES
 
 
 def _short_rows(scores: torch.Tensor, lengths: torch.Tensor, k: int, out: torch.Tensor, kernel,
-                num_warps: int = 4) -> None:
+                num_warps: int = 4, radix: bool = False) -> None:
     rows, N = scores.shape
     head = triton.next_power_of_2(N + 1) // 2 if N else 1  # the largest power of two <= N
     kernel[(rows,)](scores.view(torch.int32), scores.stride(0), lengths, out, N, k, HEAD=head,
-                    REST=triton.next_power_of_2(max(1, N - head)), num_warps=num_warps)
+                    REST=triton.next_power_of_2(max(1, N - head)), RADIX=radix, num_warps=num_warps)
 
 
 def topk_spec(vector: bool) -> _cute.Spec:

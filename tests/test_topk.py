@@ -56,34 +56,49 @@ def test_matches_torch_topk_on_distinct_values(device):
 
 @requires_cuda
 @pytest.mark.parametrize("N,k", [(2176, 2048), (2176, 128), (4096, 2048), (3000, 3000)])
-def test_short_rows_cuda(N, k):
+@pytest.mark.parametrize("radix", [False, True])
+def test_short_rows_cuda(N, k, radix):
     """The register kernel's class (N <= SHORT_ROW, a row per SM or more) at serving shapes: many rows of
-    budget + beta keys. The tie-heavy tests above (a few rows) take the CuTe class at the same widths."""
+    budget + beta keys, with both threshold searches. The tie-heavy tests above (a few rows) take the CuTe class
+    at the same widths."""
+    from kvops.topk import _short_rows, _short_rows_kernel
+
     rows = 1152
     scores = torch.randn(rows, N, device="cuda")
     scores[::3] = scores[::3].round()  # ties
     scores[1::7] = _tie_heavy(len(range(1, rows, 7)), N, "cuda")
+    scores[2::11] = torch.randn(len(range(2, rows, 11)), N, device="cuda") * 1e-3 + 5  # one top digit
     lengths = torch.randint(0, N + 1, (rows,), dtype=torch.int32, device="cuda")
     lengths[::2] = N
     out = poison_(torch.empty(rows, k, dtype=torch.int32, device="cuda"))
-    topk(scores, lengths, k, out)
+    if radix:
+        _short_rows(scores, lengths, k, out, _short_rows_kernel, radix=True)
+    else:
+        topk(scores, lengths, k, out)  # kvops.topk routes these rows to the kernel's bitwise search
     assert torch.equal(out.cpu(), topk(scores.cpu(), lengths.cpu(), k))
 
 
 def test_short_rows_triton_interpreter():
-    """The register kernel itself, run on the CPU by the interpreter, against the reference."""
+    """The register kernel itself, with both threshold searches (bit by bit, and 8-bit digits), run on the CPU
+    by the interpreter, against the reference: ties, NaN, -0.0, infinities, rows whose keys share their top digit
+    or are all equal, lengths of 0, 1 and below k."""
     run_python(
         "import torch\n"
-        "from kvops.topk import topk, topk_reference\n"
-        "for N, k in ((7, 3), (2176, 2048), (1000, 64), (300, 400)):\n"
-        "    s = torch.randint(-4, 5, (5, N)).float() * 0.5\n"
-        "    s[torch.rand(5, N) < 0.05] = float('nan')\n"
-        "    s[torch.rand(5, N) < 0.05] = -0.0\n"
+        "from kvops.topk import _short_rows, _short_rows_kernel, topk_reference\n"
+        "for N, k in ((7, 3), (2176, 2048), (2176, 128), (1000, 64), (300, 400), (1, 1)):\n"
+        "    s = torch.randint(-4, 5, (6, N)).float() * 0.5\n"
+        "    s[torch.rand(6, N) < 0.05] = float('nan')\n"
+        "    s[torch.rand(6, N) < 0.05] = -0.0\n"
+        "    s[torch.rand(6, N) < 0.03] = float('inf')\n"
+        "    s[torch.rand(6, N) < 0.03] = -float('inf')\n"
         "    s[3] = torch.randn(N)\n"
-        "    n = torch.tensor([N, 0, 1, N, N // 2], dtype=torch.int32)\n"
-        "    out = torch.full((5, k), 99, dtype=torch.int32)\n"
-        "    topk(s, n, k, out)\n"
-        "    assert torch.equal(out, topk_reference(s, n, k)), (N, k)\n", TRITON_INTERPRET="1")
+        "    s[4] = torch.randn(N) * 1e-3 + 5\n"
+        "    s[5] = 2.0\n"
+        "    n = torch.tensor([N, 0, 1, N, N // 2, N], dtype=torch.int32)\n"
+        "    for radix in (False, True):\n"
+        "        out = torch.full((6, k), 99, dtype=torch.int32)\n"
+        "        _short_rows(s, n, k, out, _short_rows_kernel, radix=radix)\n"
+        "        assert torch.equal(out, topk_reference(s, n, k)), (N, k, radix)\n", TRITON_INTERPRET="1")
 
 
 @requires_cuda
