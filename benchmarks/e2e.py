@@ -62,17 +62,18 @@ class _RoundTimer:
     def __init__(self, cache: TriAttentionCache):
         self.events, self.seconds, compress = [], 0.0, cache._compress
 
-        def timed():
+        def timed(held):
             if cache.device.type == "cuda":
                 start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
                 start.record()
-                compress()
+                held = compress(held)
                 end.record()
                 self.events.append((start, end))
             else:
                 t = time.perf_counter()
-                compress()
+                held = compress(held)
                 self.seconds += time.perf_counter() - t
+            return held
 
         cache._compress = timed
 

@@ -154,12 +154,22 @@ def _token_bytes(model) -> int:
     return c.num_hidden_layers * 2 * c.num_key_value_heads * head_dim * torch.bfloat16.itemsize
 
 
+def _full_logits(model, windows: list[torch.Tensor]) -> list[torch.Tensor]:
+    """Each window's logits under the full cache (causal attention over everything): the reference of every row."""
+    fulls = []
+    with torch.no_grad():
+        for ids in windows:
+            causal = torch.ones(ids.numel(), ids.numel(), dtype=torch.bool, device=ids.device).tril()
+            fulls.append(_forward(model, ids, causal[None, None], want_keys=False)[0])
+    return fulls
+
+
 def evaluate(model, windows: list[torch.Tensor], calibration, budgets, beta: int, prompt: int,
              methods=METHODS, log=print) -> list[dict]:
     """One row per (method, budget): next-token agreement with the full cache and mean loss over the positions
     after each window's first round at that budget (the full cache's row at each budget covers the same positions),
     and the most KV tokens (and MiB in bf16) a sequence's cache holds."""
-    rows = []
+    rows, fulls = [], _full_logits(model, windows)
     for budget in budgets:
         for method in methods:
             selector = None
@@ -167,11 +177,10 @@ def evaluate(model, windows: list[torch.Tensor], calibration, budgets, beta: int
                 selector = TriAttentionSelector(calibration, budget, method.split("_", 1)[1])
             agree = loss = count = 0
             held = 0
-            for w, ids in enumerate(windows):
+            for w, (ids, full) in enumerate(zip(windows, fulls)):
                 sim = Simulation(model, ids, prompt, budget, beta)
                 first = next(sim.rounds(), sim.n)
                 with torch.no_grad():
-                    full, _ = _forward(model, ids, sim.causal[None, None], want_keys=False)
                     logits, _ = _forward(model, ids, sim.run(method, selector, seed=w), want_keys=False)
                 span = slice(first, sim.n - 1)
                 agree += int((logits[span].argmax(-1) == full[span].argmax(-1)).sum())
@@ -222,18 +231,16 @@ def evaluate_caches(model, windows: list[torch.Tensor], calibration, budgets, be
     cache's predictions, with the decode's tokens/s (batch 1)."""
     transformers = require_transformers()
     half = copy.deepcopy(model).to(torch.bfloat16)
-    rows = []
+    rows, fulls = [], _full_logits(model, windows)
     for budget in budgets:
         methods = [("full_cache", None, False)] + [(f"triattention_{m}_{kind}", m, kind == "nvfp4")
                                                     for m in modes for kind in ("cache", "nvfp4")]
         for method, mode, cycle in methods:
             agree = loss = count = positions = 0
             seconds = 0.0
-            for ids in windows:
+            for ids, full in zip(windows, fulls):
                 sim = Simulation(model, ids, prompt, budget, beta)
                 first = next(sim.rounds(), sim.n)
-                with torch.no_grad():
-                    full, _ = _forward(model, ids, sim.causal[None, None], want_keys=False)
                 cache = transformers.DynamicCache(config=half.config) if mode is None else TriAttentionCache(
                     half.config, calibration, budget=budget, beta=beta, mode=mode)
                 logits, s = _decode(half, cache, ids, prompt, max(first, (prompt + sim.n) // 2) if cycle else None)

@@ -108,10 +108,9 @@ def test_rounds_keep_what_the_reference_selects():
     cache = TriAttentionCache(model.config, cal, budget=12, beta=4, mode="per_layer_perhead")
     snapshots, compress = [], cache._compress
 
-    def recorded():
-        snapshots.append(([p.clone() for p in cache.pools], cache.held, cache.evicted,
-                          cache.slot_positions.clone()))
-        compress()
+    def recorded(held):
+        snapshots.append(([p.clone() for p in cache.pools], held, cache.evicted, cache.slot_positions.clone()))
+        return compress(held)
 
     cache._compress = recorded
     _generate(model, torch.randint(1, TINY["vocab_size"], (2, 8)), cache, 30)
@@ -154,6 +153,8 @@ def test_refusals():
         TriAttentionCache(model.config, cal, budget=16, beta=0)
     with pytest.raises(ValueError, match="compaction_order"):
         TriAttentionCache(model.config, cal, compaction_order="shuffled")
+    with pytest.raises(TypeError, match="static"):
+        TriAttentionCache(model.config, cal, static=1)
     with pytest.raises(TypeError, match="bfloat16 or float16"):
         model.float().generate(torch.randint(1, 99, (1, 4)), max_new_tokens=2,
                                **_with(model, TriAttentionCache(model.config, cal, budget=16, beta=4)))
@@ -173,8 +174,8 @@ def test_a_step_that_overshoots_a_round_is_scored_whole():
     assert cache.selector.max_decode == 16 + 4 + 1
     seq = torch.randint(1, TINY["vocab_size"], (1, 33))
     snapshots, compress = [], cache._compress
-    cache._compress = lambda: (snapshots.append(([p.clone() for p in cache.pools], cache.held,
-                                                 cache.slot_positions[0, 0].clone())), compress())
+    cache._compress = lambda held: (snapshots.append(([p.clone() for p in cache.pools], held,
+                                                      cache.slot_positions[0, 0].clone())), compress(held))[1]
     with torch.no_grad():  # round 1 before token 27; tokens 27-29 one by one, 30-31 in one step, then 32
         for start, end in ((0, 10), *((t, t + 1) for t in range(10, 30)), (30, 32), (32, 33)):
             model(input_ids=seq[:, start:end], **{cache_keyword(model): cache})
@@ -255,3 +256,20 @@ def test_write_slots_op(device):
     _write_slots(pool, slots, k, v)
     assert torch.equal(pool, want)
     torch.library.opcheck(_write_slots, (pool, slots, k, v))
+
+
+def test_static_cache_refuses_a_step_it_cannot_take():
+    """A static cache checks each step where generate builds its mask, before a compiled step could write: an
+    offloaded row, or more tokens than its slots hold."""
+    model, cal = _setup()
+    cache = TriAttentionCache(model.config, cal, budget=16, beta=4, static=True)
+    out = model.generate(torch.randint(1, TINY["vocab_size"], (2, 10)), max_new_tokens=8, do_sample=False,
+                         **_with(model, cache))
+    with pytest.raises(RuntimeError, match="do not fit"):
+        cache.get_mask_sizes(16 + 4 + 2)
+    cache.offload(0)
+    with pytest.raises(RuntimeError, match="offloaded"):
+        model.generate(out, max_new_tokens=2, do_sample=False, **_with(model, cache))
+    cache.onboard(0)
+    more = model.generate(out, max_new_tokens=2, do_sample=False, **_with(model, cache))
+    assert torch.equal(more[:, :out.shape[1]], out)

@@ -53,6 +53,11 @@ def _write_slots(pool: torch.Tensor, slots: torch.Tensor, key_states: torch.Tens
     pool[:, 1].index_copy_(2, slots, value_states)
 
 
+def _tokens(query_length) -> int:
+    """A step's token count, from what transformers passes as the query length (an int or the positions)."""
+    return query_length.shape[0] if isinstance(query_length, torch.Tensor) else int(query_length)
+
+
 class _PoolLayer(_transformers_module.cache_utils.CacheLayerMixin):
     """One layer's view of the shared pools: the held tokens of plane K and V, ``[batch, kv_head, held, dim]``."""
 
@@ -79,7 +84,7 @@ class _PoolLayer(_transformers_module.cache_utils.CacheLayerMixin):
         return self.cache._offset if self.cache.static and self.cache._offset is not None else self.cache.held
 
     def get_mask_sizes(self, query_length) -> tuple[int, int]:
-        q = query_length.shape[0] if isinstance(query_length, torch.Tensor) else int(query_length)
+        q = _tokens(query_length)
         if self.cache.static:  # every slot; the first update (the prompt) allocates q + max_generated of them
             return (self.cache.pools[0].shape[3] if self.cache.pools is not None else q + self.cache.max_generated), 0
         return self.cache.held + q, 0
@@ -196,9 +201,9 @@ class TriAttentionCache(_transformers_module.Cache):
     def get_mask_sizes(self, query_length, layer_idx: int = 0) -> tuple[int, int]:
         """Sizes the next step's mask. A due round runs first. A static cache checks the step here, where the
         host last sees it before a compiled step writes (generate builds the mask outside the graph)."""
-        self._settle()
+        held = self._settle()
         if self.static and self.pools is not None:
-            self._check_step(query_length.shape[0] if isinstance(query_length, torch.Tensor) else int(query_length))
+            self._check_step(_tokens(query_length), held)
         return self.layers[layer_idx].get_mask_sizes(query_length)
 
     @property
@@ -238,10 +243,11 @@ class TriAttentionCache(_transformers_module.Cache):
     def _write(self, layer_idx: int, key_states: torch.Tensor, value_states: torch.Tensor):
         q, pool = key_states.shape[2], self.pools[layer_idx]
         if self.static:  # tensor ops on device-side offsets only: the same graph every step, no host read
-            slots = torch.arange(q, device=pool.device) + self._offset
+            steps = torch.arange(q, device=pool.device)
+            slots = steps + self._offset
             if layer_idx == 0:
-                logical = torch.arange(q, device=pool.device) + self._logical
-                self.slot_positions.index_copy_(2, slots, logical.expand(*self.slot_positions.shape[:2], q))
+                logical = (steps + self._logical).expand(*self.slot_positions.shape[:2], q)
+                self.slot_positions.index_copy_(2, slots, logical)
             _write_slots(pool, slots, key_states, value_states)
             if layer_idx == self.num_layers - 1:
                 self._offset.add_(q)
@@ -256,41 +262,43 @@ class TriAttentionCache(_transformers_module.Cache):
         pool[:, 1, :, start:end] = value_states
         return pool[:, 0, :, :end], pool[:, 1, :, :end]
 
-    def _check_step(self, q: int) -> None:
+    def _check_step(self, q: int, held: int) -> None:
         if self._offloaded:
             raise RuntimeError(f"TriAttentionCache: rows {sorted(self._offloaded)} are offloaded; onboard them "
                                f"before generating")
-        if self.held + q > self.pools[0].shape[3]:
-            raise RuntimeError(f"TriAttentionCache: {self.held + q} tokens do not fit the {self.pools[0].shape[3]} "
+        if held + q > self.pools[0].shape[3]:
+            raise RuntimeError(f"TriAttentionCache: {held + q} tokens do not fit the {self.pools[0].shape[3]} "
                                f"slots; a step may add at most beta + 1 tokens past the prompt")
 
     def _begin_step(self, q: int) -> None:
         """The host's side of an eager step, at its first layer's write: a due round, the step's check and its
         slots' logical positions."""
-        self._settle()
-        self._check_step(q)
-        start = self._held
+        start = self._settle()
+        self._check_step(q, start)
         logical = start + self.evicted
         self.slot_positions[..., start:start + q] = torch.arange(logical, logical + q, device=self.device)
         # the step's tokens count as held from here: no round may run until its last layer has written them
         self._start, self._held, self._writing = start, start + q, self.num_layers > 1
 
     # -- eviction ---------------------------------------------------------------------------------------------
-    def _settle(self) -> None:
-        """Run a due round. It runs when the cache is next read (the next forward sizes its masks before any layer
-        writes), so every layer of a step sees the same held tokens."""
+    def _settle(self) -> int:
+        """Run a due round and return the tokens each row then holds (read once: a device read in a static
+        cache). It runs when the cache is next read (the next forward sizes its masks before any layer writes),
+        so every layer of a step sees the same held tokens."""
         if self.pools is None or self._offloaded or self._writing:
-            return
+            return self._held
         held = self.held
         if held - self.prompt > self.budget and held - self._round_held >= self.beta:
-            self._compress()
+            held = self._compress(held)
+        return held
 
-    def _compress(self) -> None:
-        """One round over the whole batch, before the next token is written: keep `budget` generated tokens."""
+    def _compress(self, held: int) -> int:
+        """One round over the whole batch, before the next token is written: keep `budget` of the generated tokens
+        of the `held` each row holds. Returns what each row holds after it."""
         B = self.pools[0].shape[0]
         if self._round is None:
             self._round = TriAttentionRound(self.selector, self, B, 1, 0, self.cuda_graphs, self.order)
-        table, held = torch.arange(B, dtype=torch.int32)[:, None], self.held
+        table = torch.arange(B, dtype=torch.int32)[:, None]
         self._round.run(table, [held] * B, [self.prompt] * B, [0] * B, [held + self.evicted] * B)
         # what landed at prompt + m came from slot sources[m] (the move's own lists): follow the logical positions
         landed = self._round.params.sources[:B, :self.selector.rows, :self.budget].long()
@@ -301,6 +309,7 @@ class TriAttentionCache(_transformers_module.Cache):
         self._held = self._round_held = end
         if self.static:
             self._offset.fill_(end)
+        return end
 
     # -- host tier --------------------------------------------------------------------------------------------
     def _codec(self) -> PageBlobCodec:
