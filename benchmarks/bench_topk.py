@@ -1,22 +1,21 @@
 """kvops.topk on the GPU.
 
 Rows:
-  topk        kvops.topk from a CUDA graph (at least a row per SM of <= 4096 keys: the Triton register kernel;
-              otherwise the CuTe DSL radix select), vs torch.topk + sort of the indices (what a user would write
-              for ascending keep sets), same inputs; bytes: the scores read once; limit: the read half of the
-              copy bandwidth. Long rows are a select over whole 16k-128k contexts; rows of 2176 keys are the
-              steady-state round's (budget 2048 + beta 128): one per request (union) or 288 per request
-              (per_layer_perhead, Qwen3-8B) at 1 and 32 requests.
+  topk        kvops.topk from a CUDA graph (the class it picks from the shape: kvops/topk.py), vs torch.topk +
+              sort of the indices (what a user would write for ascending keep sets), same inputs; bytes: the
+              scores read once; limit: the read half of the copy bandwidth. Long rows are a select over whole
+              16k-128k contexts; rows of 2176 keys are the steady-state round's (budget 2048 + beta 128): one per
+              request (union) or 288 per request (per_layer_perhead, Qwen3-8B) at 1, 4, 8 and 32 requests.
   topk_eager  the same call without a graph (includes Python and DLPack argument overhead).
-  topk_radix  short rows only: the register kernel with its 8-bit-digit threshold search (4 histogram passes)
-              instead of the bit-by-bit one (32 passes) that kvops.topk runs, from a CUDA graph.
+  topk_triton, topk_native  short rows, a row per SM or more: each short-row class called directly (the Triton
+              register kernel; kvops::topk_short_rows_, one warp per row), from a CUDA graph.
 """
 
 from __future__ import annotations
 
 import torch
 
-from kvops.topk import SHORT_ROW, _short_rows, _short_rows_kernel, topk
+from kvops.topk import SHORT_ROW, _short_rows, _short_rows_kernel, _short_rows_native, short_row_warps, topk
 
 from .common import Row, device_copy_gbps, graphed, time_us
 
@@ -30,7 +29,7 @@ def run(quick: bool = False) -> tuple[list[Row], list[str]]:
     rows_out: list[Row] = []
     shapes = [(64, 32768, 2048), (9216, 2176, 2048)] if quick else [
         (rows, N, k) for k in (2048, 8192) for N in (16384, 32768, 131072) for rows in (32, 64, 256)] + [
-        (rows, 2176, 2048) for rows in (32, 288, 9216)]
+        (rows, 2176, 2048) for rows in (32, 288, 1152, 2304, 9216)]
     for rows, N, k in shapes:
         scores = torch.randn(rows, N, device="cuda")
         lengths = torch.full((rows,), N, dtype=torch.int32, device="cuda")
@@ -40,10 +39,12 @@ def run(quick: bool = False) -> tuple[list[Row], list[str]]:
         eager = time_us(lambda: topk(scores, lengths, k, out), iters=iters)
         shape = f"rows={rows} N={N} k={k}"
         timed = [("topk", ours), ("topk_eager", eager)]
-        if N <= SHORT_ROW and rows >= sms:  # the warps kvops.topk picks for the bitwise search
-            warps = 2 if rows >= 4 * sms else 4
-            timed.append(("topk_radix", time_us(graphed(
-                lambda: _short_rows(scores, lengths, k, out, _short_rows_kernel, warps, radix=True)), iters=iters)))
+        if N <= SHORT_ROW and rows >= sms:
+            warps = short_row_warps(rows, sms)
+            timed.append(("topk_triton", time_us(graphed(
+                lambda: _short_rows(scores, lengths, k, out, _short_rows_kernel, warps)), iters=iters)))
+            timed.append(("topk_native", time_us(graphed(lambda: _short_rows_native(scores, lengths, k, out)),
+                                                 iters=iters)))
         for routine, us in timed:
             rows_out.append(Row.make(FAMILY, routine, shape, "float32", us, scores.numel() * 4, copy_gbps / 2,
                                      "torch.topk+sort", base_us))

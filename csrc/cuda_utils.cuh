@@ -6,24 +6,27 @@
 #include <c10/cuda/CUDAStream.h>
 #include <cuda_runtime.h>
 
+#include <algorithm>
+#include <map>
 #include <mutex>
-#include <set>
-#include <tuple>
+#include <utility>
 
 namespace kvops {
 
 // Raises a clear error when this build has no kernel image for the current GPU
 // (cudaFuncGetAttributes fails with cudaErrorInvalidDeviceFunction). Also opts the kernel in to
-// `smem_bytes` of dynamic shared memory. Done once per (kernel, device), before any capture.
+// `smem_bytes` of dynamic shared memory. The opt-in only ever grows: a later call with less must not lower the
+// limit below what an earlier launch size needs. Done before any capture, once per (kernel, device) and size.
 template <class Kernel>
 void prepare_kernel(Kernel kernel, const char* op, int smem_bytes = 0) {
   static std::mutex mu;
-  static std::set<std::tuple<const void*, int, int>> done;
+  static std::map<std::pair<const void*, int>, int> opted;  // (kernel, device) -> dynamic shared memory allowed
   int dev = 0;
   C10_CUDA_CHECK(cudaGetDevice(&dev));
-  const auto key = std::make_tuple(reinterpret_cast<const void*>(kernel), dev, smem_bytes);
+  const auto key = std::make_pair(reinterpret_cast<const void*>(kernel), dev);
   std::lock_guard<std::mutex> lock(mu);
-  if (done.count(key)) return;
+  const auto it = opted.find(key);
+  if (it != opted.end() && it->second >= smem_bytes) return;
   cudaFuncAttributes attr;
   cudaError_t err = cudaFuncGetAttributes(&attr, kernel);
   if (err != cudaSuccess) {
@@ -36,7 +39,7 @@ void prepare_kernel(Kernel kernel, const char* op, int smem_bytes = 0) {
   }
   if (smem_bytes > 48 * 1024)
     C10_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem_bytes));
-  done.insert(key);
+  opted[key] = std::max(smem_bytes, 48 * 1024);
 }
 
 inline int sm_count() {

@@ -1,9 +1,11 @@
 """kvops.topk: per-row top-k over rows of ragged lengths, ascending indices, lowest index wins ties.
 
-Two shape classes on the GPU, chosen from the shape, both on the current stream:
-- at least one row per SM, of up to SHORT_ROW keys (the steady-state round: budget + beta keys per row, hundreds
-  to thousands of rows): a Triton kernel with one small program per row, its keys in registers, many programs
-  per SM (its threshold search bit by bit; the 8-bit-digit search beside it is benchmarked, not yet the default);
+Three shape classes on the GPU, chosen from the shape, all on the current stream:
+- many rows of up to SHORT_ROW keys (at least NATIVE_ROWS_PER_SM per SM; the steady-state round of
+  per-(layer, head) decisions: thousands of rows of budget + beta keys): kvops::topk_short_rows_ (csrc/topk), one
+  warp per row, 8-bit digits over shared-memory histograms, several rows per CTA;
+- fewer rows, but at least one per SM: a Triton kernel with one small program per row, its keys in registers
+  (its threshold search bit by bit), many programs per SM;
 - otherwise: the CuTe DSL radix select in topk_cute.py (one 1024-thread CTA per row, the row staged in shared
   memory; faster for a few rows), one kernel per staging-copy width (shapes are dynamic), built ahead of time
   (kvops/_cute.py).
@@ -19,11 +21,12 @@ import triton
 import triton.language as tl
 
 from . import _cute
-from ._checks import check_device, check_int, check_int32, overlap
+from ._checks import check_device, check_int, check_int32, check_no_meta_mix, overlap
 from ._dispatch import call, triton_launcher
 
 MAX_K = 2**31 - 1  # indices are int32
-SHORT_ROW = 4096    # the widest row the register kernel serves (its keys in one program's registers)
+SHORT_ROW = 4096    # the widest row the short-row classes serve (csrc/topk/topk.h's kShortRow: 16-bit indices)
+NATIVE_ROWS_PER_SM = 8  # from here the warp-per-row class beats the Triton one (H200, rows of 2176 keys)
 
 
 @triton.jit
@@ -65,45 +68,18 @@ def _bitwise_threshold(head, rest, k):
 
 
 @triton.jit
-def _radix_threshold(head, rest, head_valid, rest_valid, k):
-    """The same T, one 8-bit digit per pass: the histogram of the next digit over the valid keys that match the
-    digits found so far, and the largest digit whose count from the top reaches the keys still needed. Four
-    passes instead of 32; where fewer than k keys match, the digit is 0, so T is 0 with fewer than k keys."""
-    threshold = tl.zeros((), tl.uint32)
-    need = k
-    digits = tl.arange(0, 256)
-    for shift in tl.static_range(24, -1, -8):
-        if shift == 24:
-            head_match, rest_match = head_valid, rest_valid
-        else:
-            head_match = head_valid & ((head >> (shift + 8)) == (threshold >> (shift + 8)))
-            rest_match = rest_valid & ((rest >> (shift + 8)) == (threshold >> (shift + 8)))
-        hist = tl.histogram(((head >> shift) & 0xFF).to(tl.int32), 256, mask=head_match) + \
-            tl.histogram(((rest >> shift) & 0xFF).to(tl.int32), 256, mask=rest_match)
-        at_or_above = tl.cumsum(hist, 0, reverse=True)
-        digit = tl.max(tl.where(at_or_above >= need, digits, 0), 0)
-        need -= tl.sum(tl.where(digits > digit, hist, 0), 0)
-        threshold |= digit.to(tl.uint32) << shift
-    return threshold
-
-
-@triton.jit
-def _short_rows_kernel(bits, stride, lengths, out, N, k, HEAD: tl.constexpr, REST: tl.constexpr,
-                       RADIX: tl.constexpr):
+def _short_rows_kernel(bits, stride, lengths, out, N, k, HEAD: tl.constexpr, REST: tl.constexpr):
     """One row per program, its keys in registers as a power-of-two head and rest (no padding to the next power
-    of two). The k-th largest key T is the largest with #{key >= T} >= k, found bit by bit or (RADIX) digit by
-    digit from the top. Then keys > T, and the first k - #{> T} keys == T in index order, land at their exclusive
-    prefix count, so the output ascends."""
+    of two). The k-th largest key T is the largest with #{key >= T} >= k, found bit by bit from the top. Then
+    keys > T, and the first k - #{> T} keys == T in index order, land at their exclusive prefix count, so the
+    output ascends."""
     row = tl.program_id(0)
     length = tl.minimum(tl.maximum(tl.load(lengths + row), 0), N)
     at_head = tl.arange(0, HEAD)
     at_rest = HEAD + tl.arange(0, REST)
     head = _ukeys(bits, stride, row, at_head, length)
     rest = _ukeys(bits, stride, row, at_rest, length)
-    if RADIX:
-        threshold = _radix_threshold(head, rest, at_head < length, at_rest < length, k)
-    else:
-        threshold = _bitwise_threshold(head, rest, k)
+    threshold = _bitwise_threshold(head, rest, k)
     greater = tl.sum((head > threshold).to(tl.int32), 0) + tl.sum((rest > threshold).to(tl.int32), 0)
     row_out = out + row.to(tl.int64) * k
     kept, ties = _place(row_out, head, at_head, length, threshold, tl.maximum(k - greater, 0), 0)
@@ -117,11 +93,28 @@ def _short_rows_kernel(bits, stride, lengths, out, N, k, HEAD: tl.constexpr, RES
 
 
 def _short_rows(scores: torch.Tensor, lengths: torch.Tensor, k: int, out: torch.Tensor, kernel,
-                num_warps: int = 4, radix: bool = False) -> None:
+                num_warps: int = 4) -> None:
     rows, N = scores.shape
     head = triton.next_power_of_2(N + 1) // 2 if N else 1  # the largest power of two <= N
     kernel[(rows,)](scores.view(torch.int32), scores.stride(0), lengths, out, N, k, HEAD=head,
-                    REST=triton.next_power_of_2(max(1, N - head)), RADIX=radix, num_warps=num_warps)
+                    REST=triton.next_power_of_2(max(1, N - head)), num_warps=num_warps)
+
+
+def short_row_warps(rows: int, sms: int) -> int:
+    """Warps per row of the Triton class: 2 once the rows fill every SM several times over (9216 x 2176: 260 us
+    against 340 with 4, H200); 4 for fewer rows, where each row's latency is the time."""
+    return 2 if rows >= 4 * sms else 4
+
+
+def _short_rows_native(scores: torch.Tensor, lengths: torch.Tensor, k: int, out: torch.Tensor) -> None:
+    """kvops::topk_short_rows_ (csrc/topk): one warp per row, the candidates compacted in shared memory after the
+    first digit."""
+    torch.ops.kvops.topk_short_rows_(scores, lengths, k, out)
+
+
+@torch.library.register_fake("kvops::topk_short_rows_")
+def _short_rows_native_fake(scores, lengths, k, out):
+    check_no_meta_mix("topk_short_rows_", scores, lengths, out)
 
 
 def topk_spec(vector: bool) -> _cute.Spec:
@@ -166,10 +159,11 @@ def _topk_cuda(scores, lengths, k, out):
     device = scores.device
     rows, N = scores.shape
     sms = torch.cuda.get_device_properties(device).multi_processor_count
+    if N <= SHORT_ROW and rows >= NATIVE_ROWS_PER_SM * sms and k >= 1:
+        _short_rows_native(scores, lengths, k, out)
+        return
     if N <= SHORT_ROW and rows >= sms:
-        # 2 warps a row once the rows fill every SM several times over (9216 x 2176: 260 us against 340 with 4,
-        # H200); 4 for fewer rows, where each row's latency is the time
-        _short_rows(scores, lengths, k, out, _short_rows_kernel, 2 if rows >= 4 * sms else 4)
+        _short_rows(scores, lengths, k, out, _short_rows_kernel, short_row_warps(rows, sms))
         return
     vector = scores.data_ptr() % 16 == 0 and scores.stride(0) % 4 == 0 and scores.shape[1] % 4 == 0
     # the kernel reads the fp32 bit patterns

@@ -56,12 +56,12 @@ def test_matches_torch_topk_on_distinct_values(device):
 
 @requires_cuda
 @pytest.mark.parametrize("N,k", [(2176, 2048), (2176, 128), (4096, 2048), (3000, 3000)])
-@pytest.mark.parametrize("radix", [False, True])
-def test_short_rows_cuda(N, k, radix):
-    """The register kernel's class (N <= SHORT_ROW, a row per SM or more) at serving shapes: many rows of
-    budget + beta keys, with both threshold searches. The tie-heavy tests above (a few rows) take the CuTe class
-    at the same widths."""
-    from kvops.topk import _short_rows, _short_rows_kernel
+@pytest.mark.parametrize("path", ["topk", "triton", "native"])
+def test_short_rows_cuda(N, k, path):
+    """The short-row classes (N <= SHORT_ROW, a row per SM or more) at serving shapes: many rows of budget + beta
+    keys, through kvops.topk (which routes these rows to the native class) and through each class directly. The
+    tie-heavy tests above (a few rows) take the CuTe class at the same widths."""
+    from kvops.topk import _short_rows, _short_rows_kernel, _short_rows_native
 
     rows = 1152
     scores = torch.randn(rows, N, device="cuda")
@@ -71,10 +71,12 @@ def test_short_rows_cuda(N, k, radix):
     lengths = torch.randint(0, N + 1, (rows,), dtype=torch.int32, device="cuda")
     lengths[::2] = N
     out = poison_(torch.empty(rows, k, dtype=torch.int32, device="cuda"))
-    if radix:
-        _short_rows(scores, lengths, k, out, _short_rows_kernel, radix=True)
+    if path == "triton":
+        _short_rows(scores, lengths, k, out, _short_rows_kernel)
+    elif path == "native":
+        _short_rows_native(scores, lengths, k, out)
     else:
-        topk(scores, lengths, k, out)  # kvops.topk routes these rows to the kernel's bitwise search
+        topk(scores, lengths, k, out)
     assert torch.equal(out.cpu(), topk(scores.cpu(), lengths.cpu(), k))
 
 
@@ -95,10 +97,9 @@ def test_short_rows_triton_interpreter():
         "    s[4] = torch.randn(N) * 1e-3 + 5\n"
         "    s[5] = 2.0\n"
         "    n = torch.tensor([N, 0, 1, N, N // 2, N], dtype=torch.int32)\n"
-        "    for radix in (False, True):\n"
-        "        out = torch.full((6, k), 99, dtype=torch.int32)\n"
-        "        _short_rows(s, n, k, out, _short_rows_kernel, radix=radix)\n"
-        "        assert torch.equal(out, topk_reference(s, n, k)), (N, k, radix)\n", TRITON_INTERPRET="1")
+        "    out = torch.full((6, k), 99, dtype=torch.int32)\n"
+        "    _short_rows(s, n, k, out, _short_rows_kernel)\n"
+        "    assert torch.equal(out, topk_reference(s, n, k)), (N, k)\n", TRITON_INTERPRET="1")
 
 
 @requires_cuda
@@ -158,3 +159,62 @@ def test_bad_arguments(device):
         topk(s, n, 2, s.view(torch.int32).view(-1)[:4].view(2, 2))
     with pytest.raises(ValueError, match="out must be"):
         topk(s, n, 3, torch.empty(2, 4, dtype=torch.int32, device=device))
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("N,k", [(1, 1), (7, 3), (300, 64), (1000, 1000), (2176, 2048), (2176, 128), (513, 2000),
+                                 (4096, 300)])
+def test_short_rows_native_matches_reference(device, N, k):
+    """kvops::topk_short_rows_ (csrc/topk, one warp per row on the GPU): tie-heavy rows, one shared top digit,
+    all-equal rows, lengths 0, 1 and ragged."""
+    from kvops.topk import _short_rows_native
+
+    rows = 40 if device == "cuda" else 6
+    scores = _tie_heavy(rows, N, device)
+    scores[1] = torch.randn(N, device=device) * 1e-3 + 5
+    scores[2] = 2.0
+    scores[3] = torch.randn(N, device=device)
+    lengths = torch.randint(0, N + 1, (rows,), dtype=torch.int32)
+    lengths[0], lengths[4], lengths[1:4] = 0, min(1, N), N
+    lengths = lengths.to(device)
+    out = poison_(torch.empty(rows, k, dtype=torch.int32, device=device))
+    _short_rows_native(scores, lengths, k, out)
+    assert torch.equal(out.cpu(), topk_reference(scores.cpu(), lengths.cpu(), k))
+    opcheck(torch.ops.kvops.topk_short_rows_.default, (scores, lengths, k, out))
+
+
+@requires_cuda
+def test_short_rows_native_after_a_narrower_launch():
+    """A narrower row asks for less shared memory; a wider one after it must still launch (the opt-in only grows)."""
+    from kvops.topk import _short_rows_native
+
+    for N in (4096, 3000, 4096):
+        scores = _tie_heavy(8, N, "cuda")
+        lengths = torch.full((8,), N, dtype=torch.int32, device="cuda")
+        out = poison_(torch.empty(8, 300, dtype=torch.int32, device="cuda"))
+        _short_rows_native(scores, lengths, 300, out)
+        assert torch.equal(out.cpu(), topk_reference(scores.cpu(), lengths.cpu(), 300))
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_short_rows_native_bad_arguments(device):
+    from kvops.topk import _short_rows_native
+
+    s = torch.randn(4, 100, device=device)
+    n = torch.full((4,), 100, dtype=torch.int32, device=device)
+    out = torch.empty(4, 10, dtype=torch.int32, device=device)
+    with pytest.raises(TypeError, match="scores must be float32"):
+        _short_rows_native(s.double(), n, 10, out)
+    with pytest.raises(TypeError, match="lengths and out must be int32"):
+        _short_rows_native(s, n.long(), 10, out)
+    with pytest.raises(ValueError, match="at most 4096 keys"):
+        _short_rows_native(torch.randn(4, 4097, device=device), n, 10, out)
+    with pytest.raises(ValueError, match="lengths must be contiguous"):
+        _short_rows_native(s, n[:3], 10, out)
+    with pytest.raises(ValueError, match="out must be contiguous"):
+        _short_rows_native(s, n, 9, out)
+    with pytest.raises(ValueError, match="k must be in"):
+        _short_rows_native(s, n, 0, out[:, :0])
+    square = torch.randn(4, 10, device=device)
+    with pytest.raises(ValueError, match="out overlaps"):
+        _short_rows_native(square, n, 10, square.view(torch.int32))

@@ -1,0 +1,41 @@
+// CPU backend of kvops::topk_short_rows_: per row, a partial sort by (key descending, index ascending).
+#include <torch/library.h>
+
+#include <algorithm>
+#include <utility>
+#include <vector>
+
+#include "topk.h"
+
+namespace kvops {
+namespace topk {
+
+namespace {
+
+void short_rows_cpu(const at::Tensor& scores, const at::Tensor& lengths, int64_t k, at::Tensor out) {
+  check_short_rows(scores, lengths, k, out);
+  const int64_t rows = scores.size(0), N = scores.size(1);
+  const auto* bits = reinterpret_cast<const int32_t*>(scores.const_data_ptr<float>());
+  const auto* length = lengths.const_data_ptr<int32_t>();
+  auto* dst = out.data_ptr<int32_t>();
+  std::vector<std::pair<uint32_t, int32_t>> keys;
+  for (int64_t r = 0; r < rows; ++r) {
+    const int64_t n = std::min<int64_t>(std::max<int32_t>(length[r], 0), N);
+    keys.clear();
+    for (int64_t i = 0; i < n; ++i) keys.emplace_back(ukey(bits[r * scores.stride(0) + i]), int32_t(i));
+    const int64_t kept = std::min(k, n);
+    std::partial_sort(keys.begin(), keys.begin() + kept, keys.end(),
+                      [](const auto& a, const auto& b) { return a.first != b.first ? a.first > b.first : a.second < b.second; });
+    std::vector<int32_t> picked(kept);
+    for (int64_t j = 0; j < kept; ++j) picked[j] = keys[j].second;
+    std::sort(picked.begin(), picked.end());
+    for (int64_t j = 0; j < k; ++j) dst[r * k + j] = j < kept ? picked[j] : -1;
+  }
+}
+
+}  // namespace
+
+TORCH_LIBRARY_IMPL(kvops, CPU, m) { m.impl("topk_short_rows_", &short_rows_cpu); }
+
+}  // namespace topk
+}  // namespace kvops
