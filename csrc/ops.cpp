@@ -27,6 +27,10 @@ TORCH_LIBRARY(kvops, m) {
   // with moves (the shape of sources), only the list indices the row of moves names (ascending, -1 ends it).
   m.def("compaction_compact_layers_(Tensor(a!)[] pools, Tensor page_table, Tensor sources, Tensor new_lengths, "
         "Tensor destination_bases, int[] layer_row_base, int[] head_row_stride, Tensor? moves=None) -> ()");
+  // Fill-order move lists (kvops/compaction/pack.py): sources, moves and new_lengths from the decisions, every
+  // list row of every request.
+  m.def("compaction_fill_lists_(Tensor kept, Tensor scored_lengths, Tensor tail_lengths, Tensor destination_bases, "
+        "Tensor(a!) sources, Tensor(b!) new_lengths, Tensor(c!) moves) -> ()");
   // Top-k over rows of at most 4096 keys (kvops/topk.py's semantics): one warp per row on the GPU.
   m.def("topk_short_rows_(Tensor scores, Tensor lengths, int k, Tensor(a!) out) -> ()");
 }
@@ -43,7 +47,7 @@ void not_built(const c10::OperatorHandle& op, torch::jit::Stack*) {
 
 TORCH_LIBRARY_IMPL(kvops, CUDA, m) {
   for (const char* name : {"nvfp4_quantize", "nvfp4_dequantize", "nvfp4_encode_pages_", "nvfp4_decode_pages_",
-                           "compaction_compact_layers_", "topk_short_rows_"})
+                           "compaction_compact_layers_", "compaction_fill_lists_", "topk_short_rows_"})
     m.impl(name, torch::CppFunction::makeFromBoxedFunction<&not_built>());
 }
 #endif

@@ -8,6 +8,7 @@ import torch
 from conftest import DEVICES, bytes_of, opcheck, poison_, requires_cuda, run_python
 from kvops.compaction import (build_compaction_params, compact, compact_layers_, decision_row, decision_rows,
                               pack_move_sources, stream_rows)
+from kvops.compaction.pack import _pack_torch
 from kvops.compaction.reference import compact_reference, fill_order
 
 LAYOUTS = ("hnd", "nhd", "vllm")
@@ -304,6 +305,64 @@ def test_opcheck(device, dtype):
         opcheck(torch.ops.kvops.compaction_compact_layers_.default,
                 (params.pools, table, params.sources, params.new_lengths, base, list(params.layer_row_base),
                  list(params.head_row_stride), m))
+
+
+def _fill_decisions(R, rows, K, tail, base, evicted, device):
+    """Contract-keeping decisions: per row, K ascending positions of [base, base + K + evicted) (each row its own
+    holes), scored lengths base + K + evicted."""
+    scored = base + K + evicted
+    kept = torch.stack([torch.randperm(K + int(evicted[r]))[:K].sort().values + int(base[r])
+                        for r in range(R) for _ in range(rows)]).view(R, rows, K)
+    i32 = lambda t: t.to(device=device, dtype=torch.int32)
+    return i32(kept), i32(scored), i32(tail), i32(base)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("window", [False, True])
+@pytest.mark.parametrize("rows", [7, 900])
+def test_fill_lists_native_matches_torch(device, window, rows):
+    """kvops::compaction_fill_lists_ against the torch rule: steady-state rows (few holes, each row its own), rows
+    with every hole below the new length or none, a refused tail, a request whose kept tokens all sit past the
+    new length; outputs poisoned first. On the GPU, 7 rows a request split each row across warps, 900 give each
+    row one warp."""
+    R, K, max_tail = 5, 300, 40
+    tail = torch.tensor([3, 40, 0, 41, 17])             # request 3 refused (tail > max_tail)
+    base = torch.tensor([0, 9, 100, 5, 64])
+    evicted = torch.tensor([32, 1, 0, 70, 400])         # request 2 evicts nothing
+    kept, scored, tail, base = _fill_decisions(R, rows, K, tail, base, evicted, device)
+    kept[4, 0] = torch.arange(K, device=device, dtype=torch.int32) + int(base[4]) + K + 17  # all past the new length
+    shape = (R, rows + window, K + max_tail)
+    sources, moves = (poison_(torch.empty(shape, dtype=torch.int32, device=device)) for _ in range(2))
+    new_lengths = poison_(torch.empty(R, dtype=torch.int32, device=device))
+    torch.ops.kvops.compaction_fill_lists_(kept, scored, tail, base, sources, new_lengths, moves)
+    want_sources, want_moves = torch.full(shape, 7, dtype=torch.int32), torch.full(shape, 7, dtype=torch.int32)
+    want_lengths = torch.zeros(R, dtype=torch.int32)
+    _pack_torch(*(t.cpu() for t in (kept, scored, tail, base)), want_sources, want_lengths, want_moves)
+    assert torch.equal(new_lengths.cpu(), want_lengths)
+    assert torch.equal(sources.cpu(), want_sources)
+    assert torch.equal(moves.cpu(), want_moves)
+    assert (moves[1] >= 0).any() and (moves[3] == -1).all() and (moves[2, :rows] == -1).all()
+    assert int((moves[4, 0] >= 0).sum()) == K + 17
+    opcheck(torch.ops.kvops.compaction_fill_lists_.default, (kept, scored, tail, base, sources, new_lengths, moves))
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_fill_lists_bad_arguments(device):
+    kept, scored, tail, base = _fill_decisions(2, 3, 8, torch.tensor([1, 2]), torch.tensor([0, 4]),
+                                               torch.tensor([2, 3]), device)
+    sources, moves = (torch.empty(2, 3, 12, dtype=torch.int32, device=device) for _ in range(2))
+    new_lengths = torch.empty(2, dtype=torch.int32, device=device)
+    fill = torch.ops.kvops.compaction_fill_lists_
+    with pytest.raises(ValueError, match="sources overlaps moves"):
+        fill(kept, scored, tail, base, sources, new_lengths, sources)
+    with pytest.raises(ValueError, match="new_lengths overlaps scored_lengths"):
+        fill(kept, scored, tail, base, sources, scored, moves)
+    with pytest.raises(ValueError, match="sources must be contiguous"):
+        fill(kept, scored, tail, base, sources[:, :, :10], new_lengths, moves[:, :, :10])
+    with pytest.raises(ValueError, match="tail_lengths must be int32"):
+        fill(kept, scored, tail.long(), base, sources, new_lengths, moves)
+    with pytest.raises(ValueError, match="scored_lengths must be contiguous"):
+        fill(kept, scored[:1], tail, base, sources, new_lengths, moves)
 
 
 @pytest.mark.parametrize("device", DEVICES)

@@ -1,5 +1,8 @@
-// Host-side checks of kvops::compaction_compact_layers_, shared by the CPU and CUDA backends.
+// Host-side checks of kvops::compaction_compact_layers_ and kvops::compaction_fill_lists_, shared by the CPU and
+// CUDA backends.
 #include "compaction.h"
+
+#include <ATen/MemoryOverlap.h>
 
 #include <limits>
 
@@ -13,12 +16,71 @@ bool movable_dtype(at::ScalarType t) {
   return t == at::kBFloat16 || t == at::kHalf || t == at::kFloat8_e4m3fn || t == at::kFloat8_e5m2;
 }
 
-void check_index(const at::Tensor& t, const char* name, int64_t dim, const at::Device& device) {
-  TORCH_CHECK_VALUE(t.scalar_type() == at::kInt, kOp, ": ", name, " must be int32, got ", t.scalar_type());
-  TORCH_CHECK_VALUE(t.dim() == dim, kOp, ": ", name, " must be ", dim, "-D, got shape ", t.sizes());
-  TORCH_CHECK_VALUE(t.device() == device, kOp, ": ", name, " is on ", t.device(), ", the pools on ", device);
+void check_index(const at::Tensor& t, const char* name, int64_t dim, const at::Device& device, const char* op = kOp,
+                 const char* anchor = "the pools") {
+  TORCH_CHECK_VALUE(t.scalar_type() == at::kInt, op, ": ", name, " must be int32, got ", t.scalar_type());
+  TORCH_CHECK_VALUE(t.dim() == dim, op, ": ", name, " must be ", dim, "-D, got shape ", t.sizes());
+  TORCH_CHECK_VALUE(t.device() == device, op, ": ", name, " is on ", t.device(), ", ", anchor, " on ", device);
 }
 }  // namespace
+
+FillPlan check_fill_args(const at::Tensor& kept, const at::Tensor& scored_lengths, const at::Tensor& tail_lengths,
+                         const at::Tensor& destination_bases, const at::Tensor& sources,
+                         const at::Tensor& new_lengths, const at::Tensor& moves) {
+  constexpr const char* op = "compaction_fill_lists_";
+  const at::Device device = kept.device();
+  const std::pair<const at::Tensor*, const char*> lengths[] = {
+      {&scored_lengths, "scored_lengths"}, {&tail_lengths, "tail_lengths"},
+      {&destination_bases, "destination_bases"}, {&new_lengths, "new_lengths"}};
+  check_index(kept, "kept", 3, device, op, "kept");
+  check_index(sources, "sources", 3, device, op, "kept");
+  check_index(moves, "moves", 3, device, op, "kept");
+  const int64_t R = kept.size(0), rows = kept.size(1), K = kept.size(2);
+  for (const auto& [t, name] : lengths) {
+    check_index(*t, name, 1, device, op, "kept");
+    TORCH_CHECK_VALUE(t->size(0) == R && t->is_contiguous(), op, ": ", name, " must be contiguous with one entry per "
+                      "request of kept (", R, "), got shape ", t->sizes());
+  }
+  TORCH_CHECK_VALUE(kept.stride(2) == 1 || K <= 1, op, ": kept needs a contiguous last dim, got strides ",
+                    kept.strides());
+  TORCH_CHECK_VALUE(sources.size(0) == R && (sources.size(1) == rows || sources.size(1) == rows + 1) &&
+                        sources.size(2) >= K && sources.is_contiguous(),
+                    op, ": sources must be contiguous [", R, ", ", rows, " or ", rows + 1, ", >= ", K,
+                    "] for kept of shape ", kept.sizes(), ", got ", sources.sizes());
+  TORCH_CHECK_VALUE(sources.size(1) >= 1, op, ": sources needs at least one list row per request");
+  TORCH_CHECK_VALUE(moves.sizes() == sources.sizes() && moves.is_contiguous(), op,
+                    ": moves must be contiguous with the shape of sources ", sources.sizes(), ", got ", moves.sizes());
+  TORCH_CHECK_VALUE(sources.numel() < std::numeric_limits<int32_t>::max() / 2 &&
+                        kept.numel() < std::numeric_limits<int32_t>::max() / 2,
+                    op, ": too many list entries for int32 indexing");
+  const std::pair<const at::Tensor*, const char*> written[] = {
+      {&sources, "sources"}, {&moves, "moves"}, {&new_lengths, "new_lengths"}};
+  const std::pair<const at::Tensor*, const char*> all[] = {
+      {&sources, "sources"},        {&moves, "moves"},
+      {&new_lengths, "new_lengths"}, {&kept, "kept"},
+      {&scored_lengths, "scored_lengths"}, {&tail_lengths, "tail_lengths"},
+      {&destination_bases, "destination_bases"}};
+  for (const auto& [out, out_name] : written)
+    for (const auto& [t, name] : all)
+      TORCH_CHECK_VALUE(out == t || at::get_overlap_status(*out, *t) == at::MemOverlapStatus::No, op, ": ",
+                        out_name, " overlaps ", name);
+  FillPlan plan{};
+  plan.kept = kept.data_ptr<int32_t>();
+  plan.kept_stride_request = kept.stride(0);
+  plan.kept_stride_row = kept.stride(1);
+  plan.scored_lengths = scored_lengths.data_ptr<int32_t>();
+  plan.tail_lengths = tail_lengths.data_ptr<int32_t>();
+  plan.destination_bases = destination_bases.data_ptr<int32_t>();
+  plan.sources = sources.data_ptr<int32_t>();
+  plan.moves = moves.data_ptr<int32_t>();
+  plan.new_lengths = new_lengths.data_ptr<int32_t>();
+  plan.requests = int32_t(R);
+  plan.rows = int32_t(rows);
+  plan.list_rows = int32_t(sources.size(1));
+  plan.K = int32_t(K);
+  plan.capacity = int32_t(sources.size(2));
+  return plan;
+}
 
 MovePlan check_compact_args(at::TensorList pools, const at::Tensor& page_table, const at::Tensor& sources,
                             const at::Tensor& new_lengths, const at::Tensor& destination_bases,

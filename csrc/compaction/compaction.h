@@ -60,6 +60,46 @@ struct MovePlan {
   }
 };
 
+// Fill-order move lists (kvops::compaction_fill_lists_; kvops/compaction/pack.py states the lists): the
+// arguments, and one list row of one request.
+struct FillRow {
+  const int32_t* kept;  // the decision row; unused for the window row
+  int32_t K, scored, tail, base, n;  // n = K + tail: the list's length
+  bool refused;                      // a tail the lists cannot hold: lists of -1, the length before the round
+
+  // U: the kept positions, then the tail's (ascending when the decision keeps the contract).
+  KVOPS_HD int32_t U(int32_t i) const { return i < K ? kept[i] : scored + (i - K); }
+  KVOPS_HD int32_t new_length() const { return refused ? scored + (tail > 0 ? tail : 0) : base + n; }
+  // The window row stays in order: the latest K scored tokens, then the tail; all move or none does.
+  KVOPS_HD int32_t window_source(int32_t m) const { return m < n ? scored - K + m : -1; }
+  KVOPS_HD int32_t window_move(int32_t m) const { return m < n && scored - K != base ? m : -1; }
+};
+
+struct FillPlan {
+  const int32_t* kept;
+  int64_t kept_stride_request, kept_stride_row;
+  const int32_t *scored_lengths, *tail_lengths, *destination_bases;
+  int32_t *sources, *moves, *new_lengths;
+  int32_t requests, rows, list_rows, K, capacity;
+
+  KVOPS_HD FillRow row(int32_t r, int32_t list_row) const {
+    FillRow f;
+    f.kept = kept + r * kept_stride_request + (list_row < rows ? list_row : 0) * kept_stride_row;
+    f.K = K;
+    f.scored = scored_lengths[r];
+    f.tail = tail_lengths[r];
+    f.base = destination_bases[r];
+    f.n = K + f.tail;
+    f.refused = f.tail < 0 || f.tail > capacity - K;
+    return f;
+  }
+};
+
+// Checks every argument of kvops::compaction_fill_lists_ and fills the plan; raises before anything is written.
+FillPlan check_fill_args(const at::Tensor& kept, const at::Tensor& scored_lengths, const at::Tensor& tail_lengths,
+                         const at::Tensor& destination_bases, const at::Tensor& sources,
+                         const at::Tensor& new_lengths, const at::Tensor& moves);
+
 // Checks every argument of kvops::compaction_compact_layers_ (shapes, dtypes, devices, strides, alignment,
 // list-row ranges) and fills the plan; raises before anything is touched.
 MovePlan check_compact_args(at::TensorList pools, const at::Tensor& page_table, const at::Tensor& sources,

@@ -1,8 +1,11 @@
-// CPU backend of kvops::compaction_compact_layers_: the same stream walk as the CUDA kernel, one row at a time.
+// CPU backends of kvops::compaction_compact_layers_ (the same stream walk as the CUDA kernel, one row at a time) and
+// kvops::compaction_fill_lists_ (the same rule as the CUDA kernel, one position at a time).
 #include <ATen/Parallel.h>
 #include <torch/library.h>
 
+#include <algorithm>
 #include <cstring>
+#include <vector>
 
 #include "compaction.h"
 
@@ -36,7 +39,50 @@ void compact_layers_cpu(at::TensorList pools, const at::Tensor& page_table, cons
   });
 }
 
-TORCH_LIBRARY_IMPL(kvops, CPU, m) { m.impl("compaction_compact_layers_", &compact_layers_cpu); }
+void fill_lists_cpu(const at::Tensor& kept, const at::Tensor& scored_lengths, const at::Tensor& tail_lengths,
+                    const at::Tensor& destination_bases, at::Tensor sources, at::Tensor new_lengths, at::Tensor moves) {
+  const FillPlan p = check_fill_args(kept, scored_lengths, tail_lengths, destination_bases, sources, new_lengths, moves);
+  const int64_t C = p.capacity;
+  for (int32_t r = 0; r < p.requests; ++r) p.new_lengths[r] = p.row(r, 0).new_length();
+  at::parallel_for(0, int64_t(p.requests) * p.list_rows, 16, [&](int64_t begin, int64_t end) {
+    std::vector<char> stays;
+    for (int64_t item = begin; item < end; ++item) {
+      const int32_t r = int32_t(item / p.list_rows), row = int32_t(item % p.list_rows);
+      const FillRow f = p.row(r, row);
+      int32_t *src = p.sources + item * C, *mv = p.moves + item * C;
+      std::fill(src, src + C, -1);
+      std::fill(mv, mv + C, -1);
+      if (f.refused) continue;
+      if (row >= p.rows) {
+        for (int32_t m = 0; m < C; ++m) src[m] = f.window_source(m), mv[m] = f.window_move(m);
+        continue;
+      }
+      // U[0..s) lie below the new length and stay on their own slots; the j-th free slot takes U[s + j].
+      stays.assign(size_t(f.n), 0);
+      int32_t s = 0;
+      for (int32_t i = 0; i < f.n; ++i) {
+        const int64_t slot = int64_t(f.U(i)) - f.base;
+        if (slot < f.n) {
+          ++s;
+          if (slot >= 0) stays[slot] = 1;
+        }
+      }
+      for (int32_t m = 0, j = 0; m < f.n; ++m) {
+        if (stays[m]) {
+          src[m] = f.base + m;
+        } else {
+          src[m] = s + j < f.n ? f.U(s + j) : -1;
+          mv[j++] = m;
+        }
+      }
+    }
+  });
+}
+
+TORCH_LIBRARY_IMPL(kvops, CPU, m) {
+  m.impl("compaction_compact_layers_", &compact_layers_cpu);
+  m.impl("compaction_fill_lists_", &fill_lists_cpu);
+}
 
 }  // namespace compaction
 }  // namespace kvops

@@ -1,4 +1,5 @@
-// CUDA backend of kvops::compaction_compact_layers_: every layer, plane and head of a batch in one launch.
+// CUDA backends of kvops::compaction_compact_layers_ (every layer, plane and head of a batch in one launch) and
+// kvops::compaction_fill_lists_ (one warp per list row; at the end of this file).
 //
 // One warp owns one stream (request, layer, plane, head) and walks its move list in chunks of
 // whole token rows. Within a chunk all lanes load before any lane stores (__syncwarp), and
@@ -122,9 +123,100 @@ void compact_layers_cuda(at::TensorList pools, const at::Tensor& page_table, con
   }
 }
 
+constexpr int kFillWarps = 8;  // warps per CTA
+
+// The first i in [0, hi) with U(i) >= value (hi when none), U ascending: 32 probes a step, one per lane, so
+// rows of up to 32k entries take at most three dependent loads. Warp-uniform; any U gives a result in [0, hi].
+__device__ int32_t lower_bound(const FillRow& f, int32_t hi, int64_t value, int lane) {
+  int32_t lo = 0;
+  while (lo < hi) {
+    const int32_t step = (hi - lo + 31) / 32, i = lo + lane * step;
+    const int c = __popc(__ballot_sync(~0u, i < hi && f.U(i) < value));  // the probes below value: a prefix
+    if (c == 0) break;
+    hi = min(hi, lo + c * step);
+    lo += (c - 1) * step + 1;
+  }
+  return lo;
+}
+
+// One warp writes one segment of one list row, 32 positions a step. Two searches place the segment: s = #U below
+// the new length, and the stays below its first position (the free slots below it follow). The positions then
+// merge with U[0..s): the stays that land in this step's 32 slots are the next U entries below its end, one
+// OR-reduction makes them a slot mask, and the free slots take ranks by ballot, so sources and moves are written
+// in order, coalesced, with no shared memory. A row splits into segments only when there are too few rows to
+// fill the GPU (one request's union row: 68 steps in one warp would be the whole latency).
+__global__ void __launch_bounds__(kFillWarps * 32)
+    fill_lists_kernel(const FillPlan p, int32_t segment, int32_t segments) {
+  const int lane = threadIdx.x % 32;
+  const int64_t warp = int64_t(blockIdx.x) * kFillWarps + threadIdx.x / 32, item = warp / segments;
+  if (item >= int64_t(p.requests) * p.list_rows) return;
+  const int32_t r = int32_t(item / p.list_rows), row = int32_t(item % p.list_rows), C = p.capacity;
+  const int32_t begin = int32_t(warp % segments) * segment, stop = min(C, begin + segment);
+  const FillRow f = p.row(r, row);
+  int32_t *src = p.sources + item * C, *mv = p.moves + item * C;
+  if (row == 0 && begin == 0 && lane == 0) p.new_lengths[r] = f.new_length();
+  if (f.refused || row >= p.rows) {
+    for (int32_t m = begin + lane; m < stop; m += 32) {
+      src[m] = f.refused ? -1 : f.window_source(m);
+      mv[m] = f.refused ? -1 : f.window_move(m);
+    }
+    return;
+  }
+  const uint32_t below = (1u << lane) - 1;
+  const int32_t s = lower_bound(f, f.n, int64_t(f.base) + f.n, lane);
+  int32_t a = begin < f.n ? lower_bound(f, s, int64_t(f.base) + begin, lane) : s;  // stays below the segment
+  int32_t j = min(begin, f.n) - a;  // free slots below it (a malformed decision can make this negative)
+  for (int32_t p0 = begin; p0 < stop; p0 += 32) {
+    const int32_t m = p0 + lane;
+    uint32_t slots = 0;  // bit t: slot p0 + t holds a stay
+    if (p0 < f.n) {
+      const int32_t i = a + lane;
+      const int64_t t = i < s ? int64_t(f.U(i)) - f.base - p0 : 32;
+      slots = __reduce_or_sync(~0u, t >= 0 && t < 32 ? 1u << t : 0u);
+      a += __popc(__ballot_sync(~0u, t < 32));
+    }
+    const bool stay = m < f.n && (slots >> lane & 1);
+    const bool free = m < f.n && !stay;
+    const uint32_t frees = __ballot_sync(~0u, free);
+    const int32_t rank = j + __popc(frees & below);
+    int32_t v = stay ? f.base + m : -1;
+    if (free && rank >= 0 && rank < C) {  // always, for a decision that keeps the contract
+      mv[rank] = m;
+      v = s + rank < f.n ? f.U(s + rank) : -1;
+    }
+    if (m < stop) src[m] = v;
+    j += __popc(frees);
+  }
+  for (int32_t i = begin + lane; i < stop; i += 32)  // the ranks end at n - s: -1 from there on
+    if (i >= f.n - s) mv[i] = -1;
+}
+
+void fill_lists_cuda(const at::Tensor& kept, const at::Tensor& scored_lengths, const at::Tensor& tail_lengths,
+                     const at::Tensor& destination_bases, at::Tensor sources, at::Tensor new_lengths, at::Tensor moves) {
+  const FillPlan plan =
+      check_fill_args(kept, scored_lengths, tail_lengths, destination_bases, sources, new_lengths, moves);
+  const int64_t items = int64_t(plan.requests) * plan.list_rows;
+  if (items == 0) return;
+  const c10::cuda::CUDAGuard guard(kept.device());
+  prepare_kernel(fill_lists_kernel, "compaction_fill_lists_");
+  // Segments of whole 32-position steps, as many per row as it takes to have about 32 warps per SM in flight.
+  const int64_t steps = std::max<int64_t>(1, (plan.capacity + 31) / 32);
+  const int64_t wanted = int64_t(sm_count()) * 32;
+  const int64_t split = std::clamp<int64_t>((wanted + items - 1) / items, 1, steps);
+  const int32_t segment = int32_t((steps + split - 1) / split * 32);
+  const int32_t segments = int32_t(std::max<int64_t>(1, (plan.capacity + segment - 1) / segment));
+  const int64_t warps = items * segments;
+  fill_lists_kernel<<<unsigned((warps + kFillWarps - 1) / kFillWarps), kFillWarps * 32, 0,
+                      c10::cuda::getCurrentCUDAStream()>>>(plan, segment, segments);
+  C10_CUDA_KERNEL_LAUNCH_CHECK();
+}
+
 }  // namespace
 
-TORCH_LIBRARY_IMPL(kvops, CUDA, m) { m.impl("compaction_compact_layers_", &compact_layers_cuda); }
+TORCH_LIBRARY_IMPL(kvops, CUDA, m) {
+  m.impl("compaction_compact_layers_", &compact_layers_cuda);
+  m.impl("compaction_fill_lists_", &fill_lists_cuda);
+}
 
 }  // namespace compaction
 }  // namespace kvops

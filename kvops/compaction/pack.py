@@ -1,4 +1,5 @@
-"""pack_move_sources: decisions, tails and windows -> per-request move lists, one launch per batch.
+"""pack_move_sources: decisions, tails and windows -> per-request move lists, one launch per batch (Triton in
+order, the native kvops::compaction_fill_lists_ in fill order).
 
 Request r gets `list_rows` lists of equal length n_r = K + tail_lengths[r], stored padded in
 ``sources[r, row, :]`` (capacity K + max_tail, -1 past the end):
@@ -33,7 +34,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .._checks import check_disjoint, check_int32
+from .._checks import check_disjoint, check_int32, check_no_meta_mix
 from .._dispatch import call, python_op, triton_launcher
 
 _BLOCK = 512
@@ -60,55 +61,6 @@ def _pack_kernel(kept, kept_stride_r, kept_stride_row, scored_lengths, tail_leng
     if (row == 0) & (tl.program_id(2) == 0):
         length = tl.where(refused, scored + tl.maximum(tail, 0), tl.load(destination_bases + r) + K + tail)
         tl.store(new_lengths + r, length)
-
-
-@triton.jit
-def _kept_or_tail(kept_row, i, K, scored):
-    """U[i] of a decision row: kept[i] below K, then the tail's positions scored, scored + 1, ..."""
-    return tl.where(i < K, tl.load(kept_row + i, mask=(i >= 0) & (i < K), other=0), scored + (i - K))
-
-
-@triton.jit
-def _fill_kernel(kept, kept_stride_r, kept_stride_row, scored_lengths, tail_lengths, destination_bases, sources,
-                 moves, rows, K, capacity, KP: tl.constexpr, LOG: tl.constexpr, BLOCK: tl.constexpr):
-    """Rewrites a decision row's list in fill order and writes every list row's moves (after _pack_kernel; grid
-    (request, list row, block)). U = kept + tail (ascending), new length base + n: U[0..s) lie below it and stay;
-    the j-th free position below it (ascending) takes U[s + j]. Position base + m is U[lo] when it stays, where
-    lo = #stays below it (a binary search over U[0..s)), else free position j = m - lo: moves[j] = m."""
-    r = tl.program_id(0)
-    row = tl.program_id(1)
-    m = tl.program_id(2) * BLOCK + tl.arange(0, BLOCK)
-    scored = tl.load(scored_lengths + r)
-    tail = tl.load(tail_lengths + r)
-    base = tl.load(destination_bases + r)
-    refused = (tail < 0) | (tail > capacity - K)  # sources left as _pack_kernel wrote them (-1); no moves
-    n = K + tail
-    at = (r.to(tl.int64) * tl.num_programs(1) + row) * capacity
-    if row >= rows:  # the window row stays in order: all its tokens move (by scored - K - base) or none does
-        tl.store(moves + at + m, tl.where((m < n) & (scored - K != base) & ~refused, m, -1), mask=m < capacity)
-        return
-    kept_row = kept + r.to(tl.int64) * kept_stride_r + row * kept_stride_row
-    end = base + n
-    ks = tl.arange(0, KP)
-    kv = tl.load(kept_row + ks, mask=ks < K, other=2147483647)
-    s = tl.sum((kv < end).to(tl.int32), 0) + tl.minimum(tl.maximum(end - scored, 0), tail)
-    d = base + m
-    lo = tl.zeros([BLOCK], dtype=tl.int32)
-    hi = lo + s
-    for _ in tl.static_range(LOG):
-        active = lo < hi
-        mid = (lo + hi) // 2
-        right = _kept_or_tail(kept_row, mid, K, scored) < d
-        lo = tl.where(active & right, mid + 1, lo)
-        hi = tl.where(active & ~right, mid, hi)
-    stays = (lo < s) & (_kept_or_tail(kept_row, lo, K, scored) == d)
-    src = tl.where(stays, d, _kept_or_tail(kept_row, s + m - lo, K, scored))
-    src = tl.where(m < n, src, -1)
-    tl.store(sources + at + m, src, mask=(m < capacity) & ~refused)
-    # n - s free slots: entry m - lo of moves for each; the entries from n - s on are padding (disjoint stores)
-    j = m - lo  # in [0, n - s) for a decision that keeps the contract; the bounds keep any other in its row
-    tl.store(moves + at + j, m, mask=(m < n) & ~stays & ~refused & (j >= 0) & (j < capacity))
-    tl.store(moves + at + m, -1, mask=(m < capacity) & ((m >= n - s) | refused))
 
 
 def _fill_torch(kept, scored_lengths, tail_lengths, destination_bases, capacity):
@@ -160,17 +112,23 @@ def _pack_launch(kept: torch.Tensor, scored_lengths: torch.Tensor, tail_lengths:
              moves: Optional[torch.Tensor]) -> None:
     R, rows, K = kept.shape
     capacity = sources.shape[2]
+    if moves is not None:  # fill order: every list row and the new lengths in one native launch
+        torch.ops.kvops.compaction_fill_lists_(kept, scored_lengths, tail_lengths, destination_bases, sources,
+                                               new_lengths, moves)
+        return
     launch = triton_launcher(_pack_kernel, kept.device)
     if launch is None:
-        _pack_torch(kept, scored_lengths, tail_lengths, destination_bases, sources, new_lengths, moves)
+        _pack_torch(kept, scored_lengths, tail_lengths, destination_bases, sources, new_lengths)
         return
     grid = (R, sources.shape[1], max(1, triton.cdiv(capacity, _BLOCK)))  # >= 1: new_lengths even when K + max_tail == 0
     launch[grid](kept, kept.stride(0), kept.stride(1), scored_lengths, tail_lengths,
                  destination_bases, sources, new_lengths, rows, K, capacity, BLOCK=_BLOCK)
-    if moves is not None:  # the decision rows' lists again, in fill order, and every row's moves
-        triton_launcher(_fill_kernel, kept.device)[grid](
-            kept, kept.stride(0), kept.stride(1), scored_lengths, tail_lengths, destination_bases, sources, moves,
-            rows, K, capacity, KP=triton.next_power_of_2(max(K, 1)), LOG=capacity.bit_length(), BLOCK=_BLOCK)
+
+
+@torch.library.register_fake("kvops::compaction_fill_lists_")
+def _fill_lists_fake(kept, scored_lengths, tail_lengths, destination_bases, sources, new_lengths, moves):
+    check_no_meta_mix("compaction_fill_lists_", kept, scored_lengths, tail_lengths, destination_bases, sources,
+                      new_lengths, moves)
 
 
 _pack_op = python_op("compaction_pack_move_sources_", mutates_args={"sources", "new_lengths", "moves"})(_pack_launch)
