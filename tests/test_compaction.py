@@ -116,15 +116,17 @@ def test_fill_order_written_out():
 
 
 @pytest.mark.parametrize("device", DEVICES)
-@pytest.mark.parametrize("mode", ["union", "per_layer_perhead"])
-def test_fill_moves_only_tokens_past_the_new_length_and_attention_is_unchanged(device, mode):
+@pytest.mark.parametrize("mode", ["union", "per_head", "per_layer_perhead"])
+@pytest.mark.parametrize("layout", ["hnd", "nhd"])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float8_e4m3fn])
+def test_fill_moves_only_tokens_past_the_new_length_and_attention_is_unchanged(device, mode, layout, dtype):
     """Fill and ordered compactions hold the same token set per (layer, plane, head), so the attention output of
     a query over the compacted cache is the attention over the kept set (float32, up to summation order); fill
     moves at most the kept tokens that sat at or past the new length."""
     T, H, L, R, K, D = 16, 2, 2, 3, 24, 64
     rows = decision_rows(mode, L, H)
     P, table, kept, scored, tail, base = _batch(R, T, K, rows, device)
-    source = _pools("hnd", L, P, H, T, D, torch.bfloat16, device)
+    source = _pools(layout, L, P, H, T, D, dtype, device)
     for p in source:
         p.copy_(torch.randn_like(p, dtype=torch.float32))
     query = torch.randn(D, device=device)
