@@ -246,7 +246,8 @@ def test_pack_lists(device):
 
 
 def test_pack_triton_interpreter_matches_torch():
-    """The Triton kernel itself, run on the CPU by the interpreter, against the torch path."""
+    """The Triton kernel itself (ordered lists), run on the CPU by the interpreter, and the native fill lists,
+    against the torch path."""
     code = (
         "import torch, kvops\n"
         "from kvops.compaction.pack import _pack_kernel, _pack_torch, pack_move_sources\n"
