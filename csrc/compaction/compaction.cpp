@@ -4,6 +4,7 @@
 
 #include <ATen/MemoryOverlap.h>
 
+#include <iterator>
 #include <limits>
 
 namespace kvops {
@@ -29,14 +30,19 @@ FillPlan check_fill_args(const at::Tensor& kept, const at::Tensor& scored_length
                          const at::Tensor& new_lengths, const at::Tensor& moves) {
   constexpr const char* op = "compaction_fill_lists_";
   const at::Device device = kept.device();
-  const std::pair<const at::Tensor*, const char*> lengths[] = {
-      {&scored_lengths, "scored_lengths"}, {&tail_lengths, "tail_lengths"},
-      {&destination_bases, "destination_bases"}, {&new_lengths, "new_lengths"}};
+  // The outputs first: every pair that includes one must not overlap.
+  const std::pair<const at::Tensor*, const char*> args[] = {
+      {&sources, "sources"}, {&moves, "moves"}, {&new_lengths, "new_lengths"}, {&kept, "kept"},
+      {&scored_lengths, "scored_lengths"}, {&tail_lengths, "tail_lengths"}, {&destination_bases, "destination_bases"}};
+  constexpr size_t kOutputs = 3;
   check_index(kept, "kept", 3, device, op, "kept");
   check_index(sources, "sources", 3, device, op, "kept");
   check_index(moves, "moves", 3, device, op, "kept");
   const int64_t R = kept.size(0), rows = kept.size(1), K = kept.size(2);
-  for (const auto& [t, name] : lengths) {
+  const std::pair<const at::Tensor*, const char*> per_request[] = {
+      {&scored_lengths, "scored_lengths"}, {&tail_lengths, "tail_lengths"},
+      {&destination_bases, "destination_bases"}, {&new_lengths, "new_lengths"}};
+  for (const auto& [t, name] : per_request) {
     check_index(*t, name, 1, device, op, "kept");
     TORCH_CHECK_VALUE(t->size(0) == R && t->is_contiguous(), op, ": ", name, " must be contiguous with one entry per "
                       "request of kept (", R, "), got shape ", t->sizes());
@@ -53,17 +59,10 @@ FillPlan check_fill_args(const at::Tensor& kept, const at::Tensor& scored_length
   TORCH_CHECK_VALUE(sources.numel() < std::numeric_limits<int32_t>::max() / 2 &&
                         kept.numel() < std::numeric_limits<int32_t>::max() / 2,
                     op, ": too many list entries for int32 indexing");
-  const std::pair<const at::Tensor*, const char*> written[] = {
-      {&sources, "sources"}, {&moves, "moves"}, {&new_lengths, "new_lengths"}};
-  const std::pair<const at::Tensor*, const char*> all[] = {
-      {&sources, "sources"},        {&moves, "moves"},
-      {&new_lengths, "new_lengths"}, {&kept, "kept"},
-      {&scored_lengths, "scored_lengths"}, {&tail_lengths, "tail_lengths"},
-      {&destination_bases, "destination_bases"}};
-  for (const auto& [out, out_name] : written)
-    for (const auto& [t, name] : all)
-      TORCH_CHECK_VALUE(out == t || at::get_overlap_status(*out, *t) == at::MemOverlapStatus::No, op, ": ",
-                        out_name, " overlaps ", name);
+  for (size_t a = 0; a < kOutputs; ++a)
+    for (size_t b = a + 1; b < std::size(args); ++b)
+      TORCH_CHECK_VALUE(at::get_overlap_status(*args[a].first, *args[b].first) == at::MemOverlapStatus::No, op, ": ",
+                        args[a].second, " overlaps ", args[b].second);
   FillPlan plan{};
   plan.kept = kept.data_ptr<int32_t>();
   plan.kept_stride_request = kept.stride(0);
