@@ -1,11 +1,13 @@
 // CUDA backend of kvops::topk_short_rows_: one warp per row of at most 4096 keys, four rows per CTA.
 //
-// The warp stages the row's keys in shared memory (order-preserving unsigned patterns), then finds the k-th
-// largest key T one 8-bit digit at a time: a shared-memory histogram of the next digit, a warp scan of its 256
-// counts from the top. After the first digit only the keys that share it stay candidates, listed by 16-bit index
-// (ballot compaction, in place), so the later digits touch few keys. The keep pass walks the row in index order:
-// keys > T, and keys == T while fewer than the needed ones are taken, land at their ballot rank, so the output
-// ascends; -1 pads a row shorter than k. No block barrier: every step is warp-synchronous.
+// The warp holds the row's keys in registers (order-preserving unsigned patterns, key t of a lane at index
+// 32 t + lane), ITEMS a lane, a compile-time class of the row width. The k-th largest key T shares every bit
+// above the highest bit where the row's smallest and largest keys differ; below that, T is found one digit of up
+// to 8 bits at a time: a shared-memory histogram of the next digit over the keys that match T so far, a warp scan
+// of its counts from the top. The keep pass walks the row in index order: keys > T, and keys == T while fewer
+// than the needed ones are taken, land at their ballot rank, so the output ascends; -1 pads a row shorter than k.
+// A warp's shared memory is its 1 KB histogram, so occupancy is set by registers. No block barrier: every step
+// is warp-synchronous.
 #include <ATen/ATen.h>
 #include <c10/cuda/CUDAGuard.h>
 #include <torch/library.h>
@@ -20,12 +22,7 @@ namespace {
 
 constexpr int kWarps = 4;  // rows per CTA
 
-// Per warp: keys[slots] (uint32), hist[256] (uint32, 16-byte aligned), candidates[slots] (uint16); slots is a
-// multiple of 8, so every warp's block and its hist start 16-byte aligned.
-__host__ __device__ constexpr int warp_words(int slots) { return slots + 256 + slots / 2; }
-
-// The largest digit d with #{digit >= d} >= need among the 256 counts, and #{digit > d}. Where even all of
-// them fall short (fewer than `need` keys), digit 0 and the count above it.
+// The largest digit d with #{digit >= d} >= need among the 256 counts, and #{digit > d}.
 __device__ __forceinline__ void pick_digit(const uint32_t* hist, uint32_t need, int lane, uint32_t& digit,
                                            uint32_t& above) {
   // Two 16-byte loads per lane (8 wavefronts for the warp; 8 word loads at a stride of 8 words would be 64).
@@ -53,74 +50,69 @@ __device__ __forceinline__ void pick_digit(const uint32_t* hist, uint32_t need, 
   above = __shfl_sync(~0u, a, target);
 }
 
+template <int ITEMS>
 __global__ void __launch_bounds__(kWarps * 32)
     short_rows_kernel(const int32_t* __restrict__ bits, int64_t stride, const int32_t* __restrict__ lengths,
-                      int32_t* __restrict__ out, int rows, int N, int k, int slots) {
-  extern __shared__ __align__(16) uint32_t smem[];
+                      int32_t* __restrict__ out, int rows, int N, int k) {
+  __shared__ __align__(16) uint32_t hists[kWarps][256];
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
   const int row = blockIdx.x * kWarps + warp;
   if (row >= rows) return;
-  uint32_t* keys = smem + size_t(warp) * warp_words(slots);
-  uint32_t* hist = keys + slots;
-  uint16_t* cand = reinterpret_cast<uint16_t*>(hist + 256);
+  uint32_t* hist = hists[warp];
   const uint32_t below = (1u << lane) - 1;
   const int length = min(max(lengths[row], 0), N);
   const int32_t* src = bits + int64_t(row) * stride;
-#pragma unroll 4  // loads in flight
-  for (int i = lane; i < length; i += 32) keys[i] = ukey(__ldg(src + i));
-  for (int i = lane; i < 256; i += 32) hist[i] = 0;
-  __syncwarp();
-  for (int i = lane; i < length; i += 32) atomicAdd(&hist[keys[i] >> 24], 1u);
-  __syncwarp();
-  uint32_t need = uint32_t(k), digit, above;
-  pick_digit(hist, need, lane, digit, above);
-  need -= above;
-  uint32_t threshold = digit << 24;
-  int count = 0;  // the candidates: keys with the digits found so far, in index order
-  for (int base = 0; base < length; base += 32) {
-    const int i = base + lane;
-    const bool match = i < length && (keys[i] >> 24) == digit;
-    const uint32_t m = __ballot_sync(~0u, match);
-    if (match) cand[count + __popc(m & below)] = uint16_t(i);
-    count += __popc(m);
+  const int held = (length - lane + 31) / 32;  // this lane's keys: t < held
+  uint32_t key[ITEMS];
+  uint32_t lo = ~0u, hi = 0;
+#pragma unroll
+  for (int t = 0; t < ITEMS; ++t) {
+    key[t] = t < held ? ukey(__ldg(src + 32 * t + lane)) : 0;
+    if (t < held) lo = min(lo, key[t]), hi = max(hi, key[t]);
   }
-  for (int shift = 16; shift >= 0; shift -= 8) {
-    __syncwarp();
-    for (int i = lane; i < 256; i += 32) hist[i] = 0;
-    __syncwarp();
-    for (int c = lane; c < count; c += 32) atomicAdd(&hist[(keys[cand[c]] >> shift) & 0xFF], 1u);
-    __syncwarp();
-    pick_digit(hist, need, lane, digit, above);
-    need -= above;
-    threshold |= digit << shift;
-    if (shift == 0) break;
-    int kept = 0;  // in place: a write lands at or before the slot its lane read, all reads done at the ballot
-    for (int base = 0; base < count; base += 32) {
-      const int c = base + lane;
-      const int i = c < count ? cand[c] : 0;
-      const bool match = c < count && ((keys[i] >> shift) & 0xFF) == digit;
-      const uint32_t m = __ballot_sync(~0u, match);
-      if (match) cand[kept + __popc(m & below)] = uint16_t(i);
-      kept += __popc(m);
+  uint32_t threshold = 0, need = uint32_t(k);
+  bool every_tie = true;  // every key == threshold is kept (then one ballot per keep step)
+  if (length > k) {       // else the row keeps all it has: threshold 0
+    lo = __reduce_min_sync(~0u, lo);
+    hi = __reduce_max_sync(~0u, hi);
+    int top = lo == hi ? 0 : 32 - __clz(lo ^ hi);  // the low bits that vary; T shares hi's bits above them
+    threshold = top == 32 ? 0u : hi >> top << top;
+    uint32_t equal = uint32_t(length);             // keys == threshold, when no digit is searched
+    while (top > 0) {
+      const int width = min(8, top), shift = top - width;
+      const uint32_t prefix = top == 32 ? 0u : threshold >> top;
+#pragma unroll
+      for (int j = 0; j < 8; ++j) hist[lane * 8 + j] = 0;
+      __syncwarp();
+#pragma unroll
+      for (int t = 0; t < ITEMS; ++t) {
+        const bool match = t < held && (top == 32 || key[t] >> top == prefix);
+        if (match) atomicAdd(&hist[key[t] >> shift & ((1u << width) - 1)], 1u);
+      }
+      __syncwarp();
+      uint32_t digit, above;
+      pick_digit(hist, need, lane, digit, above);
+      need -= above;
+      threshold |= digit << shift;
+      equal = hist[digit];
+      top = shift;
+      __syncwarp();
     }
-    count = kept;
+    every_tie = equal == need;
   }
-  // The last histogram counted the keys equal to the threshold: when all of them are kept (no tie to break,
-  // the usual case), the keep pass needs one ballot per step instead of two.
-  const bool every_tie = hist[digit] == need;
-  __syncwarp();
   int32_t* dst = out + int64_t(row) * k;
   int taken = 0;
   uint32_t ties = 0;  // keys == threshold seen so far; the first `need` of them are kept
-  for (int base = 0; base < length && taken < k; base += 32) {
-    const int i = base + lane;
-    const bool valid = i < length;
-    const uint32_t key = valid ? keys[i] : 0;
-    bool keep = valid && key >= threshold;
+#pragma unroll
+  for (int t = 0; t < ITEMS; ++t) {
+    if (32 * t >= length) break;
+    const int i = 32 * t + lane;
+    const bool valid = t < held;
+    bool keep = valid && key[t] >= threshold;
     if (!every_tie) {
-      const bool equal = valid && key == threshold;
+      const bool equal = valid && key[t] == threshold;
       const uint32_t em = __ballot_sync(~0u, equal);
-      keep = (valid && key > threshold) || (equal && ties + __popc(em & below) < need);
+      keep = (valid && key[t] > threshold) || (equal && ties + __popc(em & below) < need);
       ties += __popc(em);
     }
     const uint32_t km = __ballot_sync(~0u, keep);
@@ -130,18 +122,30 @@ __global__ void __launch_bounds__(kWarps * 32)
   for (int j = taken + lane; j < k; j += 32) dst[j] = -1;
 }
 
+template <int ITEMS>
+void launch(const at::Tensor& scores, const at::Tensor& lengths, int64_t k, at::Tensor& out) {
+  const int rows = int(scores.size(0));
+  prepare_kernel(short_rows_kernel<ITEMS>, "topk_short_rows_");
+  short_rows_kernel<ITEMS><<<(rows + kWarps - 1) / kWarps, kWarps * 32, 0, c10::cuda::getCurrentCUDAStream()>>>(
+      reinterpret_cast<const int32_t*>(scores.const_data_ptr<float>()), scores.stride(0),
+      lengths.const_data_ptr<int32_t>(), out.data_ptr<int32_t>(), rows, int(scores.size(1)), int(k));
+  C10_CUDA_KERNEL_LAUNCH_CHECK();
+}
+
 void short_rows_cuda(const at::Tensor& scores, const at::Tensor& lengths, int64_t k, at::Tensor out) {
   check_short_rows(scores, lengths, k, out);
-  const int rows = int(scores.size(0)), N = int(scores.size(1));
-  if (rows == 0) return;
+  if (scores.size(0) == 0) return;
   const c10::cuda::CUDAGuard guard(scores.device());
-  const int slots = (std::max(N, 1) + 7) & ~7;
-  const int smem = kWarps * warp_words(slots) * int(sizeof(uint32_t));
-  prepare_kernel(short_rows_kernel, "topk_short_rows_", smem);
-  short_rows_kernel<<<(rows + kWarps - 1) / kWarps, kWarps * 32, smem, c10::cuda::getCurrentCUDAStream()>>>(
-      reinterpret_cast<const int32_t*>(scores.const_data_ptr<float>()), scores.stride(0),
-      lengths.const_data_ptr<int32_t>(), out.data_ptr<int32_t>(), rows, N, int(k), slots);
-  C10_CUDA_KERNEL_LAUNCH_CHECK();
+  const int64_t items = (scores.size(1) + 31) / 32;  // keys per lane; the class: the fewest registers that hold them
+  if (items <= 8) return launch<8>(scores, lengths, k, out);
+  if (items <= 16) return launch<16>(scores, lengths, k, out);
+  if (items <= 32) return launch<32>(scores, lengths, k, out);
+  if (items <= 48) return launch<48>(scores, lengths, k, out);
+  if (items <= 64) return launch<64>(scores, lengths, k, out);
+  if (items <= 72) return launch<72>(scores, lengths, k, out);  // budget 2048 + beta <= 256
+  if (items <= 96) return launch<96>(scores, lengths, k, out);
+  static_assert(kShortRow == 128 * 32, "the widest class holds kShortRow keys");
+  launch<128>(scores, lengths, k, out);
 }
 
 }  // namespace
