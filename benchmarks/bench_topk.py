@@ -42,8 +42,8 @@ def run(quick: bool = False) -> tuple[list[Row], list[str]]:
         if N <= SHORT_ROW and rows >= sms:
             warps = short_row_warps(rows, sms)
             timed.append(("topk_triton", time_us(graphed(
-                lambda: _short_rows(scores, lengths, k, out, _short_rows_kernel, warps)), iters=iters)))
-            timed.append(("topk_native", time_us(graphed(lambda: _short_rows_native(scores, lengths, k, out)),
+                lambda: _short_rows(scores, lengths, None, k, out, _short_rows_kernel, warps)), iters=iters)))
+            timed.append(("topk_native", time_us(graphed(lambda: _short_rows_native(scores, lengths, None, k, out)),
                                                  iters=iters)))
         for routine, us in timed:
             rows_out.append(Row.make(FAMILY, routine, shape, "float32", us, scores.numel() * 4, copy_gbps / 2,

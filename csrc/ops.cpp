@@ -32,7 +32,7 @@ TORCH_LIBRARY(kvops, m) {
   m.def("compaction_fill_lists_(Tensor kept, Tensor scored_lengths, Tensor tail_lengths, Tensor destination_bases, "
         "Tensor(a!) sources, Tensor(b!) new_lengths, Tensor(c!) moves) -> ()");
   // Top-k over rows of at most 4096 keys (kvops/topk.py's semantics): one warp per row on the GPU.
-  m.def("topk_short_rows_(Tensor scores, Tensor lengths, int k, Tensor(a!) out) -> ()");
+  m.def("topk_short_rows_(Tensor scores, Tensor lengths, Tensor? offsets, int k, Tensor(a!) out) -> ()");
 }
 
 #ifndef KVOPS_WITH_CUDA

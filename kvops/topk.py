@@ -41,16 +41,17 @@ def _ukeys(bits, stride, row, at, length):
 
 
 @triton.jit
-def _place(out, key, at, length, threshold, ties, before):
-    """Store the indices `at` a row keeps (key > threshold, or == threshold among the first `ties` >= 0 of those
-    in index order) at their rank among the kept; `before`: kept in earlier parts. One scan counts both kinds
+def _place(out, key, at, length, threshold, ties, before, offset):
+    """Store the indices `at` (plus `offset`) a row keeps (key > threshold, or == threshold among the first
+    `ties` >= 0 of those in index order) at their rank among the kept; `before`: kept in earlier parts. One scan
+    counts both kinds
     (packed in 16-bit halves: a part holds at most SHORT_ROW keys). Returns (kept here, ties left)."""
     greater = (key > threshold).to(tl.int32)  # keys past the length are 0 and never above a threshold
     equal = ((at < length) & (key == threshold)).to(tl.int32)
     both = tl.cumsum(greater + (equal << 16), 0)
     greater_before, equal_before = (both & 0xFFFF) - greater, (both >> 16) - equal
     picked = (greater != 0) | ((equal != 0) & (equal_before < ties))
-    tl.store(out + before + greater_before + tl.minimum(equal_before, ties), at, mask=picked)
+    tl.store(out + before + greater_before + tl.minimum(equal_before, ties), at + offset, mask=picked)
     taken = tl.minimum(tl.sum(equal, 0), ties)
     return tl.sum(greater, 0) + taken, ties - taken
 
@@ -68,7 +69,8 @@ def _bitwise_threshold(head, rest, k):
 
 
 @triton.jit
-def _short_rows_kernel(bits, stride, lengths, out, N, k, HEAD: tl.constexpr, REST: tl.constexpr):
+def _short_rows_kernel(bits, stride, lengths, offsets, out, N, k, HEAD: tl.constexpr, REST: tl.constexpr,
+                       HAS_OFFSETS: tl.constexpr):
     """One row per program, its keys in registers as a power-of-two head and rest (no padding to the next power
     of two). The k-th largest key T is the largest with #{key >= T} >= k, found bit by bit from the top. Then
     keys > T, and the first k - #{> T} keys == T in index order, land at their exclusive prefix count, so the
@@ -82,8 +84,9 @@ def _short_rows_kernel(bits, stride, lengths, out, N, k, HEAD: tl.constexpr, RES
     threshold = _bitwise_threshold(head, rest, k)
     greater = tl.sum((head > threshold).to(tl.int32), 0) + tl.sum((rest > threshold).to(tl.int32), 0)
     row_out = out + row.to(tl.int64) * k
-    kept, ties = _place(row_out, head, at_head, length, threshold, tl.maximum(k - greater, 0), 0)
-    kept_rest, _ = _place(row_out, rest, at_rest, length, threshold, ties, kept)
+    offset = tl.load(offsets + row) if HAS_OFFSETS else 0
+    kept, ties = _place(row_out, head, at_head, length, threshold, tl.maximum(k - greater, 0), 0, offset)
+    kept_rest, _ = _place(row_out, rest, at_rest, length, threshold, ties, kept, offset)
     kept += kept_rest
     start = 0
     while start < k:  # -1 past the kept ones (a row shorter than k)
@@ -92,12 +95,13 @@ def _short_rows_kernel(bits, stride, lengths, out, N, k, HEAD: tl.constexpr, RES
         start += 256
 
 
-def _short_rows(scores: torch.Tensor, lengths: torch.Tensor, k: int, out: torch.Tensor, kernel,
-                num_warps: int = 4) -> None:
+def _short_rows(scores: torch.Tensor, lengths: torch.Tensor, offsets: torch.Tensor | None, k: int,
+                out: torch.Tensor, kernel, num_warps: int = 4) -> None:
     rows, N = scores.shape
     head = triton.next_power_of_2(N + 1) // 2 if N else 1  # the largest power of two <= N
-    kernel[(rows,)](scores.view(torch.int32), scores.stride(0), lengths, out, N, k, HEAD=head,
-                    REST=triton.next_power_of_2(max(1, N - head)), num_warps=num_warps)
+    kernel[(rows,)](scores.view(torch.int32), scores.stride(0), lengths, lengths if offsets is None else offsets,
+                    out, N, k, HEAD=head, REST=triton.next_power_of_2(max(1, N - head)),
+                    HAS_OFFSETS=offsets is not None, num_warps=num_warps)
 
 
 def short_row_warps(rows: int, sms: int) -> int:
@@ -106,15 +110,15 @@ def short_row_warps(rows: int, sms: int) -> int:
     return 2 if rows >= 4 * sms else 4
 
 
-def _short_rows_native(scores: torch.Tensor, lengths: torch.Tensor, k: int, out: torch.Tensor) -> None:
-    """kvops::topk_short_rows_ (csrc/topk): one warp per row, the candidates compacted in shared memory after the
-    first digit."""
-    torch.ops.kvops.topk_short_rows_(scores, lengths, k, out)
+def _short_rows_native(scores: torch.Tensor, lengths: torch.Tensor, offsets: torch.Tensor | None, k: int,
+                       out: torch.Tensor) -> None:
+    """kvops::topk_short_rows_ (csrc/topk): one warp per row, its keys in registers."""
+    torch.ops.kvops.topk_short_rows_(scores, lengths, offsets, k, out)
 
 
 @torch.library.register_fake("kvops::topk_short_rows_")
-def _short_rows_native_fake(scores, lengths, k, out):
-    check_no_meta_mix("topk_short_rows_", scores, lengths, out)
+def _short_rows_native_fake(scores, lengths, offsets, k, out):
+    check_no_meta_mix("topk_short_rows_", scores, lengths, offsets, out)
 
 
 def topk_spec(vector: bool) -> _cute.Spec:
@@ -136,11 +140,12 @@ SPECS = {vector: topk_spec(vector) for vector in (True, False)}
 
 
 @torch.library.custom_op("kvops::topk_", mutates_args={"out"})
-def _topk_op(scores: torch.Tensor, lengths: torch.Tensor, k: int, out: torch.Tensor) -> None:
+def _topk_op(scores: torch.Tensor, lengths: torch.Tensor, offsets: torch.Tensor | None, k: int,
+             out: torch.Tensor) -> None:
     rows, N = scores.shape
     interpreted = triton_launcher(_short_rows_kernel, scores.device)  # the kernel on the CPU, for tests
     if interpreted is not None and N <= SHORT_ROW:
-        _short_rows(scores, lengths, k, out, interpreted)
+        _short_rows(scores, lengths, offsets, k, out, interpreted)
         return
     n = lengths.clamp(0, N).long()
     col = torch.arange(N, device=scores.device)
@@ -151,31 +156,35 @@ def _topk_op(scores: torch.Tensor, lengths: torch.Tensor, k: int, out: torch.Ten
     top = order[:, :k]
     picked = torch.where(category.gather(1, top) == 2, N, top)
     picked = torch.nn.functional.pad(picked, (0, k - picked.shape[1]), value=N).sort(dim=1).values  # k > N
-    out.copy_(torch.where(picked == N, -1, picked).to(torch.int32))
+    offset = 0 if offsets is None else offsets.view(-1, 1)
+    out.copy_(torch.where(picked == N, -1, picked + offset).to(torch.int32))
 
 
 @_topk_op.register_kernel("cuda")
-def _topk_cuda(scores, lengths, k, out):
+def _topk_cuda(scores, lengths, offsets, k, out):
     device = scores.device
     rows, N = scores.shape
     sms = torch.cuda.get_device_properties(device).multi_processor_count
     if N <= SHORT_ROW and rows >= NATIVE_ROWS_PER_SM * sms and k >= 1:
-        _short_rows_native(scores, lengths, k, out)
+        _short_rows_native(scores, lengths, offsets, k, out)
         return
     if N <= SHORT_ROW and rows >= sms:
-        _short_rows(scores, lengths, k, out, _short_rows_kernel, short_row_warps(rows, sms))
+        _short_rows(scores, lengths, offsets, k, out, _short_rows_kernel, short_row_warps(rows, sms))
         return
     vector = scores.data_ptr() % 16 == 0 and scores.stride(0) % 4 == 0 and scores.shape[1] % 4 == 0
     # the kernel reads the fp32 bit patterns
     _cute.ffi_function(SPECS[vector], _cute.arch(device))(scores.view(torch.int32), lengths, out, k)
+    if offsets is not None:  # fewer rows than SMs here: one small elementwise pass
+        out.copy_(torch.where(out >= 0, out + offsets.view(-1, 1), out))
 
 
 @_topk_op.register_fake
-def _topk_fake(scores, lengths, k, out):
+def _topk_fake(scores, lengths, offsets, k, out):
     return None
 
 
-def topk(scores: torch.Tensor, lengths: torch.Tensor, k: int, out: torch.Tensor | None = None) -> torch.Tensor:
+def topk(scores: torch.Tensor, lengths: torch.Tensor, k: int, out: torch.Tensor | None = None,
+         offsets: torch.Tensor | None = None) -> torch.Tensor:
     """Per row, the ascending indices of the k largest of ``scores[row, :lengths[row]]``.
 
     Parameters
@@ -190,6 +199,9 @@ def topk(scores: torch.Tensor, lengths: torch.Tensor, k: int, out: torch.Tensor 
     out : torch.Tensor, optional
         A bound int32 ``[rows, k]`` buffer to write (graph-capturable once warm); must not share memory with the
         inputs.
+    offsets : torch.Tensor, optional
+        int32 ``[rows]`` on the same device, added to every index a row keeps (not to the -1 padding): e.g. the
+        cache position of the row's first scored token. Index + offset must fit in int32.
 
     Returns
     -------
@@ -205,6 +217,11 @@ def topk(scores: torch.Tensor, lengths: torch.Tensor, k: int, out: torch.Tensor 
     check_int32(what, device, lengths=(lengths, 1))
     if lengths.shape[0] != scores.shape[0]:
         raise ValueError(f"{what}: lengths must be int32 [{scores.shape[0]}] (one per row), got {tuple(lengths.shape)}")
+    if offsets is not None:
+        check_int32(what, device, offsets=(offsets, 1))
+        if offsets.shape[0] != scores.shape[0]:
+            raise ValueError(f"{what}: offsets must be int32 [{scores.shape[0]}] (one per row), got "
+                             f"{tuple(offsets.shape)}")
     check_int(what, "k", k, 0, MAX_K)
     shape = (scores.shape[0], k)
     if out is None:
@@ -213,10 +230,10 @@ def topk(scores: torch.Tensor, lengths: torch.Tensor, k: int, out: torch.Tensor 
         check_int32(what, device, out=(out, 2))
         if tuple(out.shape) != shape or not out.is_contiguous():
             raise ValueError(f"{what}: out must be a contiguous int32 {list(shape)} tensor, got {tuple(out.shape)}")
-        if out.shape[0] and (overlap(out, scores) or overlap(out, lengths)):
-            raise ValueError(f"{what}: out shares memory with scores or lengths")
+        if out.shape[0] and any(overlap(out, t) for t in (scores, lengths, offsets) if t is not None):
+            raise ValueError(f"{what}: out shares memory with scores, lengths or offsets")
     if k and scores.shape[0]:
-        call(_topk_op, _topk_cuda, scores, lengths, k, out)
+        call(_topk_op, _topk_cuda, scores, lengths, offsets, k, out)
     return out
 
 

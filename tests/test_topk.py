@@ -16,6 +16,11 @@ def _tie_heavy(rows, N, device):
     return s.to(device)
 
 
+def _shifted(indices, offsets):
+    """Indices plus their row's offset, -1 padding kept (what topk returns with offsets)."""
+    return indices if offsets is None else torch.where(indices >= 0, indices + offsets.cpu().view(-1, 1), indices)
+
+
 def test_reference_written_out():
     scores = torch.randn(4, 100)
     lengths = torch.tensor([100, 50, 3, 0])
@@ -32,15 +37,17 @@ def test_reference_written_out():
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("N,k", [(1, 1), (7, 3), (300, 64), (1000, 1000), (2500, 700), (513, 2000), (4096, 300),
                                  (4097, 300), (6000, 5000)])
-def test_matches_reference_tie_heavy(device, N, k):
+@pytest.mark.parametrize("with_offsets", [False, True])
+def test_matches_reference_tie_heavy(device, N, k, with_offsets):
     rows = 6
     scores = _tie_heavy(rows, N, device)
     lengths = torch.randint(0, N + 1, (rows,), dtype=torch.int32)
     lengths[0], lengths[1] = 0, min(1, N)
     lengths = lengths.to(device)
+    offsets = torch.randint(-50, 5000, (rows,), dtype=torch.int32, device=device) if with_offsets else None
     out = poison_(torch.empty(rows, k, dtype=torch.int32, device=device))
-    topk(scores, lengths, k, out)
-    assert torch.equal(out.cpu(), topk_reference(scores.cpu(), lengths.cpu(), k))
+    topk(scores, lengths, k, out, offsets)
+    assert torch.equal(out.cpu(), _shifted(topk_reference(scores.cpu(), lengths.cpu(), k), offsets))
 
 
 @pytest.mark.parametrize("device", DEVICES)
@@ -57,7 +64,8 @@ def test_matches_torch_topk_on_distinct_values(device):
 @requires_cuda
 @pytest.mark.parametrize("N,k", [(2176, 2048), (2176, 128), (4096, 2048), (3000, 3000)])
 @pytest.mark.parametrize("path", ["topk", "triton", "native"])
-def test_short_rows_cuda(N, k, path):
+@pytest.mark.parametrize("with_offsets", [False, True])
+def test_short_rows_cuda(N, k, path, with_offsets):
     """The short-row classes (N <= SHORT_ROW, a row per SM or more) at serving shapes: many rows of budget + beta
     keys, through kvops.topk (which routes these rows to the native class) and through each class directly. The
     tie-heavy tests above (a few rows) take the CuTe class at the same widths."""
@@ -70,20 +78,21 @@ def test_short_rows_cuda(N, k, path):
     scores[2::11] = torch.randn(len(range(2, rows, 11)), N, device="cuda") * 1e-3 + 5  # one top digit
     lengths = torch.randint(0, N + 1, (rows,), dtype=torch.int32, device="cuda")
     lengths[::2] = N
+    offsets = torch.randint(0, 1 << 20, (rows,), dtype=torch.int32, device="cuda") if with_offsets else None
     out = poison_(torch.empty(rows, k, dtype=torch.int32, device="cuda"))
     if path == "triton":
-        _short_rows(scores, lengths, k, out, _short_rows_kernel)
+        _short_rows(scores, lengths, offsets, k, out, _short_rows_kernel)
     elif path == "native":
-        _short_rows_native(scores, lengths, k, out)
+        _short_rows_native(scores, lengths, offsets, k, out)
     else:
-        topk(scores, lengths, k, out)
-    assert torch.equal(out.cpu(), topk(scores.cpu(), lengths.cpu(), k))
+        topk(scores, lengths, k, out, offsets)
+    assert torch.equal(out.cpu(), _shifted(topk(scores.cpu(), lengths.cpu(), k), offsets))
 
 
 def test_short_rows_triton_interpreter():
     """The register kernel itself, with both threshold searches (bit by bit, and 8-bit digits), run on the CPU
     by the interpreter, against the reference: ties, NaN, -0.0, infinities, rows whose keys share their top digit
-    or are all equal, lengths of 0, 1 and below k."""
+    or are all equal, lengths of 0, 1 and below k; with and without offsets."""
     run_python(
         "import torch\n"
         "from kvops.topk import _short_rows, _short_rows_kernel, topk_reference\n"
@@ -98,8 +107,13 @@ def test_short_rows_triton_interpreter():
         "    s[5] = 2.0\n"
         "    n = torch.tensor([N, 0, 1, N, N // 2, N], dtype=torch.int32)\n"
         "    out = torch.full((6, k), 99, dtype=torch.int32)\n"
-        "    _short_rows(s, n, k, out, _short_rows_kernel)\n"
-        "    assert torch.equal(out, topk_reference(s, n, k)), (N, k)\n", TRITON_INTERPRET="1")
+        "    _short_rows(s, n, None, k, out, _short_rows_kernel)\n"
+        "    ref = topk_reference(s, n, k)\n"
+        "    assert torch.equal(out, ref), (N, k)\n"
+        "    offsets = torch.randint(-9, 9000, (6,), dtype=torch.int32)\n"
+        "    _short_rows(s, n, offsets, k, out, _short_rows_kernel)\n"
+        "    assert torch.equal(out, torch.where(ref >= 0, ref + offsets[:, None], ref)), (N, k)\n",
+        TRITON_INTERPRET="1")
 
 
 @requires_cuda
@@ -120,11 +134,13 @@ def test_large_rows_cuda(N, k, offset, cute_call):
 @pytest.mark.parametrize("device", DEVICES)
 def test_opcheck_and_compile(device):
     scores, lengths = _tie_heavy(3, 200, device), torch.tensor([200, 50, 0], dtype=torch.int32, device=device)
+    offsets = torch.tensor([7, 0, 3], dtype=torch.int32, device=device)
     out = torch.empty(3, 16, dtype=torch.int32, device=device)
-    opcheck(torch.ops.kvops.topk_.default, (scores, lengths, 16, out))
-    compiled = torch.compile(lambda s, n: topk(s, n, 16) + 1, fullgraph=True,
+    for o in (None, offsets):
+        opcheck(torch.ops.kvops.topk_.default, (scores, lengths, o, 16, out))
+    compiled = torch.compile(lambda s, n, o: topk(s, n, 16, offsets=o) + 1, fullgraph=True,
                              backend="aot_eager" if device == "cpu" else "inductor")
-    assert torch.equal(compiled(scores, lengths), topk(scores, lengths, 16) + 1)
+    assert torch.equal(compiled(scores, lengths, offsets), topk(scores, lengths, 16, offsets=offsets) + 1)
 
 
 @requires_cuda
@@ -155,8 +171,15 @@ def test_bad_arguments(device):
                         ((s, torch.stack([n, n], 1)[:, 0], 3), "lengths must be contiguous")]:
         with pytest.raises((ValueError, TypeError), match=match):
             topk(*args)
+    for offsets, match in [(n.long(), "offsets must be int32"), (n[:1], "offsets must be int32 \\[2\\]"),
+                           (n[:1].expand(2), "offsets must be contiguous"), (n.to("meta"), "meta")]:
+        with pytest.raises(ValueError, match=match):
+            topk(s, n, 3, offsets=offsets)
     with pytest.raises(ValueError, match="out shares memory"):
         topk(s, n, 2, s.view(torch.int32).view(-1)[:4].view(2, 2))
+    square = torch.zeros(2, 2, dtype=torch.int32, device=device)
+    with pytest.raises(ValueError, match="out shares memory"):
+        topk(s, n, 2, square, offsets=square.view(-1)[:2])
     with pytest.raises(ValueError, match="out must be"):
         topk(s, n, 3, torch.empty(2, 4, dtype=torch.int32, device=device))
 
@@ -177,10 +200,12 @@ def test_short_rows_native_matches_reference(device, N, k):
     lengths = torch.randint(0, N + 1, (rows,), dtype=torch.int32)
     lengths[0], lengths[4], lengths[1:4] = 0, min(1, N), N
     lengths = lengths.to(device)
+    offsets = torch.randint(-50, 1 << 20, (rows,), dtype=torch.int32, device=device)
     out = poison_(torch.empty(rows, k, dtype=torch.int32, device=device))
-    _short_rows_native(scores, lengths, k, out)
-    assert torch.equal(out.cpu(), topk_reference(scores.cpu(), lengths.cpu(), k))
-    opcheck(torch.ops.kvops.topk_short_rows_.default, (scores, lengths, k, out))
+    _short_rows_native(scores, lengths, offsets, k, out)
+    assert torch.equal(out.cpu(), _shifted(topk_reference(scores.cpu(), lengths.cpu(), k), offsets))
+    for o in (None, offsets):
+        opcheck(torch.ops.kvops.topk_short_rows_.default, (scores, lengths, o, k, out))
 
 
 @requires_cuda
@@ -192,7 +217,7 @@ def test_short_rows_native_after_a_narrower_launch():
         scores = _tie_heavy(8, N, "cuda")
         lengths = torch.full((8,), N, dtype=torch.int32, device="cuda")
         out = poison_(torch.empty(8, 300, dtype=torch.int32, device="cuda"))
-        _short_rows_native(scores, lengths, 300, out)
+        _short_rows_native(scores, lengths, None, 300, out)
         assert torch.equal(out.cpu(), topk_reference(scores.cpu(), lengths.cpu(), 300))
 
 
@@ -204,17 +229,23 @@ def test_short_rows_native_bad_arguments(device):
     n = torch.full((4,), 100, dtype=torch.int32, device=device)
     out = torch.empty(4, 10, dtype=torch.int32, device=device)
     with pytest.raises(TypeError, match="scores must be float32"):
-        _short_rows_native(s.double(), n, 10, out)
+        _short_rows_native(s.double(), n, None, 10, out)
     with pytest.raises(TypeError, match="lengths and out must be int32"):
-        _short_rows_native(s, n.long(), 10, out)
+        _short_rows_native(s, n.long(), None, 10, out)
     with pytest.raises(ValueError, match="at most 4096 keys"):
-        _short_rows_native(torch.randn(4, 4097, device=device), n, 10, out)
+        _short_rows_native(torch.randn(4, 4097, device=device), n, None, 10, out)
     with pytest.raises(ValueError, match="lengths must be contiguous"):
-        _short_rows_native(s, n[:3], 10, out)
+        _short_rows_native(s, n[:3], None, 10, out)
     with pytest.raises(ValueError, match="out must be contiguous"):
-        _short_rows_native(s, n, 9, out)
+        _short_rows_native(s, n, None, 9, out)
     with pytest.raises(ValueError, match="k must be in"):
-        _short_rows_native(s, n, 0, out[:, :0])
+        _short_rows_native(s, n, None, 0, out[:, :0])
     square = torch.randn(4, 10, device=device)
     with pytest.raises(ValueError, match="out overlaps"):
-        _short_rows_native(square, n, 10, square.view(torch.int32))
+        _short_rows_native(square, n, None, 10, square.view(torch.int32))
+    with pytest.raises(TypeError, match="offsets must be int32"):
+        _short_rows_native(s, n, n.long(), 10, out)
+    with pytest.raises(ValueError, match="offsets must be contiguous"):
+        _short_rows_native(s, n, n[:3], 10, out)
+    with pytest.raises(ValueError, match="out overlaps offsets"):
+        _short_rows_native(s, n, out.view(-1)[:4], 10, out)

@@ -12,11 +12,13 @@ namespace topk {
 
 namespace {
 
-void short_rows_cpu(const at::Tensor& scores, const at::Tensor& lengths, int64_t k, at::Tensor out) {
-  check_short_rows(scores, lengths, k, out);
+void short_rows_cpu(const at::Tensor& scores, const at::Tensor& lengths, const std::optional<at::Tensor>& offsets,
+                    int64_t k, at::Tensor out) {
+  check_short_rows(scores, lengths, offsets, k, out);
   const int64_t rows = scores.size(0), N = scores.size(1);
   const auto* bits = reinterpret_cast<const int32_t*>(scores.const_data_ptr<float>());
   const auto* length = lengths.const_data_ptr<int32_t>();
+  const int32_t* offset = offsets ? offsets->const_data_ptr<int32_t>() : nullptr;
   auto* dst = out.data_ptr<int32_t>();
   std::vector<std::pair<uint32_t, int32_t>> keys;
   for (int64_t r = 0; r < rows; ++r) {
@@ -29,7 +31,8 @@ void short_rows_cpu(const at::Tensor& scores, const at::Tensor& lengths, int64_t
     std::vector<int32_t> picked(kept);
     for (int64_t j = 0; j < kept; ++j) picked[j] = keys[j].second;
     std::sort(picked.begin(), picked.end());
-    for (int64_t j = 0; j < k; ++j) dst[r * k + j] = j < kept ? picked[j] : -1;
+    const int32_t base = offset ? offset[r] : 0;
+    for (int64_t j = 0; j < k; ++j) dst[r * k + j] = j < kept ? picked[j] + base : -1;
   }
 }
 

@@ -53,7 +53,7 @@ __device__ __forceinline__ void pick_digit(const uint32_t* hist, uint32_t need, 
 template <int ITEMS>
 __global__ void __launch_bounds__(kWarps * 32)
     short_rows_kernel(const int32_t* __restrict__ bits, int64_t stride, const int32_t* __restrict__ lengths,
-                      int32_t* __restrict__ out, int rows, int N, int k) {
+                      const int32_t* __restrict__ offsets, int32_t* __restrict__ out, int rows, int N, int k) {
   __shared__ __align__(16) uint32_t hists[kWarps][256];
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
   const int row = blockIdx.x * kWarps + warp;
@@ -101,6 +101,7 @@ __global__ void __launch_bounds__(kWarps * 32)
     every_tie = equal == need;
   }
   int32_t* dst = out + int64_t(row) * k;
+  const int32_t base = offsets ? offsets[row] : 0;
   int taken = 0;
   uint32_t ties = 0;  // keys == threshold seen so far; the first `need` of them are kept
 #pragma unroll
@@ -116,36 +117,39 @@ __global__ void __launch_bounds__(kWarps * 32)
       ties += __popc(em);
     }
     const uint32_t km = __ballot_sync(~0u, keep);
-    if (keep) dst[taken + __popc(km & below)] = i;
+    if (keep) dst[taken + __popc(km & below)] = i + base;
     taken += __popc(km);
   }
   for (int j = taken + lane; j < k; j += 32) dst[j] = -1;
 }
 
 template <int ITEMS>
-void launch(const at::Tensor& scores, const at::Tensor& lengths, int64_t k, at::Tensor& out) {
+void launch(const at::Tensor& scores, const at::Tensor& lengths, const std::optional<at::Tensor>& offsets, int64_t k,
+            at::Tensor& out) {
   const int rows = int(scores.size(0));
   prepare_kernel(short_rows_kernel<ITEMS>, "topk_short_rows_");
   short_rows_kernel<ITEMS><<<(rows + kWarps - 1) / kWarps, kWarps * 32, 0, c10::cuda::getCurrentCUDAStream()>>>(
       reinterpret_cast<const int32_t*>(scores.const_data_ptr<float>()), scores.stride(0),
-      lengths.const_data_ptr<int32_t>(), out.data_ptr<int32_t>(), rows, int(scores.size(1)), int(k));
+      lengths.const_data_ptr<int32_t>(), offsets ? offsets->const_data_ptr<int32_t>() : nullptr,
+      out.data_ptr<int32_t>(), rows, int(scores.size(1)), int(k));
   C10_CUDA_KERNEL_LAUNCH_CHECK();
 }
 
-void short_rows_cuda(const at::Tensor& scores, const at::Tensor& lengths, int64_t k, at::Tensor out) {
-  check_short_rows(scores, lengths, k, out);
+void short_rows_cuda(const at::Tensor& scores, const at::Tensor& lengths, const std::optional<at::Tensor>& offsets,
+                     int64_t k, at::Tensor out) {
+  check_short_rows(scores, lengths, offsets, k, out);
   if (scores.size(0) == 0) return;
   const c10::cuda::CUDAGuard guard(scores.device());
   const int64_t items = (scores.size(1) + 31) / 32;  // keys per lane; the class: the fewest registers that hold them
-  if (items <= 8) return launch<8>(scores, lengths, k, out);
-  if (items <= 16) return launch<16>(scores, lengths, k, out);
-  if (items <= 32) return launch<32>(scores, lengths, k, out);
-  if (items <= 48) return launch<48>(scores, lengths, k, out);
-  if (items <= 64) return launch<64>(scores, lengths, k, out);
-  if (items <= 72) return launch<72>(scores, lengths, k, out);  // budget 2048 + beta <= 256
-  if (items <= 96) return launch<96>(scores, lengths, k, out);
+  if (items <= 8) return launch<8>(scores, lengths, offsets, k, out);
+  if (items <= 16) return launch<16>(scores, lengths, offsets, k, out);
+  if (items <= 32) return launch<32>(scores, lengths, offsets, k, out);
+  if (items <= 48) return launch<48>(scores, lengths, offsets, k, out);
+  if (items <= 64) return launch<64>(scores, lengths, offsets, k, out);
+  if (items <= 72) return launch<72>(scores, lengths, offsets, k, out);  // budget 2048 + beta <= 256
+  if (items <= 96) return launch<96>(scores, lengths, offsets, k, out);
   static_assert(kShortRow == 128 * 32, "the widest class holds kShortRow keys");
-  launch<128>(scores, lengths, k, out);
+  launch<128>(scores, lengths, offsets, k, out);
 }
 
 }  // namespace

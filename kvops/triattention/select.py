@@ -129,10 +129,10 @@ class TriAttentionSelector:
         scores = score_rows(k_pools, page_table, cache_lengths, prompt_lengths, phase, cal, self.mode,
                             max_decode, self.normalize_scores, weights, k_scale)
         count = (cache_lengths - prompt_lengths).clamp_(0, max_decode)  # int32, one per request
-        count = count.view(R, 1).expand(R, self.rows).contiguous()      # one per decision row
-        picked = topk(scores.view(R * self.rows, -1), count.view(-1), self.budget)
-        picked = picked.view(R, self.rows, self.budget)
-        return torch.where(picked >= 0, picked + prompt_lengths.view(R, 1, 1).to(torch.int32), picked)
+        per_row = torch.stack((count, prompt_lengths)).view(2, R, 1).expand(2, R, self.rows).contiguous()
+        # decode index i is cache position prompt + i: the top-k adds the row's prompt length as it writes
+        picked = topk(scores.view(R * self.rows, -1), per_row[0].view(-1), self.budget, offsets=per_row[1].view(-1))
+        return picked.view(R, self.rows, self.budget)
 
 
 def _check_k_scale(what: str, k_scale, cal: Calibration) -> torch.Tensor:
