@@ -322,13 +322,14 @@ def _fill_decisions(R, rows, K, tail, base, evicted, device):
 
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("window", [False, True])
-@pytest.mark.parametrize("rows", [7, 900])
-def test_fill_lists_native_matches_torch(device, window, rows):
+@pytest.mark.parametrize("rows,K", [(7, 300), (900, 300), (900, 2100)])
+def test_fill_lists_native_matches_torch(device, window, rows, K):
     """kvops::compaction_fill_lists_ against the torch rule: steady-state rows (few holes, each row its own), rows
     with every hole below the new length or none, a refused tail, a request whose kept tokens all sit past the
-    new length; outputs poisoned first. On the GPU, 7 rows a request split each row across warps, 900 give each
-    row one warp."""
-    R, K, max_tail = 5, 300, 40
+    new length; outputs poisoned first. On the GPU, 7 rows a request split each row across warps; 900 give each
+    row one warp, which stages its kept entries in shared memory (K=300) or reads them where they are (K=2100,
+    more than a warp stages)."""
+    R, max_tail = 5, 40
     tail = torch.tensor([3, 40, 0, 41, 17])             # request 3 refused (tail > max_tail)
     base = torch.tensor([0, 9, 100, 5, 64])
     evicted = torch.tensor([32, 1, 0, 70, 400])         # request 2 evicts nothing

@@ -124,6 +124,7 @@ void compact_layers_cuda(at::TensorList pools, const at::Tensor& page_table, con
 }
 
 constexpr int kFillWarps = 8;  // warps per CTA
+constexpr int kFillStage = 2048;  // the widest decision row a warp stages in shared memory (8 KB; 64 KB a CTA)
 
 // The first i in [0, hi) with U(i) >= value (hi when none), U ascending: 32 probes a step, one per lane, so
 // rows of up to 32k entries take at most three dependent loads. Warp-uniform; any U gives a result in [0, hi].
@@ -143,16 +144,19 @@ __device__ int32_t lower_bound(const FillRow& f, int32_t hi, int64_t value, int 
 // the new length, and the stays below its first position (the free slots below it follow). The positions then
 // merge with U[0..s): the stays that land in this step's 32 slots are the next U entries below its end, one
 // OR-reduction makes them a slot mask, and the free slots take ranks by ballot, so sources and moves are written
-// in order, coalesced, with no shared memory. A row splits into segments only when there are too few rows to
-// fill the GPU (one request's union row: 68 steps in one warp would be the whole latency).
+// in order and coalesced. A row splits into segments only when there are too few rows to fill the GPU (one
+// request's union row: 68 steps in one warp would be the whole latency). Unsplit rows of at most kFillStage kept
+// entries are first staged in shared memory (`stage`: entries a warp stages, 0 for none): each step's reads of U
+// depend on the previous step's ballots, and from global memory that chain of loads was the kernel's time.
 __global__ void __launch_bounds__(kFillWarps * 32)
-    fill_lists_kernel(const FillPlan p, int32_t segment, int32_t segments) {
+    fill_lists_kernel(const FillPlan p, int32_t segment, int32_t segments, int32_t stage) {
+  extern __shared__ int32_t staged[];
   const int lane = threadIdx.x % 32;
   const int64_t warp = int64_t(blockIdx.x) * kFillWarps + threadIdx.x / 32, item = warp / segments;
   if (item >= int64_t(p.requests) * p.list_rows) return;
   const int32_t r = int32_t(item / p.list_rows), row = int32_t(item % p.list_rows), C = p.capacity;
   const int32_t begin = int32_t(warp % segments) * segment, stop = min(C, begin + segment);
-  const FillRow f = p.row(r, row);
+  FillRow f = p.row(r, row);
   int32_t *src = p.sources + item * C, *mv = p.moves + item * C;
   if (row == 0 && begin == 0 && lane == 0) p.new_lengths[r] = f.new_length();
   if (f.refused || row >= p.rows) {
@@ -161,6 +165,13 @@ __global__ void __launch_bounds__(kFillWarps * 32)
       mv[m] = f.refused ? -1 : f.window_move(m);
     }
     return;
+  }
+  if (stage > 0) {
+    int32_t* mine = staged + threadIdx.x / 32 * stage;
+#pragma unroll 8
+    for (int32_t i = lane; i < f.K; i += 32) mine[i] = __ldg(f.kept + i);
+    __syncwarp();
+    f.kept = mine;
   }
   const uint32_t below = (1u << lane) - 1;
   const int32_t s = lower_bound(f, f.n, int64_t(f.base) + f.n, lane);
@@ -198,16 +209,18 @@ void fill_lists_cuda(const at::Tensor& kept, const at::Tensor& scored_lengths, c
   const int64_t items = int64_t(plan.requests) * plan.list_rows;
   if (items == 0) return;
   const c10::cuda::CUDAGuard guard(kept.device());
-  prepare_kernel(fill_lists_kernel, "compaction_fill_lists_");
   // Segments of whole 32-position steps, as many per row as it takes to have about 32 warps per SM in flight.
   const int64_t steps = std::max<int64_t>(1, (plan.capacity + 31) / 32);
   const int64_t wanted = int64_t(sm_count()) * 32;
   const int64_t split = std::clamp<int64_t>((wanted + items - 1) / items, 1, steps);
   const int32_t segment = int32_t((steps + split - 1) / split * 32);
   const int32_t segments = int32_t(std::max<int64_t>(1, (plan.capacity + segment - 1) / segment));
+  const int32_t stage = segments == 1 && plan.K <= kFillStage ? plan.K : 0;
+  const int smem = kFillWarps * stage * int(sizeof(int32_t));
+  prepare_kernel(fill_lists_kernel, "compaction_fill_lists_", smem);
   const int64_t warps = items * segments;
-  fill_lists_kernel<<<unsigned((warps + kFillWarps - 1) / kFillWarps), kFillWarps * 32, 0,
-                      c10::cuda::getCurrentCUDAStream()>>>(plan, segment, segments);
+  fill_lists_kernel<<<unsigned((warps + kFillWarps - 1) / kFillWarps), kFillWarps * 32, smem,
+                      c10::cuda::getCurrentCUDAStream()>>>(plan, segment, segments, stage);
   C10_CUDA_KERNEL_LAUNCH_CHECK();
 }
 
