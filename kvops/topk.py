@@ -25,9 +25,9 @@ from ._checks import check_device, check_int, check_int32, check_no_meta_mix, ov
 from ._dispatch import call, triton_launcher
 
 MAX_K = 2**31 - 1  # indices are int32
-SHORT_ROW = 4096    # the widest row the short-row classes serve (csrc/topk/topk.h's kShortRow: 16-bit indices)
-NATIVE_ROWS_PER_SM = 4  # from here the warp-per-row class beats the Triton one (H200, rows of 2176 keys: even at
-                        # 2.2 rows per SM, 1.8x faster at 8.7)
+SHORT_ROW = 4096    # the widest row the short-row classes serve (csrc/topk/topk.h's kShortRow)
+NATIVE_ROWS_PER_SM = 4  # from here the warp-per-row class beats the Triton one (H200, rows of 2176 keys: level
+                        # with it at 2.2 rows per SM, 1.8x faster at 8.7)
 
 
 @triton.jit
@@ -45,8 +45,8 @@ def _ukeys(bits, stride, row, at, length):
 def _place(out, key, at, length, threshold, ties, before, offset):
     """Store the indices `at` (plus `offset`) a row keeps (key > threshold, or == threshold among the first
     `ties` >= 0 of those in index order) at their rank among the kept; `before`: kept in earlier parts. One scan
-    counts both kinds
-    (packed in 16-bit halves: a part holds at most SHORT_ROW keys). Returns (kept here, ties left)."""
+    counts both kinds (packed in 16-bit halves: a part holds at most SHORT_ROW keys). Returns (kept here, ties
+    left)."""
     greater = (key > threshold).to(tl.int32)  # keys past the length are 0 and never above a threshold
     equal = ((at < length) & (key == threshold)).to(tl.int32)
     both = tl.cumsum(greater + (equal << 16), 0)

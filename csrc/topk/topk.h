@@ -12,7 +12,7 @@
 namespace kvops {
 namespace topk {
 
-constexpr int64_t kShortRow = 4096;  // the widest row (keys are listed by 16-bit index)
+constexpr int64_t kShortRow = 4096;  // the widest row: 128 keys a lane of a warp
 
 // A float's bits as an order-preserving unsigned key: NaN lowest (0), -0.0 == +0.0 (kvops/topk.py's _ukeys).
 KVOPS_HD uint32_t ukey(int32_t b) {

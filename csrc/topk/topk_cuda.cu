@@ -5,7 +5,8 @@
 // above the highest bit where the row's smallest and largest keys differ; below that, T is found one digit of up
 // to 8 bits at a time: a shared-memory histogram of the next digit over the keys that match T so far, a warp scan
 // of its counts from the top. The keep pass walks the row in index order: keys > T, and keys == T while fewer
-// than the needed ones are taken, land at their ballot rank, so the output ascends; -1 pads a row shorter than k.
+// than the needed ones are taken, land at their ballot rank (plus the row's offset, when given), so the output
+// ascends; -1 pads a row shorter than k.
 // A pass over the registers also lists in shared memory, per lane, the keys it counts; once they fit (after the
 // first digit or two, on most rows), the next digits read that short list instead of every register. A warp's
 // shared memory is its 1 KB histogram and 4 KB list, so occupancy is set by registers. The keep pass stores with
@@ -67,9 +68,8 @@ __device__ __forceinline__ void count(uint32_t* hist, uint32_t key, bool match, 
 // `if (keep) *at = v` without a branch: one predicated store (a branch per key costs a convergence barrier around
 // each store, and its address is then recomputed from the row's).
 __device__ __forceinline__ void store_if(bool keep, int32_t* at, int32_t v) {
-  asm volatile("{\n .reg .pred p;\n setp.ne.b32 p, %0, 0;\n @p st.global.b32 [%1], %2;\n}" ::"r"(int(keep)), "l"(at),
-               "r"(v)
-               : "memory");
+  asm volatile("{\n .reg .pred p;\n setp.ne.b32 p, %0, 0;\n @p st.global.b32 [%1], %2;\n}"
+               :: "r"(int(keep)), "l"(at), "r"(v) : "memory");
 }
 
 template <int ITEMS>
