@@ -90,9 +90,9 @@ def test_short_rows_cuda(N, k, path, with_offsets):
 
 
 def test_short_rows_triton_interpreter():
-    """The register kernel itself, with both threshold searches (bit by bit, and 8-bit digits), run on the CPU
-    by the interpreter, against the reference: ties, NaN, -0.0, infinities, rows whose keys share their top digit
-    or are all equal, lengths of 0, 1 and below k; with and without offsets."""
+    """The Triton register kernel itself (its bit-by-bit threshold search), run on the CPU by the interpreter,
+    against the reference: ties, NaN, -0.0, infinities, rows whose keys share their top bits or are all equal,
+    lengths of 0, 1 and below k; with and without offsets."""
     run_python(
         "import torch\n"
         "from kvops.topk import _short_rows, _short_rows_kernel, topk_reference\n"
