@@ -1,20 +1,30 @@
-"""End-to-end decode speed of transformers ``generate()`` with kvops' TriAttention cache against the default cache.
+"""End-to-end decode speed of transformers ``generate()`` with kvops' TriAttention cache against dense caches.
 
-    python -m benchmarks.e2e [--batch 32] [--context 16384] [--prompt 1024] [--new-tokens 256] [--budget 2048]
-        [--beta 128] [--mode union] [--caches default,kvops,kvops-static] [--json FILE]
+    python -m benchmarks.e2e [--batch 32] [--context 16384,32768] [--prompt 1024] [--new-tokens 256]
+        [--budget 2048] [--beta 128] [--mode union] [--caches default,dense-static,kvops,kvops-static] [--peak]
+        [--json FILE]
     python -m benchmarks.e2e --tiny        (CPU, a tiny random Qwen3: the mechanics only, said so in the output)
 
 The model is Qwen3-8B built from its config with random bf16 weights (speed does not need trained weights) and
 the shipped Qwen3-8B calibration. Each request holds `context` tokens before the timed decode: a `prompt` (never
 evicted) and `context - prompt` tokens taken as generated, fed `beta` at a time, so the kvops cache runs its rounds
-on them as it would have while generating them, and holds at most prompt + budget + beta. The default cache
-(``DynamicCache``) holds all of them. Then ``generate()`` decodes `new_tokens` greedy tokens per request, timed; the
-rounds inside it are timed apart (CUDA events around each). Caches (``--caches``): ``default`` and ``kvops`` run
-eagerly (``sdpa`` attention); ``kvops-static`` is the kvops cache with static shapes, for which ``generate`` compiles
-the decode step by itself (inductor, CUDA graphs), under ``GROUPED_SDPA`` attention. Before the timed decode each
-cache decodes the same number of tokens untimed (see ``_measure``). Memory: the KV bytes each holds, and
-from them, with the free memory after loading the model, the largest batch each could hold at `--max-context`
-(an estimate from KV bytes alone; activations are not counted).
+on them as it would have while generating them, and holds at most prompt + budget + beta. The dense caches hold
+all of them. Then ``generate()`` decodes `new_tokens` greedy tokens per request, timed; the rounds inside it are
+timed apart (CUDA events around each). Before the timed decode each cache decodes the same number of tokens
+untimed (see ``_measure``).
+
+Caches (``--caches``):
+- ``default``: transformers' ``DynamicCache``, eager, ``sdpa`` attention;
+- ``dense-static``: transformers' ``StaticCache`` at full context, for which ``generate`` compiles the decode
+  step (inductor, CUDA graphs), under ``GROUPED_SDPA`` attention: the dense baseline a user who wants speed runs;
+- ``kvops``: ``TriAttentionCache``, eager, ``sdpa``;
+- ``kvops-static``: ``TriAttentionCache(static=True)``, compiled by ``generate`` as ``dense-static``, same attention.
+
+Each row has a floor: the bytes a decode step must read (the KV the cache holds, on average over the decode, and
+the weights but the input embedding) over the device copy bandwidth measured in the same run, and the step's time
+over it. ``--peak`` also runs each cache at the largest batch that fits the GPU for its context, found by
+allocating it (``_fits``: the cache and a decode step on top), not from KV bytes alone; tokens/s there compare
+peak against peak. ``--context`` takes several contexts (default 16k and 32k).
 """
 
 from __future__ import annotations
@@ -29,6 +39,8 @@ import torch
 from kvops.calibrate import require_transformers
 from kvops.integrations.transformers import GROUPED_SDPA, TriAttentionCache, cache_keyword, kv_bytes
 from kvops.triattention import load_calibration
+
+from .common import device_copy_gbps
 
 QWEN3_8B = dict(vocab_size=151936, hidden_size=4096, intermediate_size=12288, num_hidden_layers=36,
                 num_attention_heads=32, num_key_value_heads=8, head_dim=128, max_position_embeddings=40960,
@@ -115,36 +127,103 @@ def _step(model, cache, batch: int, device: torch.device, steps: int = 8) -> tup
     return sorted(host)[steps // 2] * 1e3, sorted(gpu)[steps // 2] * 1e3
 
 
-CACHES = ("default", "kvops", "kvops-static")
+CACHES = ("default", "dense-static", "kvops", "kvops-static")
+STATIC = ("dense-static", "kvops-static")  # generate compiles their decode step (inductor, CUDA graphs)
+
+
+def _new_cache(name: str, model, calibration, context: int, args):
+    transformers = require_transformers()
+    if name == "default":
+        return transformers.DynamicCache(config=model.config)
+    if name == "dense-static":  # every token of the context, the warm-up decode and the timed one
+        return transformers.StaticCache(config=model.config, max_cache_len=context + 2 * args.new_tokens + 1)
+    return TriAttentionCache(model.config, calibration, budget=args.budget, beta=args.beta, mode=args.mode,
+                             static=name == "kvops-static")
+
+
+def _held_tokens(name: str, context: int, args) -> float:
+    """Tokens a row's decode step must read, on average over the timed decode: the dense caches hold the whole
+    context (it grows by new_tokens / 2 on average), a kvops row prompt + budget and, on average, half of beta."""
+    if name in ("default", "dense-static"):
+        return context + args.new_tokens / 2
+    return args.prompt + args.budget + args.beta / 2
 
 
 def _measure(name: str, model, calibration, ids: torch.Tensor, args, device: torch.device) -> dict:
     """Fill one cache with the context, decode once untimed, then decode timed. The untimed decode leaves what a
     server that has run a while has: compiled graphs, and per-shape attention plans (cuDNN's SDPA builds one per
     new KV length, about 2 ms per layer on the host); the default cache is cropped back to the context so that
-    its timed decode sees the same lengths, and kvops' held lengths cycle every beta steps."""
-    transformers = require_transformers()
-    if name == "default":
-        cache = transformers.DynamicCache(config=model.config)
+    its timed decode sees the same lengths, and kvops' held lengths cycle every beta steps. A dense static cache
+    reads all its slots under a mask whatever it holds, so it simply goes on decoding."""
+    context = ids.shape[1] - 1
+    cache = _new_cache(name, model, calibration, context, args)
+    timer = _RoundTimer(cache) if name.startswith("kvops") else None
+    _fill(model, cache, ids[:, :-1], args.prompt, args.beta if timer else 2048)
+    r = dict(batch=ids.shape[0], context=context)
+    if timer:
+        r["kv_bytes"] = kv_bytes(cache)
     else:
-        cache = TriAttentionCache(model.config, calibration, budget=args.budget, beta=args.beta, mode=args.mode,
-                                  static=name == "kvops-static")
-    timer = _RoundTimer(cache) if name != "default" else None
-    _fill(model, cache, ids[:, :-1], args.prompt, 2048 if name == "default" else args.beta)
-    r = dict(kv_bytes=kv_bytes(cache) if timer else sum(t.numel() * t.element_size() for layer in cache.layers
-                                                          for t in (layer.keys, layer.values)))
+        r["kv_bytes"] = sum(t.numel() * t.element_size() for layer in cache.layers for t in (layer.keys, layer.values))
     r["warmup_decode_s"], seq = _decode(model, cache, ids, args.new_tokens, device)
     if name == "default":
-        cache.crop(-(cache.get_seq_length() - args.context))  # back to the context
+        cache.crop(-(cache.get_seq_length() - context))  # back to the context
         seq = ids
     rounds, round_s = (len(cache.rounds), timer.total_seconds()) if timer else (0, 0.0)
     r["decode_s"], _ = _decode(model, cache, seq, args.new_tokens, device)
-    r["tokens_per_s"] = args.batch * args.new_tokens / r["decode_s"]
+    r["tokens_per_s"] = ids.shape[0] * args.new_tokens / r["decode_s"]
     if timer:
         r["decode_rounds"], r["decode_round_s"] = len(cache.rounds) - rounds, timer.total_seconds() - round_s
         r["capacity_tokens"] = cache.pools[0].shape[3]
-    if device.type == "cuda" and name != "kvops-static":  # a compiled step is timed by the decode alone
-        r["step_host_ms"], r["step_gpu_ms"] = _step(model, cache, args.batch, device)
+    if device.type == "cuda" and name not in STATIC:  # a compiled step is timed by the decode alone
+        r["step_host_ms"], r["step_gpu_ms"] = _step(model, cache, ids.shape[0], device)
+    return r
+
+
+def _fits(name: str, model, calibration, batch: int, context: int, args, device: torch.device, per_token: int
+          ) -> bool:
+    """Whether `batch` rows fit on the GPU for this cache: a real allocation, not an estimate. A prompt-shaped
+    forward allocates the cache (a dense static cache all its slots, kvops its pools), and a decode step runs on
+    top (with the rest of the context's bytes held aside for a dynamic cache)."""
+    cache = None
+    try:
+        cache = _new_cache(name, model, calibration, context, args)
+        key = cache_keyword(model)
+        with torch.no_grad():
+            ids = torch.randint(1, model.config.vocab_size, (batch, args.prompt), device=device)
+            model(input_ids=ids, logits_to_keep=1, **{key: cache})
+            # a DynamicCache grows to the whole context: hold the bytes it would add while the step runs
+            rest = torch.empty((batch * (context - args.prompt) * per_token) if name == "default" else 0,
+                               dtype=torch.uint8, device=device)
+            model(input_ids=ids[:, :1], logits_to_keep=1, **{key: cache})
+            del rest
+        torch.cuda.synchronize()
+        return True
+    except torch.cuda.OutOfMemoryError:
+        return False
+    finally:
+        del cache
+        torch.cuda.empty_cache()
+
+
+def _peak_batch(name: str, model, calibration, context: int, args, device: torch.device, per_token: int) -> int:
+    """The largest batch that fits (_fits), by bisection from an upper bound on KV bytes alone."""
+    capacity = context + 2 * args.new_tokens if name in ("default", "dense-static") else \
+        args.prompt + args.budget + args.beta + 1
+    lo, hi = 0, max(1, torch.cuda.mem_get_info()[0] // (capacity * per_token)) + 1  # lo fits (trivially), hi not
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        lo, hi = (mid, hi) if _fits(name, model, calibration, mid, context, args, device, per_token) else (lo, mid)
+    return lo
+
+
+def _with_floor(r: dict, name: str, args, per_token: int, weight_bytes: int, copy_gbps: float | None) -> dict:
+    """The step's floor: the bytes it must read (the KV it holds, on average, and the weights) over the copy
+    bandwidth measured in this run; and the step's time over it."""
+    r["step_ms"] = r["decode_s"] / args.new_tokens * 1e3
+    r["step_read_bytes"] = int(r["batch"] * _held_tokens(name, r["context"], args) * per_token + weight_bytes)
+    if copy_gbps:
+        r["floor_ms"] = r["step_read_bytes"] / copy_gbps / 1e6
+        r["step_over_floor"] = r["step_ms"] / r["floor_ms"]
     return r
 
 
@@ -158,70 +237,104 @@ def run(args) -> dict:
                                         "E_q_norm": torch.rand(L, Hq, F) + 1}, model.config.to_dict())
     else:
         calibration = load_calibration("qwen3-8b", model.config.to_dict())
-    free_bytes = torch.cuda.mem_get_info()[0] if device.type == "cuda" else None
-    ids = torch.randint(1, fields["vocab_size"], (args.batch, args.context + 1), device=device)
     per_token = fields["num_hidden_layers"] * 2 * fields["num_key_value_heads"] * fields["head_dim"] * 2
+    # what a decode step reads of the weights: all but the input embedding table (one row per token)
+    weight_bytes = sum(p.numel() * p.element_size() for n, p in model.named_parameters() if "embed_tokens" not in n)
+    copy_gbps = device_copy_gbps() if device.type == "cuda" else None
     out = dict(device=torch.cuda.get_device_name() if device.type == "cuda" else "cpu", tiny=args.tiny,
-               batch=args.batch, context=args.context, prompt=args.prompt, new_tokens=args.new_tokens,
-               budget=args.budget, beta=args.beta, mode=args.mode)
+               batch=args.batch, contexts=args.context, prompt=args.prompt, new_tokens=args.new_tokens,
+               budget=args.budget, beta=args.beta, mode=args.mode, peak=args.peak, copy_gbps=copy_gbps,
+               weight_bytes=weight_bytes, rows=[])
     attention = model.config._attn_implementation
-    for name in args.caches:
-        # a static cache's decode runs under a mask: grouped_sdpa reads its K/V without repeating them
-        model.config._attn_implementation = GROUPED_SDPA if name == "kvops-static" else attention
-        out[name] = _measure(name, model, calibration, ids, args, device)
-        print(f"{name}: {json.dumps(out[name])}", flush=True)
-        if device.type == "cuda":
-            torch.cuda.empty_cache()
-    if free_bytes is not None:  # the largest batch whose KV fits the memory left after the model (estimate)
-        out["max_batch_default"] = free_bytes // (args.max_context * per_token)
-        out["max_batch_kvops"] = free_bytes // ((args.prompt + args.budget + args.beta + 1) * per_token)
+    for context in args.context:
+        for name in args.caches:
+            # a static cache's decode runs under a mask: grouped_sdpa reads its K/V without repeating them
+            model.config._attn_implementation = GROUPED_SDPA if name in STATIC else attention
+            batches = [args.batch]
+            if args.peak:
+                batches.append(_peak_batch(name, model, calibration, context, args, device, per_token))
+            for batch in dict.fromkeys(batches):
+                torch.manual_seed(batch)
+                ids = torch.randint(1, fields["vocab_size"], (batch, context + 1), device=device)
+                try:
+                    r = _measure(name, model, calibration, ids, args, device)
+                except torch.cuda.OutOfMemoryError:  # the compiled step's own memory on top of what _fits saw
+                    r = dict(batch=batch, context=context, oom=True)
+                r = dict(cache=name, peak=batch != args.batch, **r)
+                if not r.get("oom"):
+                    _with_floor(r, name, args, per_token, weight_bytes, copy_gbps)
+                out["rows"].append(r)
+                print(json.dumps(r), flush=True)
+                del ids
+                if device.type == "cuda":
+                    torch.cuda.empty_cache()
     return out
+
+
+def _table(out: dict) -> list[str]:
+    """One line per row: tokens/s, against dense-static at the same context and batch (and at its peak), and the
+    step against its floor."""
+    rows = [r for r in out["rows"] if not r.get("oom")]
+    dense = {(r["context"], r["batch"]): r["tokens_per_s"] for r in rows if r["cache"] == "dense-static"}
+    dense_peak = {r["context"]: r["tokens_per_s"] for r in rows if r["cache"] == "dense-static" and r["peak"]}
+    lines = [f"{'context':>7} {'cache':16} {'batch':>5} {'tokens/s':>9} {'vs dense-static':>15} {'vs its peak':>11} "
+             f"{'step ms':>8} {'floor ms':>8} {'x floor':>7}"]
+    for r in out["rows"]:
+        if r.get("oom"):
+            lines.append(f"{r['context']:>7} {r['cache']:16} {r['batch']:>5}  out of memory in the timed decode")
+            continue
+        same = dense.get((r["context"], r["batch"]))
+        peak = dense_peak.get(r["context"]) if r["peak"] else None
+        ratio = lambda base: f"{r['tokens_per_s'] / base:.2f}x" if base else "-"  # noqa: E731
+        floor = (f"{r['floor_ms']:8.2f} {r['step_over_floor']:6.2f}x" if "floor_ms" in r else f"{'-':>8} {'-':>7}")
+        lines.append(f"{r['context']:>7} {r['cache'] + (' (eager)' if r['cache'] in ('default', 'kvops') else ''):16} "
+                     f"{r['batch']:>5} {r['tokens_per_s']:9.1f} {ratio(same):>15} {ratio(peak):>11} "
+                     f"{r['step_ms']:8.2f} {floor}")
+    return lines
 
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(prog="python -m benchmarks.e2e", description=__doc__.split("\n\n")[0])
     ap.add_argument("--tiny", action="store_true", help="CPU, a tiny random Qwen3 (mechanics only)")
     ap.add_argument("--batch", type=int)
-    ap.add_argument("--context", type=int, help="tokens each request holds before the timed decode")
+    ap.add_argument("--context", help="tokens each request holds before the timed decode; comma-separated for "
+                                      "several (default 16384,32768)")
     ap.add_argument("--prompt", type=int)
     ap.add_argument("--new-tokens", type=int)
     ap.add_argument("--budget", type=int)
     ap.add_argument("--beta", type=int)
     ap.add_argument("--mode", default="union", choices=["union", "per_head", "per_layer_perhead"])
     ap.add_argument("--caches", default=",".join(CACHES),
-                    help=f"comma-separated, from {CACHES} (kvops-static: static shapes, generate compiles the step)")
-    ap.add_argument("--max-context", type=int, default=32768, help="context for the largest-batch estimate")
+                    help=f"comma-separated, from {CACHES} (the static ones: generate compiles the step)")
+    ap.add_argument("--peak", action="store_true",
+                    help="also run each cache at the largest batch that fits (found by allocating it; GPU only)")
     ap.add_argument("--json", help="write the results to this file")
     args = ap.parse_args(argv)
     args.caches = args.caches.split(",")
     if not set(args.caches) <= set(CACHES):
         ap.error(f"--caches: choose from {CACHES}")
-    defaults = dict(batch=2, context=160, prompt=16, new_tokens=12, budget=48, beta=8) if args.tiny else \
-        dict(batch=32, context=16384, prompt=1024, new_tokens=256, budget=2048, beta=128)
+    defaults = dict(batch=2, context="160", prompt=16, new_tokens=12, budget=48, beta=8) if args.tiny else \
+        dict(batch=32, context="16384,32768", prompt=1024, new_tokens=256, budget=2048, beta=128)
     for name, value in defaults.items():
         setattr(args, name, value if getattr(args, name) is None else getattr(args, name))
+    try:
+        args.context = [int(c) for c in str(args.context).split(",")]
+    except ValueError:
+        ap.error(f"--context: comma-separated token counts, got {args.context!r}")
+    if min(args.context) <= args.prompt:
+        ap.error(f"--context: each context must exceed --prompt {args.prompt}")
+    if args.peak and args.tiny:
+        ap.error("--peak finds the largest batch that fits a GPU; it has no meaning with --tiny")
     if not args.tiny and not torch.cuda.is_available():
         print("benchmarks.e2e needs a CUDA GPU (or --tiny for the CPU mechanics)", file=sys.stderr)
         return 2
     out = run(args)
     if args.tiny:
         print("tiny random model on the CPU: these numbers show the mechanics run, not kvops' speed")
-    base = out.get("default", {}).get("tokens_per_s")
-    print(f"decode {args.batch} x {args.new_tokens} tokens after {args.context} ({out['device']}), tokens/s:")
-    for name in args.caches:
-        r = out[name]
-        line = f"  {name:13s} {r['tokens_per_s']:9.1f}"
-        if base:
-            line += f" = {r['tokens_per_s'] / base:.2f}x default"
-        if "decode_rounds" in r:
-            line += f"; {r['decode_rounds']} rounds took {r['decode_round_s'] * 1e3:.1f} ms of " \
-                    f"{r['decode_s'] * 1e3:.0f}"
-        if "step_gpu_ms" in r:
-            line += f"; one eager step: host {r['step_host_ms']:.1f} ms, GPU {r['step_gpu_ms']:.1f} ms"
-        print(line + f"; KV held {r['kv_bytes'] / 2**20:.1f} MiB")
-    if "max_batch_default" in out:
-        print(f"largest batch at {args.max_context} tokens, from KV bytes alone: default {out['max_batch_default']}, "
-              f"kvops {out['max_batch_kvops']}")
+    print(f"decode {args.new_tokens} tokens per row ({out['device']}); floor: held KV + weights "
+          f"({out['weight_bytes'] / 2**30:.1f} GiB) read once at the copy bandwidth measured here"
+          + (f" ({out['copy_gbps']:.0f} GB/s)" if out["copy_gbps"] else ""))
+    print("\n".join(_table(out)))
     if args.json:
         with open(args.json, "w") as f:
             json.dump(out, f, indent=1)

@@ -12,14 +12,28 @@ from benchmarks.e2e import main  # noqa: E402
 def test_tiny_run_fills_decodes_and_reports(tmp_path, capsys):
     path = tmp_path / "e2e.json"
     assert main(["--tiny", "--json", str(path)]) == 0
+    printed = capsys.readouterr().out
+    assert "mechanics" in printed  # says a tiny random model shows no speed
     out = json.loads(path.read_text())
-    assert "mechanics" in capsys.readouterr().out  # says a tiny random model shows no speed
-    # 160 tokens held by the default cache, at most prompt + budget + beta + 1 = 73 slots by kvops
-    default = out["default"]
+    rows = {r["cache"]: r for r in out["rows"]}
+    assert sorted(rows) == ["default", "dense-static", "kvops", "kvops-static"]
+    # 160 tokens held by the dense caches, at most prompt + budget + beta + 1 = 73 slots by kvops
     for name in ("kvops", "kvops-static"):
-        r = out[name]
+        r = rows[name]
         assert r["capacity_tokens"] == 16 + 48 + 8 + 1
-        assert 0 < r["kv_bytes"] <= default["kv_bytes"] * 73 / 160
+        assert 0 < r["kv_bytes"] <= rows["default"]["kv_bytes"] * 73 / 160
         assert r["decode_rounds"] >= 1 and r["decode_round_s"] > 0  # 12 timed steps at beta 8
-        assert r["tokens_per_s"] > 0
-    assert default["tokens_per_s"] > 0
+    for r in rows.values():
+        assert r["tokens_per_s"] > 0 and r["step_ms"] > 0
+        # the floor counts the weights and what the cache holds: kvops reads fewer bytes than the dense caches
+        assert r["step_read_bytes"] > out["weight_bytes"]
+    assert rows["kvops"]["step_read_bytes"] < rows["dense-static"]["step_read_bytes"]
+    assert "vs dense-static" in printed and "1.00x" in printed  # dense-static against itself
+
+
+def test_arguments_are_checked(capsys):
+    for argv in (["--tiny", "--peak"], ["--tiny", "--context", "8"], ["--tiny", "--context", "x"],
+                 ["--tiny", "--caches", "dense"]):
+        with pytest.raises(SystemExit) as e:
+            main(argv)
+        assert e.value.code == 2
