@@ -5,9 +5,12 @@ model geometry ready (kvops/_cute_build.py), `info` says what runs here."""
 import sys
 
 
-def info() -> int:
+def info(argv=None) -> int:
     """Versions, the GPU and its arch, and which kernel families can run on it."""
+    import argparse
     import importlib.metadata as md
+
+    argparse.ArgumentParser(prog="kvops info", description=info.__doc__).parse_args(argv)
 
     import torch
 
@@ -58,7 +61,7 @@ def main(argv=None) -> int:
 
         return warmup(argv[1:])
     if argv[0] == "info":
-        return info()
+        return info(argv[1:])
     print(f"kvops: unknown command {argv[0]!r}; try `kvops demo`, `kvops calibrate`, `kvops warmup` or `kvops info`",
           file=sys.stderr)
     return 2
