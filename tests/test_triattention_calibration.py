@@ -69,7 +69,6 @@ def test_bad_calibrations_raise_clearly(tmp_path):
         ({"E_q": torch.zeros(2, 4, 8, dtype=torch.complex64)}, "E_q_norm must be a tensor"),
         ({"E_q": torch.zeros(3, 4, 8, dtype=torch.complex64)}, "E_q has shape"),
         ({"weights": 1}, "unknown format"),
-        ([1, 2], "expected a dict"),
         (broken(lambda d: d["stats"].__setitem__(s, [torch.rand(8)] * 3)), "layer01_head03 must be a dict"),
         ({"E_q": torch.zeros(2, 4, 8), "E_q_norm": torch.rand(2, 4, 8)}, "E_q must be a complex"),
         ({"E_q": torch.zeros(2, 4, 8, dtype=torch.complex64), "E_q_norm": torch.ones(2, 4, 8, dtype=torch.int64)},
@@ -78,6 +77,12 @@ def test_bad_calibrations_raise_clearly(tmp_path):
     for data, match in cases:
         with pytest.raises(ValueError, match=match):
             load_calibration(data, CONFIG)
+    for source in ([1, 2], None, 7, b"cal.pt"):
+        with pytest.raises(TypeError, match="source must be a shipped name"):
+            load_calibration(source, CONFIG)
+    torch.save([torch.rand(8)], tmp_path / "list.pt")
+    with pytest.raises(ValueError, match="holds a list, expected a dict"):
+        load_calibration(tmp_path / "list.pt", CONFIG)
     with pytest.raises(ValueError, match="does not have"):
         load_calibration(_official(L=3), CONFIG)   # a layer the model lacks
     with pytest.raises(ValueError, match="missing"):
@@ -275,7 +280,7 @@ def test_validate_calibration_checks_a_calibration_object():
            (replace(cal, q_abs_mean=cal.q_abs_mean.half()), "q_abs_mean must be float32"),
            (replace(cal, omega=cal.omega.tolist()), "omega must be a tensor"),
            (replace(cal, omega=cal.omega.to("meta")), "omega is a meta tensor"),
-           (cal.to("meta"), "meta tensor")]
+           (replace(cal, q_mean=cal.q_mean.to("meta"), q_abs_mean=cal.q_abs_mean.to("meta")), "meta tensor")]
     for broken, match in bad:
         with pytest.raises((TypeError, ValueError), match=match):
             validate_calibration(broken, CONFIG)
@@ -283,3 +288,14 @@ def test_validate_calibration_checks_a_calibration_object():
         validate_calibration({"E_q": cal.q_mean}, CONFIG)
     with pytest.raises(TypeError, match="model_config must be a dict"):
         validate_calibration(cal, [CONFIG])
+
+
+def test_calibration_to_takes_a_real_device():
+    cal = load_calibration(_official(), CONFIG)
+    assert cal.to("cpu").q_mean.device.type == "cpu"
+    with pytest.raises(ValueError, match="device must be a torch.device or a device string, got 'gpu7'"):
+        cal.to("gpu7")
+    with pytest.raises(TypeError, match="device must be"):
+        cal.to(3.5)
+    with pytest.raises(ValueError, match="meta device has no values"):
+        cal.to("meta")

@@ -93,6 +93,14 @@ class Calibration:
         return tuple((x * fss).float().contiguous() for x in (self.q_mean.real, self.q_mean.imag, extra))
 
     def to(self, device: torch.device | str) -> "Calibration":
+        """The calibration with its tensors on `device` (a real one: on meta it would have no values)."""
+        try:
+            device = torch.device(device)
+        except (RuntimeError, TypeError) as e:
+            raise (TypeError if isinstance(e, TypeError) else ValueError)(
+                f"Calibration.to: device must be a torch.device or a device string, got {device!r}") from e
+        if device.type == "meta":
+            raise ValueError("Calibration.to: a calibration on the meta device has no values")
         return replace(self, q_mean=self.q_mean.to(device), q_abs_mean=self.q_abs_mean.to(device),
                        omega=self.omega.to(device), freq_scale_sq=self.freq_scale_sq.to(device))
 
@@ -202,10 +210,13 @@ def load_calibration(source: str | os.PathLike | Mapping[str, Any], model_config
             raise ValueError(f"load_calibration: no calibration file at {os.fspath(source)!r}") from e
         except Exception as e:  # corrupt, truncated, or not a weights-only pickle
             raise ValueError(f"load_calibration: cannot read {os.fspath(source)!r} as a calibration file: {e}") from e
-    else:
+    elif isinstance(source, Mapping):
         data = source
+    else:
+        raise TypeError(f"load_calibration: source must be a shipped name ({', '.join(sorted(SHIPPED))}), a path or "
+                        f"a loaded calibration dict, got {type(source).__name__}")
     if not isinstance(data, Mapping):
-        raise ValueError(f"load_calibration: expected a dict, got {type(data).__name__}")
+        raise ValueError(f"load_calibration: {os.fspath(source)!r} holds a {type(data).__name__}, expected a dict")
     if "stats" in data:
         q_mean, q_abs = _official(data, L, Hq, D, F)
     elif "E_q" in data:
