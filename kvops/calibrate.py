@@ -224,12 +224,12 @@ def main(argv: list[str] | None = None) -> int:
         ap.error(str(e))
     try:
         config = transformers.AutoConfig.from_pretrained(a.model_dir, local_files_only=True)
-    except (TypeError, ValueError, KeyError, OSError) as e:
+    except Exception as e:  # transformers' own validation raises its own classes (e.g. a float head_dim)
         ap.error(f"{config_file}: transformers cannot read it ({_first_line(e)})")
     try:
         check_model_config(config.to_dict())
     except (TypeError, ValueError) as e:
-        ap.error(_first_line(e))
+        ap.error(_first_line(e).removeprefix("kvops calibrate: "))
     try:
         tokenizer = transformers.AutoTokenizer.from_pretrained(a.model_dir, local_files_only=True)
     except (TypeError, ValueError, KeyError, OSError) as e:
@@ -249,7 +249,7 @@ def main(argv: list[str] | None = None) -> int:
     try:  # an attention this tool cannot hook, refused before the model moves or runs
         QueryStatistics(model).remove()
     except ValueError as e:
-        ap.error(_first_line(e))
+        ap.error(_first_line(e).removeprefix("kvops calibrate: "))
     model.to(device)
     data = calibrate(model, ids, a.window, progress=True,
                      metadata={"model_name": getattr(config, "_name_or_path", None) or os.path.basename(

@@ -164,7 +164,8 @@ def _bad_cases(tmp, model):
     text.write_text(TEXT)
     (tmp / "binary.txt").write_bytes(b"\xff\xfe\x00\x81" + os.urandom(64))
     (tmp / "empty.txt").write_text("")
-    for name, body in (("garbage", "{not json"), ("list", "[1, 2]"), ("unknown", '{"model_type": "nonesuch"}'),
+    for name, body in (("float_head_dim", json.dumps({**json.loads((model / "config.json").read_text()),
+                                                      "head_dim": 16.5})), ("garbage", "{not json"), ("list", "[1, 2]"), ("unknown", '{"model_type": "nonesuch"}'),
                        ("bad_rope", json.dumps({**json.loads((model / "config.json").read_text()),
                                                 "rope_parameters": {"rope_type": "yarn", "rope_theta": 1e4}}))):
         (tmp / name).mkdir()
@@ -191,6 +192,7 @@ def _bad_cases(tmp, model):
         (ok(directory=tmp / "garbage"), "not a readable JSON model config"),
         (ok(directory=tmp / "list"), "must be a JSON object"),
         (ok(directory=tmp / "unknown"), "transformers cannot read it"),
+        (ok(directory=tmp / "float_head_dim"), "transformers cannot read it"),
         (ok(directory=tmp / "bad_rope"), "'factor'"),
         (ok(directory=tmp / "no_tokenizer"), "makes no tokens of it"),
         (ok(directory=tmp / "big_vocab"), "the model's vocab_size is 100"),

@@ -46,6 +46,15 @@ def test_info_and_usage(capsys):
 
 # issue 30: bad input, second pass
 
+def test_usage_errors_go_to_stderr(capsys):
+    assert main([]) == 2
+    captured = capsys.readouterr()
+    assert not captured.out and captured.err.strip().splitlines()[-1].startswith("kvops: error: a command is required")
+    assert main(["bogus"]) == 2
+    assert "kvops: error: unknown command 'bogus' (choose from demo, calibrate, warmup, info)" in capsys.readouterr().err
+    assert main(["--help"]) == 0 and "usage: kvops demo" in capsys.readouterr().out
+
+
 def test_info_takes_only_help(capsys):
     import pytest
 
