@@ -111,6 +111,9 @@ def test_rope_default_and_errors():
     assert torch.allclose(omega.double(), expect, rtol=2e-7, atol=0) and torch.equal(fss, torch.ones(64))
     half, _ = rope_parameters(dict(head_dim=128, rope_theta=1e6, partial_rotary_factor=0.5))
     assert half.shape == (32,)
+    nested, _ = rope_parameters(dict(head_dim=128, rope_parameters=dict(rope_type="default", rope_theta=1e6,
+                                                                        partial_rotary_factor=0.5)))
+    assert torch.equal(nested, half)  # where transformers 5 keeps it
     with pytest.raises(ValueError, match="not supported"):
         rope_parameters(dict(head_dim=64, rope_theta=1e4, rope_scaling={"rope_type": "longrope"}))
     with pytest.raises(ValueError, match="rope_theta"):

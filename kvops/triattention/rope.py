@@ -42,8 +42,12 @@ def _fields(config: Mapping[str, Any]) -> Mapping[str, Any]:
 
 
 def rotary_dim(config: Mapping[str, Any]) -> int:
-    """head_dim times partial_rotary_factor (in (0, 1]), truncated as transformers does."""
+    """head_dim times partial_rotary_factor (in (0, 1]; at the top level, or in rope_parameters where transformers 5
+    keeps it), truncated as transformers does."""
     factor = _fields(config).get("partial_rotary_factor")
+    if factor is None:
+        scaling = config.get("rope_scaling") or config.get("rope_parameters")
+        factor = scaling.get("partial_rotary_factor") if isinstance(scaling, Mapping) else None
     factor = 1.0 if factor is None else _number("partial_rotary_factor", factor, 0)
     if factor > 1:
         raise ValueError(f"rope config: partial_rotary_factor must be in (0, 1], got {factor!r}")
