@@ -164,10 +164,11 @@ def _bad_cases(tmp, model):
     text.write_text(TEXT)
     (tmp / "binary.txt").write_bytes(b"\xff\xfe\x00\x81" + os.urandom(64))
     (tmp / "empty.txt").write_text("")
-    for name, body in (("float_head_dim", json.dumps({**json.loads((model / "config.json").read_text()),
-                                                      "head_dim": 16.5})), ("garbage", "{not json"), ("list", "[1, 2]"), ("unknown", '{"model_type": "nonesuch"}'),
-                       ("bad_rope", json.dumps({**json.loads((model / "config.json").read_text()),
-                                                "rope_parameters": {"rope_type": "yarn", "rope_theta": 1e4}}))):
+    config = json.loads((model / "config.json").read_text())
+    for name, body in (("float_head_dim", json.dumps({**config, "head_dim": 16.5})), ("garbage", "{not json"),
+                       ("list", "[1, 2]"), ("unknown", '{"model_type": "nonesuch"}'),
+                       ("bad_rope", json.dumps({**config, "rope_parameters": {"rope_type": "yarn",
+                                                                               "rope_theta": 1e4}}))):
         (tmp / name).mkdir()
         (tmp / name / "config.json").write_text(body)
     (tmp / "no_config").mkdir()
@@ -176,13 +177,15 @@ def _bad_cases(tmp, model):
     (tmp / "big_vocab").mkdir()  # a tokenizer whose ids the model's embedding does not have
     for f in model.iterdir():
         (tmp / "big_vocab" / f.name).write_bytes(f.read_bytes())
-    (tmp / "big_vocab" / "config.json").write_text(json.dumps({**json.loads((model / "config.json").read_text()),
-                                                               "vocab_size": 100}))
+    (tmp / "big_vocab" / "config.json").write_text(json.dumps({**config, "vocab_size": 100}))
     (tmp / "no_weights").mkdir()
     for f in model.iterdir():
         if not f.name.endswith(".safetensors"):
             (tmp / "no_weights" / f.name).write_bytes(f.read_bytes())
-    ok = lambda directory=model, t=text, out=tmp / "c.pt": [str(directory), "--text", str(t), "--out", str(out)]  # noqa: E731
+
+    def ok(directory=model, t=text, out=tmp / "c.pt"):
+        return [str(directory), "--text", str(t), "--out", str(out)]
+
     cases = [
         (ok() + ["--device", "gpu7"], "--device gpu7: expected cpu, cuda or cuda:N"),
         (ok() + ["--device", "meta"], "--device meta: expected cpu, cuda or cuda:N"),

@@ -51,7 +51,8 @@ def test_usage_errors_go_to_stderr(capsys):
     captured = capsys.readouterr()
     assert not captured.out and captured.err.strip().splitlines()[-1].startswith("kvops: error: a command is required")
     assert main(["bogus"]) == 2
-    assert "kvops: error: unknown command 'bogus' (choose from demo, calibrate, warmup, info)" in capsys.readouterr().err
+    err = capsys.readouterr().err
+    assert "kvops: error: unknown command 'bogus' (choose from demo, calibrate, warmup, info)" in err
     assert main(["--help"]) == 0 and "usage: kvops demo" in capsys.readouterr().out
 
 

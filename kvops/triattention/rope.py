@@ -146,7 +146,8 @@ def _yarn(scaling, config, base, dim):
     beta_fast, beta_slow = optional("beta_fast") or 32, optional("beta_slow") or 1
     truncate = scaling.get("truncate", True)
     if not isinstance(truncate, bool):
-        raise TypeError(f"rope config: rope_scaling truncate must be a bool, got {type(truncate).__name__} {truncate!r}")
+        raise TypeError(f"rope config: rope_scaling truncate must be a bool, got {type(truncate).__name__} "
+                        f"{truncate!r}")
 
     def correction_dim(rotations):
         return (dim * math.log(original / (rotations * 2 * math.pi))) / (2 * math.log(base))
