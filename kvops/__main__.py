@@ -5,9 +5,12 @@ model geometry ready (kvops/_cute_build.py), `info` says what runs here."""
 import sys
 
 
-def info() -> int:
+def info(argv=None) -> int:
     """Versions, the GPU and its arch, and which kernel families can run on it."""
+    import argparse
     import importlib.metadata as md
+
+    argparse.ArgumentParser(prog="kvops info", description=info.__doc__).parse_args(argv)
 
     import torch
 
@@ -36,15 +39,24 @@ def info() -> int:
     return 0
 
 
+USAGE = ("usage: kvops demo [--preset tiny|gpu] [--device cpu|cuda] [--dtype D] [--json FILE]\n"
+         "       kvops calibrate MODEL_DIR --text FILE --out FILE.pt [--max-tokens N] [--window W] [--device D]\n"
+         "       kvops warmup [--model DIR | --head-dim D --group G ...] [--page-size T ...] [--dtype D] "
+         "[--arch sm_XXa ...]\n"
+         "       kvops info\n"
+         "(kvops COMMAND --help for each command's options)")
+COMMANDS = ("demo", "calibrate", "warmup", "info")
+
+
 def main(argv=None) -> int:
-    argv = sys.argv[1:] if argv is None else argv
-    if not argv or argv[0] in ("-h", "--help"):
-        print("usage: kvops demo [--preset tiny|gpu] [--device cpu|cuda] [--dtype D] [--json FILE]\n"
-              "       kvops calibrate MODEL_DIR --text FILE --out FILE.pt [--max-tokens N] [--window W]\n"
-              "       kvops warmup [--model DIR | --head-dim D --group G ...] [--page-size T ...] [--dtype D] "
-              "[--arch sm_XXa ...]\n"
-              "       kvops info")
-        return 0 if argv else 2
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if argv and argv[0] in ("-h", "--help"):
+        print(USAGE)
+        return 0
+    if not argv or argv[0] not in COMMANDS:
+        problem = "a command is required" if not argv else f"unknown command {argv[0]!r}"
+        print(f"{USAGE}\nkvops: error: {problem} (choose from {', '.join(COMMANDS)})", file=sys.stderr)
+        return 2
     if argv[0] == "demo":
         from .demo import main as demo
 
@@ -57,11 +69,7 @@ def main(argv=None) -> int:
         from ._cute_build import warmup
 
         return warmup(argv[1:])
-    if argv[0] == "info":
-        return info()
-    print(f"kvops: unknown command {argv[0]!r}; try `kvops demo`, `kvops calibrate`, `kvops warmup` or `kvops info`",
-          file=sys.stderr)
-    return 2
+    return info(argv[1:])
 
 
 if __name__ == "__main__":

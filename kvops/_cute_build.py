@@ -21,7 +21,9 @@ import torch
 
 from . import _cute
 from .topk import SPECS as TOPK_SPECS
-from .triattention.score import KV_DTYPES, scorer_spec
+from ._checks import check_int
+from .triattention.rope import head_dim_of
+from .triattention.score import KV_DTYPES, check_scorer_class, scorer_spec
 
 # Scorer shape classes built at install: head_dim 128 (64 rotary frequencies), GQA groups 1 (MHA) to 8, pages of
 # 16, 32 and 64 tokens, every KV dtype (bf16, fp16, fp8 e4m3fn and e5m2). Any other class compiles once into the
@@ -78,30 +80,88 @@ def export_objects(share: list[tuple[int, str]], directory: str, start: float) -
     return objects
 
 
+def _model_geometry(ap: argparse.ArgumentParser, model: str) -> tuple[int, int]:
+    """(head_dim, group) from the config.json of a Hugging Face model directory (its text_config when nested)."""
+    path = Path(model) / "config.json"
+    if not Path(model).is_dir():
+        ap.error(f"--model {model}: no such directory")
+    try:
+        with open(path, encoding="utf-8") as f:
+            config = json.load(f)
+    except FileNotFoundError:
+        ap.error(f"--model {model}: not a Hugging Face model directory (no config.json)")
+    except (OSError, UnicodeDecodeError, ValueError) as e:
+        ap.error(f"--model {model}: {path} is not a readable JSON model config ({str(e).splitlines()[0]})")
+    if isinstance(config, dict):
+        config = config.get("text_config") or config
+    if not isinstance(config, dict):
+        ap.error(f"--model {model}: {path} must hold a JSON object")
+    try:
+        heads = check_int("config.json", "num_attention_heads", config.get("num_attention_heads"), 1)
+        kv_heads = config.get("num_key_value_heads")
+        kv_heads = heads if kv_heads is None else check_int("config.json", "num_key_value_heads", kv_heads, 1)
+        if heads % kv_heads:
+            raise ValueError(f"config.json: num_attention_heads {heads} is not a multiple of num_key_value_heads "
+                             f"{kv_heads}")
+        return head_dim_of(config), heads // kv_heads
+    except (TypeError, ValueError) as e:
+        ap.error(f"--model {model}: {e}")
+
+
+def _positive(text: str) -> int:
+    """argparse type: an int >= 1."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected an int, got {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
+    return value
+
+
 def warmup(argv=None) -> int:
     """kvops warmup: the kernels of one model geometry, from the library or compiled into the cache."""
     ap = argparse.ArgumentParser(prog="kvops warmup", description=warmup.__doc__)
     ap.add_argument("--model", help="a Hugging Face model directory: head_dim and group from its config.json")
-    ap.add_argument("--head-dim", type=int, default=128)
-    ap.add_argument("--group", type=int, action="append", help="query heads per KV head (repeatable; default 4)")
-    ap.add_argument("--page-size", type=int, action="append", help="tokens per page (repeatable; default 16)")
+    ap.add_argument("--head-dim", type=_positive, help="dims per head (default 128)")
+    ap.add_argument("--group", type=_positive, action="append", help="query heads per KV head (repeatable; default 4)")
+    ap.add_argument("--page-size", type=_positive, action="append", help="tokens per page (repeatable; default 16)")
     ap.add_argument("--dtype", choices=[str(d).removeprefix("torch.") for d in KV_DTYPES], default="bfloat16")
-    ap.add_argument("--arch", action="append",
+    ap.add_argument("--arch", action="append", choices=_cute.ARCHS,
                     help="GPU arch (repeatable; default: this machine's GPU, or every arch the install builds)")
     args = ap.parse_args(argv)
     if args.model:
-        with open(Path(args.model) / "config.json") as f:
-            config = json.load(f)
-        config = config.get("text_config", config)
-        heads = config["num_attention_heads"]
-        args.head_dim = config.get("head_dim") or config["hidden_size"] // heads
-        args.group = [heads // config.get("num_key_value_heads", heads)]
-    if args.head_dim % 2 or args.head_dim < 2:
-        ap.error(f"--head-dim must be even and positive, got {args.head_dim}")
-    archs = args.arch or ([_cute.arch(torch.device("cuda"))] if torch.cuda.is_available() else list(_cute.ARCHS))
+        if args.head_dim is not None or args.group:
+            ap.error("--model gives head_dim and the group; pass --head-dim and --group without it")
+        args.head_dim, group = _model_geometry(ap, args.model)
+        args.group = [group]
+    elif args.head_dim is None:
+        args.head_dim = 128
+    groups, pages = sorted(set(args.group or [4])), sorted(set(args.page_size or [16]))
+    source, group_flag = (f"--model {args.model}: head_dim", "group") if args.model else ("--head-dim", "--group")
+    if args.head_dim % 2:
+        ap.error(f"{source} must be even (rotate-half RoPE pairs dims f and f + head_dim/2), got {args.head_dim}")
+    for group in groups:
+        try:  # the rule the scorer applies to its pools at run time
+            check_scorer_class("kvops warmup", args.head_dim // 2, group)
+        except ValueError as e:
+            ap.error(f"{source} {args.head_dim} (F = {args.head_dim // 2}) with {group_flag} {group}: "
+                     f"{str(e).removeprefix('kvops warmup: ')}")
+    if args.arch:
+        archs = list(dict.fromkeys(args.arch))
+    elif torch.cuda.is_available():
+        archs = [_cute.arch(torch.device("cuda"))]
+        if archs[0] not in _cute.ARCHS:
+            ap.error(f"this GPU is {archs[0]}; kvops builds CuTe kernels for {', '.join(_cute.ARCHS)} only "
+                     "(pass --arch to warm those up)")
+    else:
+        archs = list(_cute.ARCHS)
+    try:
+        _cute.require_dsl()
+    except ImportError as e:
+        ap.error(f"the CuTe DSL cannot be used here: {e}")
     dtype = getattr(torch, args.dtype)
-    specs = [*TOPK_SPECS.values(), *(scorer_spec(dtype, args.head_dim // 2, g, t) for g in args.group or [4]
-                                     for t in args.page_size or [16])]
+    specs = [*TOPK_SPECS.values(), *(scorer_spec(dtype, args.head_dim // 2, g, t) for g in groups for t in pages)]
     todo = [(spec, target) for target in archs for spec in specs]
     for i, (spec, target) in enumerate(todo, 1):
         before, start = _cute.compile_count, time.time()

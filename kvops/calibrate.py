@@ -21,6 +21,7 @@ from typing import Any, Mapping
 
 import torch
 
+from ._files import writable_target, write_whole
 from .triattention.rope import head_dim_of, rope_parameters
 
 MIN_TRANSFORMERS = (5, 0)
@@ -35,6 +36,8 @@ def check_model_config(config: Mapping[str, Any]) -> None:
         raise ValueError(f"kvops calibrate: {kind!r} uses multi-head latent attention (MLA); its decoupled RoPE "
                          "queries are not the q_proj outputs this tool measures")
     rope = config.get("rope_parameters") or config.get("rope_scaling") or {}
+    if not isinstance(rope, Mapping):
+        raise TypeError(f"kvops calibrate: rope_parameters / rope_scaling must be a dict, got {type(rope).__name__}")
     partial = rope.get("partial_rotary_factor", config.get("partial_rotary_factor", 1.0))
     if partial != 1.0:
         raise ValueError(f"kvops calibrate: {kind!r} rotates only part of each head (partial_rotary_factor="
@@ -148,8 +151,30 @@ def calibrate(model, token_ids: torch.Tensor, window: int = 2048, progress: bool
     return stats.to_file_format(metadata)
 
 
+def _device(ap, text: str) -> torch.device:
+    """--device: cpu or cuda[:N] with that GPU visible to torch."""
+    try:
+        device = torch.device(text)
+    except (RuntimeError, ValueError):
+        device = None
+    if device is None or device.type not in ("cpu", "cuda"):
+        ap.error(f"--device {text}: expected cpu, cuda or cuda:N")
+    if device.type == "cuda":
+        if not torch.cuda.is_available():
+            ap.error(f"--device {text}: no CUDA GPU is visible to torch")
+        if device.index is not None and device.index >= torch.cuda.device_count():
+            ap.error(f"--device {text}: torch sees {torch.cuda.device_count()} CUDA GPU(s)")
+    return device
+
+
+def _first_line(e: BaseException) -> str:
+    text = str(e).strip() or type(e).__name__
+    return text.splitlines()[0]
+
+
 def main(argv: list[str] | None = None) -> int:
     import argparse
+    import json
 
     ap = argparse.ArgumentParser(prog="kvops calibrate", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -158,41 +183,77 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--out", required=True, help="where to write the calibration (.pt)")
     ap.add_argument("--max-tokens", type=int, default=None, help="use at most this many tokens of the text")
     ap.add_argument("--window", type=int, default=2048, help="tokens per forward pass (default 2048)")
-    ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu", help="cpu, cuda or cuda:N")
     ap.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], default=None,
                     help="model dtype (default: bfloat16 on a GPU, float32 on the CPU)")
     a = ap.parse_args(argv)
-    if not os.path.isdir(a.model_dir) or not os.path.isfile(os.path.join(a.model_dir, "config.json")):
-        ap.error(f"{a.model_dir}: not a local model directory (no config.json); models load from local files only")
-    if not os.path.isfile(a.text):
-        ap.error(f"--text {a.text}: no such file")
+    # Every check that needs no model runs before the weights load: a refusal costs nothing and writes nothing.
+    config_file = os.path.join(a.model_dir, "config.json")
+    if not os.path.isdir(a.model_dir):
+        ap.error(f"{a.model_dir}: no such directory; models load from local directories only")
+    if not os.path.isfile(config_file):
+        ap.error(f"{a.model_dir}: not a Hugging Face model directory (no config.json)")
     if a.max_tokens is not None and a.max_tokens < 1:
-        ap.error("--max-tokens must be positive")
+        ap.error(f"--max-tokens must be >= 1, got {a.max_tokens}")
     if a.window < 1:
-        ap.error("--window must be positive")
-    if a.device.startswith("cuda") and not torch.cuda.is_available():
-        ap.error(f"--device {a.device}: no CUDA GPU is visible to torch")
-    try:  # fail now, not after the run
-        with open(a.out, "ab"):
-            pass
+        ap.error(f"--window must be >= 1, got {a.window}")
+    device = _device(ap, a.device)
+    if writable_target(a.out):
+        ap.error(f"--out {a.out}: {writable_target(a.out)}")
+    if os.path.isfile(a.text) and os.path.exists(a.out) and os.path.samefile(a.text, a.out):
+        ap.error(f"--out {a.out}: is the --text file; it would be overwritten")
+    try:
+        with open(a.text, encoding="utf-8") as f:
+            text = f.read()
+    except UnicodeDecodeError as e:
+        ap.error(f"--text {a.text}: not UTF-8 text ({e.reason} at byte {e.start})")
     except OSError as e:
-        ap.error(f"--out {a.out}: cannot write there ({e.strerror})")
-    transformers = require_transformers()
-    config = transformers.AutoConfig.from_pretrained(a.model_dir, local_files_only=True)
+        ap.error(f"--text {a.text}: cannot read it ({e.strerror})")
+    if not text:
+        ap.error(f"--text {a.text}: the file is empty")
+    try:
+        with open(config_file, encoding="utf-8") as f:
+            raw_config = json.load(f)
+    except (OSError, UnicodeDecodeError, ValueError) as e:
+        ap.error(f"{config_file}: not a readable JSON model config ({_first_line(e)})")
+    if not isinstance(raw_config, dict):
+        ap.error(f"{config_file}: a model config must be a JSON object, got {type(raw_config).__name__}")
+    try:
+        transformers = require_transformers()
+    except ImportError as e:
+        ap.error(str(e))
+    try:
+        config = transformers.AutoConfig.from_pretrained(a.model_dir, local_files_only=True)
+    except Exception as e:  # transformers' own validation raises its own classes (e.g. a float head_dim)
+        ap.error(f"{config_file}: transformers cannot read it ({_first_line(e)})")
     try:
         check_model_config(config.to_dict())
-    except ValueError as e:
-        ap.error(str(e))
-    dtype = getattr(torch, a.dtype) if a.dtype else (torch.bfloat16 if a.device.startswith("cuda") else torch.float32)
-    tokenizer = transformers.AutoTokenizer.from_pretrained(a.model_dir, local_files_only=True)
-    model = transformers.AutoModelForCausalLM.from_pretrained(a.model_dir, local_files_only=True, dtype=dtype)
-    model.to(a.device)
-    with open(a.text, encoding="utf-8") as f:
-        text = f.read()
+    except (TypeError, ValueError) as e:
+        ap.error(_first_line(e).removeprefix("kvops calibrate: "))
+    try:
+        tokenizer = transformers.AutoTokenizer.from_pretrained(a.model_dir, local_files_only=True)
+    except (TypeError, ValueError, KeyError, OSError) as e:
+        ap.error(f"{a.model_dir}: cannot load its tokenizer ({_first_line(e)})")
     ids = torch.tensor(tokenizer(text)["input_ids"], dtype=torch.int64)[:a.max_tokens]
+    if ids.numel() == 0:
+        ap.error(f"--text {a.text}: the tokenizer of {a.model_dir} makes no tokens of it (an empty text, or no "
+                 "tokenizer files there)")
+    vocab = getattr(config, "vocab_size", None)
+    if isinstance(vocab, int) and int(ids.max()) >= vocab:  # the embedding would index past its table
+        ap.error(f"{a.model_dir}: its tokenizer makes token {int(ids.max())}, the model's vocab_size is {vocab}")
+    dtype = getattr(torch, a.dtype) if a.dtype else (torch.bfloat16 if device.type == "cuda" else torch.float32)
+    try:
+        model = transformers.AutoModelForCausalLM.from_pretrained(a.model_dir, local_files_only=True, dtype=dtype)
+    except (TypeError, ValueError, KeyError, OSError) as e:
+        ap.error(f"{a.model_dir}: cannot load the model's weights ({_first_line(e)})")
+    try:  # an attention this tool cannot hook, refused before the model moves or runs
+        QueryStatistics(model).remove()
+    except ValueError as e:
+        ap.error(_first_line(e).removeprefix("kvops calibrate: "))
+    model.to(device)
     data = calibrate(model, ids, a.window, progress=True,
                      metadata={"model_name": getattr(config, "_name_or_path", None) or os.path.basename(
                          os.path.abspath(a.model_dir)), "text": os.path.basename(a.text)})
-    torch.save(data, a.out)
+    write_whole(a.out, lambda f: torch.save(data, f))  # --out is the whole calibration or as it was
     print(f"kvops calibrate: {data['metadata']['tokens']} tokens, {len(data['stats'])} heads -> {a.out}")
     return 0

@@ -16,6 +16,7 @@ import time
 import torch
 import triton
 
+from ._files import writable_target, write_whole
 from .cache import PagedKVCache
 from .config import NVFP4ColdPageConfig, TriAttentionConfig
 from .manager import Request, create_compression_manager
@@ -127,12 +128,8 @@ def main(argv: list[str] | None = None) -> int:
     device = a.device or ("cuda" if torch.cuda.is_available() else "cpu")
     if device == "cuda" and not torch.cuda.is_available():
         ap.error("--device cuda: no CUDA GPU is visible to torch")
-    if a.json:  # fail now, not after the run
-        try:
-            with open(a.json, "a"):
-                pass
-        except OSError as e:
-            ap.error(f"--json {a.json}: cannot write there ({e.strerror})")
+    if a.json and writable_target(a.json):  # fail now, not after the run; nothing is created until the end
+        ap.error(f"--json {a.json}: cannot write there: {writable_target(a.json)}")
     r = run(a.preset or ("gpu" if device == "cuda" else "tiny"), device, getattr(torch, a.dtype))
     hot, cold = r["hot_page_bytes"], r["cold_page_bytes"]
     rows = [
@@ -150,6 +147,5 @@ def main(argv: list[str] | None = None) -> int:
     width = max(len(k) for k, _ in rows)
     print("\n".join(f"  {k:<{width}}  {v}" for k, v in rows))
     if a.json:
-        with open(a.json, "w") as f:
-            json.dump(r, f, indent=2)
+        write_whole(a.json, lambda f: json.dump(r, f, indent=2), binary=False)
     return 0

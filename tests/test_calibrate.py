@@ -2,6 +2,8 @@
 captured where the model applies RoPE; the file round trip; the refusals."""
 
 import json
+import os
+import subprocess
 import sys
 
 import pytest
@@ -103,7 +105,7 @@ def test_refuses_attention_it_cannot_measure(tmp_path, config, match):
     (tmp_path / "t.txt").write_text("x")
     with pytest.raises(SystemExit) as e:  # refused before any weight is loaded
         main([str(tmp_path), "--text", str(tmp_path / "t.txt"), "--out", str(tmp_path / "c.pt")])
-    assert e.value.code == 2 and not (tmp_path / "c.pt").stat().st_size
+    assert e.value.code == 2 and not (tmp_path / "c.pt").exists()  # refused: no --out file, not even an empty one
 
 
 def test_bad_command_lines(tmp_path):
@@ -116,3 +118,114 @@ def test_bad_command_lines(tmp_path):
 def test_import_kvops_does_not_import_transformers():
     run_python("import sys, kvops\nassert 'transformers' not in sys.modules, 'import kvops imported transformers'")
 
+
+
+# issue 30: bad input, second pass
+
+TEXT = "def f(x):\n    return [y * 2 for y in range(x) if y % 3]\n" * 60
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    """A tiny Qwen3 with its tokenizer, saved as a local model directory."""
+    directory = tmp_path_factory.mktemp("model")
+    tiny_model("qwen3").save_pretrained(directory)
+    _tokenizer(TEXT, directory)
+    return directory
+
+
+def _refused(argv, capsys, match):
+    """main(argv) is an argparse error: exit 2, the last stderr line names the flag and the rule, no traceback."""
+    with pytest.raises(SystemExit) as e:
+        main(argv)
+    err = capsys.readouterr().err
+    assert e.value.code == 2, err
+    assert match in err.strip().splitlines()[-1] and err.strip().splitlines()[-1].startswith("kvops calibrate: error:")
+    return err
+
+
+def test_a_refused_run_keeps_an_existing_out_file_and_a_run_replaces_it_whole(tmp_path, model_dir, capsys):
+    text, out = tmp_path / "t.txt", tmp_path / "cal.pt"
+    text.write_text(TEXT)
+    old = os.urandom(64)
+    out.write_bytes(old)
+    _refused([str(model_dir), "--text", str(text), "--out", str(out), "--window", "0"], capsys, "--window")
+    assert out.read_bytes() == old
+    # a text shorter than one window is one shorter window
+    assert main([str(model_dir), "--text", str(text), "--out", str(out), "--window", "4096", "--max-tokens", "50",
+                 "--device", "cpu"]) == 0
+    assert torch.load(out, weights_only=True)["metadata"]["tokens"] == 50
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["cal.pt", "t.txt"]  # no temporary file left behind
+
+
+def _bad_cases(tmp, model):
+    """(argv, the error's text) for each misuse; `tmp` holds the inputs they need."""
+    text = tmp / "t.txt"
+    text.write_text(TEXT)
+    (tmp / "binary.txt").write_bytes(b"\xff\xfe\x00\x81" + os.urandom(64))
+    (tmp / "empty.txt").write_text("")
+    config = json.loads((model / "config.json").read_text())
+    for name, body in (("float_head_dim", json.dumps({**config, "head_dim": 16.5})), ("garbage", "{not json"),
+                       ("list", "[1, 2]"), ("unknown", '{"model_type": "nonesuch"}'),
+                       ("bad_rope", json.dumps({**config, "rope_parameters": {"rope_type": "yarn",
+                                                                               "rope_theta": 1e4}}))):
+        (tmp / name).mkdir()
+        (tmp / name / "config.json").write_text(body)
+    (tmp / "no_config").mkdir()
+    (tmp / "no_tokenizer").mkdir()
+    (tmp / "no_tokenizer" / "config.json").write_text((model / "config.json").read_text())
+    (tmp / "big_vocab").mkdir()  # a tokenizer whose ids the model's embedding does not have
+    for f in model.iterdir():
+        (tmp / "big_vocab" / f.name).write_bytes(f.read_bytes())
+    (tmp / "big_vocab" / "config.json").write_text(json.dumps({**config, "vocab_size": 100}))
+    (tmp / "no_weights").mkdir()
+    for f in model.iterdir():
+        if not f.name.endswith(".safetensors"):
+            (tmp / "no_weights" / f.name).write_bytes(f.read_bytes())
+
+    def ok(directory=model, t=text, out=tmp / "c.pt"):
+        return [str(directory), "--text", str(t), "--out", str(out)]
+
+    cases = [
+        (ok() + ["--device", "gpu7"], "--device gpu7: expected cpu, cuda or cuda:N"),
+        (ok() + ["--device", "meta"], "--device meta: expected cpu, cuda or cuda:N"),
+        (ok() + ["--device", "cuda:99"], "--device cuda:99"),
+        (ok(directory=tmp / "absent"), "no such directory"),
+        (ok(directory=tmp / "no_config"), "no config.json"),
+        (ok(directory=tmp / "garbage"), "not a readable JSON model config"),
+        (ok(directory=tmp / "list"), "must be a JSON object"),
+        (ok(directory=tmp / "unknown"), "transformers cannot read it"),
+        (ok(directory=tmp / "float_head_dim"), "transformers cannot read it"),
+        (ok(directory=tmp / "bad_rope"), "'factor'"),
+        (ok(directory=tmp / "no_tokenizer"), "makes no tokens of it"),
+        (ok(directory=tmp / "big_vocab"), "the model's vocab_size is 100"),
+        (ok(directory=tmp / "no_weights"), "cannot load the model's weights"),
+        (ok(t=tmp / "binary.txt"), "not UTF-8 text"),
+        (ok(t=tmp / "empty.txt"), "the file is empty"),
+        (ok(t=tmp / "absent.txt"), "cannot read it (No such file or directory)"),
+        (ok(t=tmp), "cannot read it"),
+        (ok() + ["--max-tokens", "0"], "--max-tokens must be >= 1, got 0"),
+        (ok() + ["--max-tokens", "-1"], "--max-tokens must be >= 1, got -1"),
+        (ok() + ["--window", "0"], "--window must be >= 1, got 0"),
+        (ok(out=tmp / "missing" / "c.pt"), "does not exist"),
+        (ok(out=tmp), "is a directory"),
+        (ok(out=text), "is the --text file"),
+    ]
+    if not torch.cuda.is_available():
+        cases.append((ok() + ["--device", "cuda"], "--device cuda: no CUDA GPU"))
+    return cases
+
+
+def test_every_misuse_is_an_argparse_error_that_writes_nothing(tmp_path, model_dir, capsys):
+    cases = _bad_cases(tmp_path, model_dir)
+    before = {p: p.stat().st_mtime_ns for p in tmp_path.rglob("*")}
+    for argv, match in cases:
+        _refused(argv, capsys, match)
+    assert {p: p.stat().st_mtime_ns for p in tmp_path.rglob("*")} == before  # nothing written, nothing created
+
+
+def test_python_m_kvops_calibrate_misuse_is_one_line(tmp_path):
+    out = subprocess.run([sys.executable, "-m", "kvops", "calibrate", str(tmp_path), "--text", "x", "--out", "y",
+                          "--device", "gpu7"], capture_output=True, text=True, timeout=300)
+    assert out.returncode == 2 and "Traceback" not in out.stderr, out.stderr
+    assert out.stderr.strip().splitlines()[-1].startswith("kvops calibrate: error:")

@@ -110,3 +110,64 @@ def test_arch_names():
         major, minor = torch.cuda.get_device_capability()
         assert _cute.arch(torch.device("cuda")) == f"sm_{major}{minor}a"
     assert _cute.symbol(shipped_specs()[0], "sm_90a") == f"kvops_topk_vector_sm_90a_{_cute.sources_hash()}"
+
+
+# issue 30: bad input, second pass
+
+def _model(tmp_path, body):
+    (tmp_path / "m").mkdir()
+    if body is not None:
+        (tmp_path / "m" / "config.json").write_text(body)
+    return ["--model", str(tmp_path / "m")]
+
+
+@pytest.mark.parametrize("argv, match", [
+    (["--head-dim", "40"], "--head-dim 40 (F = 20) with --group 4: the GPU scorer needs F a multiple of 8"),
+    (["--head-dim", "40", "--group", "8"], "F a multiple of 4 with F/4 a power of two <= 32, got F=20"),
+    (["--head-dim", "96", "--group", "2"], "F a multiple of 8 with F/8 a power of two <= 32, got F=48"),
+    (["--head-dim", "1024"], "F/8 a power of two <= 32, got F=512"),
+    (["--head-dim", "131"], "must be even"),
+    (["--head-dim", "0"], "argument --head-dim: must be >= 1, got 0"),
+    (["--group", "0"], "argument --group: must be >= 1, got 0"),
+    (["--group", "-3"], "argument --group: must be >= 1, got -3"),
+    (["--group", "two"], "argument --group: expected an int, got 'two'"),
+    (["--page-size", "0"], "argument --page-size: must be >= 1, got 0"),
+    (["--arch", "sm_75"], "argument --arch: invalid choice: 'sm_75'"),
+    (["--model", "/nonexistent/model"], "--model /nonexistent/model: no such directory"),
+    ("no config", "no config.json"),
+    ("{not json", "not a readable JSON model config"),
+    ("[1, 2]", "must hold a JSON object"),
+    ('{"hidden_size": 384}', "num_attention_heads must be an int, got NoneType"),
+    ('{"num_attention_heads": 6, "num_key_value_heads": 4, "hidden_size": 384}', "is not a multiple of"),
+    ('{"num_attention_heads": 6, "head_dim": 64.5}', "head_dim must be an int"),
+    ('{"num_attention_heads": "6", "hidden_size": 384}', "num_attention_heads must be an int"),
+    ('{"num_attention_heads": 6, "hidden_size": 240}', "F a multiple of 8 with F/8 a power of two <= 32, got F=20"),
+])
+def test_warmup_misuse_is_an_argparse_error(tmp_path, capsys, argv, match):
+    from kvops._cute_build import warmup
+
+    if isinstance(argv, str):
+        argv = _model(tmp_path, None if argv == "no config" else argv)
+    with pytest.raises(SystemExit) as e:
+        warmup(argv + ["--arch", "sm_90a"])
+    last = capsys.readouterr().err.strip().splitlines()[-1]
+    assert e.value.code == 2 and last.startswith("kvops warmup: error:") and match in last, last
+
+
+def test_warmup_model_and_explicit_geometry_do_not_mix(tmp_path, capsys):
+    from kvops._cute_build import warmup
+
+    argv = _model(tmp_path, '{"num_attention_heads": 6, "num_key_value_heads": 2, "hidden_size": 384}')
+    with pytest.raises(SystemExit) as e:
+        warmup(argv + ["--group", "4", "--arch", "sm_90a"])
+    assert e.value.code == 2 and "pass --head-dim and --group without it" in capsys.readouterr().err
+
+
+def test_warmup_refuses_a_gpu_kvops_builds_no_kernels_for(monkeypatch, capsys):
+    from kvops._cute_build import warmup
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(_cute, "arch", lambda device: "sm_80a")
+    with pytest.raises(SystemExit) as e:
+        warmup([])
+    assert e.value.code == 2 and "this GPU is sm_80a" in capsys.readouterr().err

@@ -42,3 +42,43 @@ def test_info_and_usage(capsys):
     assert main(["info"]) == 0
     assert "torch" in capsys.readouterr().out
     assert main([]) == 2 and main(["nope"]) == 2
+
+
+# issue 30: bad input, second pass
+
+def test_usage_errors_go_to_stderr(capsys):
+    assert main([]) == 2
+    captured = capsys.readouterr()
+    assert not captured.out and captured.err.strip().splitlines()[-1].startswith("kvops: error: a command is required")
+    assert main(["bogus"]) == 2
+    err = capsys.readouterr().err
+    assert "kvops: error: unknown command 'bogus' (choose from demo, calibrate, warmup, info)" in err
+    assert main(["--help"]) == 0 and "usage: kvops demo" in capsys.readouterr().out
+
+
+def test_info_takes_only_help(capsys):
+    import pytest
+
+    with pytest.raises(SystemExit) as e:
+        main(["info", "--bogus"])
+    assert e.value.code == 2 and "unrecognized arguments: --bogus" in capsys.readouterr().err
+    with pytest.raises(SystemExit) as e:
+        main(["info", "--help"])
+    assert e.value.code == 0 and "kvops info" in capsys.readouterr().out
+
+
+def test_demo_json_is_written_whole_or_not_at_all(tmp_path, monkeypatch, capsys):
+    import pytest
+
+    import kvops.demo
+
+    def fail(*args, **kwargs):
+        raise RuntimeError("the run failed")
+
+    monkeypatch.setattr(kvops.demo, "run", fail)
+    with pytest.raises(RuntimeError):  # a run that fails after the checks leaves no --json file behind
+        main(["demo", "--device", "cpu", "--json", str(tmp_path / "demo.json")])
+    assert list(tmp_path.iterdir()) == []
+    with pytest.raises(SystemExit) as e:
+        main(["demo", "--device", "cpu", "--json", str(tmp_path)])
+    assert e.value.code == 2 and "is a directory" in capsys.readouterr().err

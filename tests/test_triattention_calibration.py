@@ -69,7 +69,6 @@ def test_bad_calibrations_raise_clearly(tmp_path):
         ({"E_q": torch.zeros(2, 4, 8, dtype=torch.complex64)}, "E_q_norm must be a tensor"),
         ({"E_q": torch.zeros(3, 4, 8, dtype=torch.complex64)}, "E_q has shape"),
         ({"weights": 1}, "unknown format"),
-        ([1, 2], "expected a dict"),
         (broken(lambda d: d["stats"].__setitem__(s, [torch.rand(8)] * 3)), "layer01_head03 must be a dict"),
         ({"E_q": torch.zeros(2, 4, 8), "E_q_norm": torch.rand(2, 4, 8)}, "E_q must be a complex"),
         ({"E_q": torch.zeros(2, 4, 8, dtype=torch.complex64), "E_q_norm": torch.ones(2, 4, 8, dtype=torch.int64)},
@@ -78,6 +77,12 @@ def test_bad_calibrations_raise_clearly(tmp_path):
     for data, match in cases:
         with pytest.raises(ValueError, match=match):
             load_calibration(data, CONFIG)
+    for source in ([1, 2], None, 7, b"cal.pt"):
+        with pytest.raises(TypeError, match="source must be a shipped name"):
+            load_calibration(source, CONFIG)
+    torch.save([torch.rand(8)], tmp_path / "list.pt")
+    with pytest.raises(ValueError, match="holds a list, expected a dict"):
+        load_calibration(tmp_path / "list.pt", CONFIG)
     with pytest.raises(ValueError, match="does not have"):
         load_calibration(_official(L=3), CONFIG)   # a layer the model lacks
     with pytest.raises(ValueError, match="missing"):
@@ -106,6 +111,9 @@ def test_rope_default_and_errors():
     assert torch.allclose(omega.double(), expect, rtol=2e-7, atol=0) and torch.equal(fss, torch.ones(64))
     half, _ = rope_parameters(dict(head_dim=128, rope_theta=1e6, partial_rotary_factor=0.5))
     assert half.shape == (32,)
+    nested, _ = rope_parameters(dict(head_dim=128, rope_parameters=dict(rope_type="default", rope_theta=1e6,
+                                                                        partial_rotary_factor=0.5)))
+    assert torch.equal(nested, half)  # where transformers 5 keeps it
     with pytest.raises(ValueError, match="not supported"):
         rope_parameters(dict(head_dim=64, rope_theta=1e4, rope_scaling={"rope_type": "longrope"}))
     with pytest.raises(ValueError, match="rope_theta"):
@@ -155,3 +163,142 @@ def test_reference_pieces():
     assert torch.equal(reduce_reference(g, "union", 2), g.amax((0, 1))[None])
     assert torch.equal(reduce_reference(g, "per_layer_perhead", 2)[3], g[1, 2:].amax(0))
     assert torch.allclose(reduce_reference(g, "per_head", 2)[0], g[:, :2].amax(1).mean(0))
+
+
+# issue 30: bad input, second pass
+
+def test_calibration_values_out_of_range_are_refused():
+    data = _official()
+    data["stats"]["layer01_head02"]["q_abs_mean"][3] = -torch.rand(()) - 0.1  # a mean of magnitudes below 0
+    with pytest.raises(ValueError, match=r"q_abs_mean must be finite and >= 0 everywhere; at \[1, 2, 3\]"):
+        load_calibration(data, CONFIG)
+    cal = load_calibration(_official(), CONFIG)
+    flat = {"E_q": cal.q_mean, "E_q_norm": cal.q_abs_mean, "omega": cal.omega, "freq_scale_sq": -cal.freq_scale_sq}
+    with pytest.raises(ValueError, match="freq_scale_sq must be finite and > 0"):  # would flip every score
+        load_calibration(flat, CONFIG)
+    for name, value, match in (("freq_scale_sq", torch.zeros(8), "freq_scale_sq must be finite and > 0"),
+                               ("omega", -torch.rand(8), "omega must be finite and > 0"),
+                               ("omega", torch.full((8,), float("inf")), "omega holds NaN or Inf"),
+                               ("freq_scale_sq", torch.rand(8).double().add(1), None)):
+        if match is None:  # float64 is taken (cast to float32)
+            assert load_calibration(_official(), CONFIG, **{name: value}).freq_scale_sq.dtype == torch.float32
+            continue
+        with pytest.raises(ValueError, match=match):
+            load_calibration(_official(), CONFIG, **{name: value})
+
+
+@pytest.mark.parametrize("key, value", [
+    ("head_dim", 16.7), ("head_dim", 16.0), ("head_dim", "16"), ("head_dim", True), ("head_dim", [16]),
+    ("hidden_size", 64.5), ("rope_theta", [1e6]), ("rope_theta", "1e6"), ("rope_theta", float("nan")),
+    ("rope_theta", 1.0), ("partial_rotary_factor", "0.5"), ("partial_rotary_factor", 1.5), ("partial_rotary_factor", 0),
+    ("rope_scaling", ["yarn"]), ("rope_scaling", "linear"), ("num_key_value_heads", 2.0),
+])
+def test_model_config_fields_of_the_wrong_type_or_range_are_named(key, value):
+    config = {**CONFIG, key: value}
+    if key == "hidden_size":
+        config.pop("head_dim")
+    with pytest.raises((TypeError, ValueError), match=key if key != "rope_scaling" else "rope_scaling"):
+        load_calibration(_official(), config)
+
+
+@pytest.mark.parametrize("key, value", [
+    ("head_dim", "16"), ("head_dim", 16.7), ("head_dim", [16]), ("num_layers", None), ("num_layers", 2.0),
+    ("num_attention_heads", [4]), ("num_attention_heads", True),
+])
+def test_file_metadata_of_the_wrong_type_is_named(key, value):
+    data = _official()
+    data["metadata"][key] = value
+    with pytest.raises(TypeError, match=f"metadata: {key} must be an int"):
+        load_calibration(data, CONFIG)
+
+
+def test_file_metadata_must_be_a_dict():
+    data = _official()
+    data["metadata"] = [["head_dim", 16]]
+    with pytest.raises(ValueError, match="'metadata' must be a dict"):
+        load_calibration(data, CONFIG)
+    data["metadata"] = None  # absent metadata is fine
+    assert load_calibration(data, CONFIG).num_layers == 2
+
+
+def test_yarn_and_llama3_without_their_fields_name_the_field():
+    base = dict(head_dim=64, rope_theta=1e4)
+    with pytest.raises(ValueError, match="yarn' needs 'original_max_position_embeddings'"):
+        rope_parameters({**base, "rope_scaling": {"rope_type": "yarn"}})
+    with pytest.raises(ValueError, match="yarn' needs 'factor'"):
+        rope_parameters({**base, "rope_scaling": {"rope_type": "yarn", "original_max_position_embeddings": 4096}})
+    with pytest.raises(ValueError, match="yarn' needs 'factor'"):  # the fallback gives the context, not the factor
+        rope_parameters({**base, "max_position_embeddings": 4096, "rope_scaling": {"rope_type": "yarn"}})
+    with pytest.raises(TypeError, match="rope_scaling factor must be a number"):
+        rope_parameters({**base, "rope_scaling": {"rope_type": "yarn", "factor": "32",
+                                                  "original_max_position_embeddings": 4096}})
+    with pytest.raises(TypeError, match="truncate must be a bool"):
+        rope_parameters({**base, "rope_scaling": {"rope_type": "yarn", "factor": 32.0, "truncate": "no",
+                                                  "original_max_position_embeddings": 4096}})
+    with pytest.raises(ValueError, match="original_max_position_embeddings must be finite and > 0"):
+        rope_parameters({**base, "rope_scaling": {"rope_type": "yarn", "factor": 32.0,
+                                                  "original_max_position_embeddings": -1}})
+    with pytest.raises(ValueError, match="high_freq_factor .* must be > low_freq_factor"):
+        rope_parameters({**base, "rope_scaling": {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 4.0,
+                                                  "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}})
+    with pytest.raises(ValueError, match="rope_scaling factor must be finite and > 0"):
+        rope_parameters({**base, "rope_scaling": {"rope_type": "linear", "factor": 0}})
+
+
+def test_meta_calibrations_are_refused(tmp_path):
+    torch.save(_official(), tmp_path / "cal.pt")
+    on_meta = torch.load(tmp_path / "cal.pt", map_location="meta", weights_only=True)
+    with pytest.raises(ValueError, match="meta tensor"):
+        load_calibration(on_meta, CONFIG)
+    cal = load_calibration(_official(), CONFIG)
+    flat = {"E_q": cal.q_mean, "E_q_norm": cal.q_abs_mean.to("meta")}
+    with pytest.raises(ValueError, match="E_q_norm is a meta tensor"):
+        load_calibration(flat, CONFIG)
+    with pytest.raises(ValueError, match="omega is a meta tensor"):
+        load_calibration(_official(), CONFIG, omega=cal.omega.to("meta"))
+
+
+def test_validate_calibration_checks_a_calibration_object():
+    from dataclasses import replace
+
+    from kvops.triattention import validate_calibration
+
+    cal = load_calibration(_official(), CONFIG)
+    assert validate_calibration(cal, CONFIG) is cal
+    for config, match in (({**CONFIG, "num_hidden_layers": 3}, r"q_mean has shape \(2, 4, 8\)"),
+                          ({**CONFIG, "num_attention_heads": 8}, r"q_mean has shape"),
+                          ({**CONFIG, "num_key_value_heads": 4}, "num_kv_heads is 2, the model's is 4"),
+                          ({**CONFIG, "head_dim": 32}, r"q_mean has shape"),
+                          ({**CONFIG, "partial_rotary_factor": 0.5}, r"q_mean has shape"),
+                          ({**CONFIG, "head_dim": 16.0}, "head_dim must be an int")):
+        with pytest.raises((TypeError, ValueError), match=match):
+            validate_calibration(cal, config)
+    bad = [(replace(cal, q_abs_mean=-cal.q_abs_mean), "q_abs_mean must be finite and >= 0"),
+           (replace(cal, freq_scale_sq=-cal.freq_scale_sq), "freq_scale_sq must be finite and > 0"),
+           (replace(cal, omega=cal.omega * float("nan")), "omega must be finite"),
+           (replace(cal, q_mean=cal.q_mean * float("inf")), "q_mean must be finite"),
+           (replace(cal, head_dim=16.7), "head_dim must be an int"),
+           (replace(cal, num_kv_heads=True), "num_kv_heads must be an int"),
+           (replace(cal, q_mean=cal.q_mean.to(torch.complex128)), "q_mean must be complex64"),
+           (replace(cal, q_abs_mean=cal.q_abs_mean.half()), "q_abs_mean must be float32"),
+           (replace(cal, omega=cal.omega.tolist()), "omega must be a tensor"),
+           (replace(cal, omega=cal.omega.to("meta")), "omega is a meta tensor"),
+           (replace(cal, q_mean=cal.q_mean.to("meta"), q_abs_mean=cal.q_abs_mean.to("meta")), "meta tensor")]
+    for broken, match in bad:
+        with pytest.raises((TypeError, ValueError), match=match):
+            validate_calibration(broken, CONFIG)
+    with pytest.raises(TypeError, match="calibration must be a Calibration"):
+        validate_calibration({"E_q": cal.q_mean}, CONFIG)
+    with pytest.raises(TypeError, match="model_config must be a dict"):
+        validate_calibration(cal, [CONFIG])
+
+
+def test_calibration_to_takes_a_real_device():
+    cal = load_calibration(_official(), CONFIG)
+    assert cal.to("cpu").q_mean.device.type == "cpu"
+    with pytest.raises(ValueError, match="device must be a torch.device or a device string, got 'gpu7'"):
+        cal.to("gpu7")
+    with pytest.raises(TypeError, match="device must be"):
+        cal.to(3.5)
+    with pytest.raises(ValueError, match="meta device has no values"):
+        cal.to("meta")

@@ -22,7 +22,7 @@ from typing import Any, Mapping
 
 import torch
 
-from .._checks import check_int
+from .._checks import check_device, check_int
 from .rope import head_dim_of, rope_parameters, rotary_dim
 
 
@@ -93,30 +93,49 @@ class Calibration:
         return tuple((x * fss).float().contiguous() for x in (self.q_mean.real, self.q_mean.imag, extra))
 
     def to(self, device: torch.device | str) -> "Calibration":
+        """The calibration with its tensors on `device` (a real one: on meta it would have no values)."""
+        try:
+            device = torch.device(device)
+        except (RuntimeError, TypeError) as e:
+            raise (TypeError if isinstance(e, TypeError) else ValueError)(
+                f"Calibration.to: device must be a torch.device or a device string, got {device!r}") from e
+        if device.type == "meta":
+            raise ValueError("Calibration.to: a calibration on the meta device has no values")
         return replace(self, q_mean=self.q_mean.to(device), q_abs_mean=self.q_abs_mean.to(device),
                        omega=self.omega.to(device), freq_scale_sq=self.freq_scale_sq.to(device))
 
 
-def _geometry(config: Mapping[str, Any]) -> tuple[int, int, int, int, int]:
-    what = "load_calibration: model_config"
+def _geometry(what: str, config: Mapping[str, Any]) -> tuple[int, int, int, int, int]:
+    """(layers, query heads, KV heads, head_dim, frequencies) of a model config, every field type-checked."""
     if not isinstance(config, Mapping):
-        raise TypeError(f"{what} must be a dict (a Hugging Face config's to_dict()), got {type(config).__name__}")
+        raise TypeError(f"{what}: model_config must be a dict (a Hugging Face config's to_dict()), got "
+                        f"{type(config).__name__}")
     for key in ("num_hidden_layers", "num_attention_heads"):
         if key not in config:
-            raise ValueError(f"{what} needs {key!r}")
-        check_int(what, key, config[key], 1)
+            raise ValueError(f"{what}: model_config needs {key!r}")
+        check_int(f"{what}: model_config", key, config[key], 1)
     L, Hq = config["num_hidden_layers"], config["num_attention_heads"]
     Hkv = config.get("num_key_value_heads")
-    Hkv = Hq if Hkv is None else check_int(what, "num_key_value_heads", Hkv, 1)  # absent: multi-head attention
-    D = head_dim_of(config)
+    Hkv = Hq if Hkv is None else check_int(f"{what}: model_config", "num_key_value_heads", Hkv, 1)  # absent: MHA
     if Hq % Hkv:
-        raise ValueError(f"load_calibration: num_attention_heads {Hq} is not a multiple of num_key_value_heads {Hkv}")
-    return L, Hq, Hkv, D, rotary_dim(config) // 2
+        raise ValueError(f"{what}: num_attention_heads {Hq} is not a multiple of num_key_value_heads {Hkv}")
+    try:
+        D, rotary = head_dim_of(config), rotary_dim(config)
+    except (TypeError, ValueError) as e:
+        raise type(e)(f"{what}: {e}") from e
+    if rotary < 2 or rotary % 2:
+        raise ValueError(f"{what}: rotary dim (head_dim * partial_rotary_factor) must be even and > 0, got {rotary}")
+    return L, Hq, Hkv, D, rotary // 2
 
 
 def _tensor(value: Any, what: str, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+    """`value` checked (a finite floating tensor of `shape`, complex iff `dtype` is, on a real device) and cast to
+    `dtype` on the CPU, where load_calibration builds the Calibration."""
     if not isinstance(value, torch.Tensor):
         raise ValueError(f"load_calibration: {what} must be a tensor, got {type(value).__name__}")
+    if value.device.type == "meta":
+        raise ValueError(f"load_calibration: {what} is a meta tensor (loaded with map_location='meta'?); a "
+                         "calibration needs its values")
     if value.is_complex() != dtype.is_complex or not (value.is_floating_point() or value.is_complex()):
         raise ValueError(f"load_calibration: {what} must be a {'complex' if dtype.is_complex else 'real'} "
                          f"floating-point tensor, got {value.dtype}")
@@ -124,18 +143,22 @@ def _tensor(value: Any, what: str, shape: tuple[int, ...], dtype: torch.dtype) -
         raise ValueError(f"load_calibration: {what} has shape {tuple(value.shape)}, the model needs {shape}")
     if not torch.isfinite(torch.view_as_real(value) if value.is_complex() else value).all():
         raise ValueError(f"load_calibration: {what} holds NaN or Inf")
-    return value.to(dtype)
+    return value.to("cpu", dtype)
 
 
 def _official(data: Mapping[str, Any], L: int, Hq: int, D: int, F: int) -> tuple[torch.Tensor, torch.Tensor]:
-    meta, stats = data.get("metadata") or {}, data["stats"]
+    meta, stats = data.get("metadata"), data["stats"]
     if not isinstance(stats, Mapping):
         raise ValueError("load_calibration: 'stats' must be a dict of per-head statistics")
+    if meta is None:
+        meta = {}
+    if not isinstance(meta, Mapping):
+        raise ValueError(f"load_calibration: 'metadata' must be a dict, got {type(meta).__name__}")
     for key, want in (("head_dim", D), ("num_layers", L), ("num_attention_heads", Hq)):
-        if key in meta and int(meta[key]) != want:
+        if key in meta and check_int("load_calibration: the file's metadata", key, meta[key], 1) != want:
             raise ValueError(f"load_calibration: the file's metadata {key}={meta[key]} does not match the model ({want})")
     expected = {f"layer{layer:02d}_head{head:02d}" for layer in range(L) for head in range(Hq)}
-    extra = sorted(set(stats) - expected)
+    extra = sorted(map(repr, set(stats) - expected))
     if extra:
         raise ValueError(f"load_calibration: statistics for heads the model does not have: {extra[:4]} "
                          f"(model: {L} layers x {Hq} query heads)")
@@ -175,10 +198,10 @@ def load_calibration(source: str | os.PathLike | Mapping[str, Any], model_config
     Returns
     -------
     Calibration
-        Validated against the model's geometry; raises ValueError (TypeError for a wrong kind of argument) naming
-        what does not match.
+        On the CPU, checked as ``validate_calibration`` checks one; raises ValueError (TypeError for a wrong kind
+        of argument) naming what does not match.
     """
-    L, Hq, Hkv, D, F = _geometry(model_config)
+    L, Hq, Hkv, D, F = _geometry("load_calibration", model_config)
     if isinstance(source, (str, os.PathLike)):
         source = calibration_file(source)
         try:
@@ -187,10 +210,13 @@ def load_calibration(source: str | os.PathLike | Mapping[str, Any], model_config
             raise ValueError(f"load_calibration: no calibration file at {os.fspath(source)!r}") from e
         except Exception as e:  # corrupt, truncated, or not a weights-only pickle
             raise ValueError(f"load_calibration: cannot read {os.fspath(source)!r} as a calibration file: {e}") from e
-    else:
+    elif isinstance(source, Mapping):
         data = source
+    else:
+        raise TypeError(f"load_calibration: source must be a shipped name ({', '.join(sorted(SHIPPED))}), a path or "
+                        f"a loaded calibration dict, got {type(source).__name__}")
     if not isinstance(data, Mapping):
-        raise ValueError(f"load_calibration: expected a dict, got {type(data).__name__}")
+        raise ValueError(f"load_calibration: {os.fspath(source)!r} holds a {type(data).__name__}, expected a dict")
     if "stats" in data:
         q_mean, q_abs = _official(data, L, Hq, D, F)
     elif "E_q" in data:
@@ -201,9 +227,63 @@ def load_calibration(source: str | os.PathLike | Mapping[str, Any], model_config
     else:
         raise ValueError("load_calibration: unknown format (expected 'stats' (official) or 'E_q' (flat))")
     if omega is None or freq_scale_sq is None:
-        rope_omega, rope_fss = rope_parameters(model_config)
+        try:
+            rope_omega, rope_fss = rope_parameters(model_config)
+        except (TypeError, ValueError) as e:
+            raise type(e)(f"load_calibration: {e}") from e
         omega = rope_omega if omega is None else omega
         freq_scale_sq = rope_fss if freq_scale_sq is None else freq_scale_sq
     omega = _tensor(omega, "omega", (F,), torch.float32)
     freq_scale_sq = _tensor(freq_scale_sq, "freq_scale_sq", (F,), torch.float32)
-    return Calibration(q_mean, q_abs, omega, freq_scale_sq, Hkv, D)
+    return _validate("load_calibration", Calibration(q_mean, q_abs, omega, freq_scale_sq, Hkv, D), model_config)
+
+
+def validate_calibration(calibration: Calibration, model_config: Mapping[str, Any]) -> Calibration:
+    """Check a Calibration against a model before it is used; returns it unchanged.
+
+    The model's geometry (model_config as for ``load_calibration``: layers, query and KV heads, head_dim, the
+    RoPE's rotary frequencies) must match the calibration's; q_mean must be complex64 and q_abs_mean, omega and
+    freq_scale_sq float32, all on one real device (not meta) and finite, with q_abs_mean >= 0 (a mean of
+    magnitudes), omega > 0 (inverse frequencies) and freq_scale_sq > 0 (a square; <= 0 would flip or erase every
+    score). Raises TypeError for a wrong kind of argument or field, ValueError naming what does not match.
+    Reads the values (a device sync when they sit on a GPU): call it once, where the calibration is taken.
+    """
+    return _validate("validate_calibration", calibration, model_config)
+
+
+def _validate(what: str, calibration: Calibration, model_config: Mapping[str, Any]) -> Calibration:
+    if not isinstance(calibration, Calibration):
+        raise TypeError(f"{what}: calibration must be a Calibration (load_calibration), got "
+                        f"{type(calibration).__name__}")
+    L, Hq, Hkv, D, F = _geometry(what, model_config)
+    cal = calibration
+    check_int(f"{what}: calibration", "num_kv_heads", cal.num_kv_heads, 1)
+    check_int(f"{what}: calibration", "head_dim", cal.head_dim, 1)
+    fields = {name: getattr(cal, name) for name in ("q_mean", "q_abs_mean", "omega", "freq_scale_sq")}
+    for name, value in fields.items():
+        if not isinstance(value, torch.Tensor):
+            raise TypeError(f"{what}: calibration.{name} must be a tensor, got {type(value).__name__}")
+    check_device(f"{what}: calibration", q_mean=cal.q_mean, q_abs_mean=cal.q_abs_mean, omega=cal.omega,
+                 freq_scale_sq=cal.freq_scale_sq)
+    for name, t, dtype, shape in (("q_mean", cal.q_mean, torch.complex64, (L, Hq, F)),
+                                  ("q_abs_mean", cal.q_abs_mean, torch.float32, (L, Hq, F)),
+                                  ("omega", cal.omega, torch.float32, (F,)),
+                                  ("freq_scale_sq", cal.freq_scale_sq, torch.float32, (F,))):
+        if t.dtype != dtype:
+            raise ValueError(f"{what}: calibration.{name} must be {str(dtype).removeprefix('torch.')}, got {t.dtype}")
+        if tuple(t.shape) != shape:
+            raise ValueError(f"{what}: calibration.{name} has shape {tuple(t.shape)}; the model ({L} layers, {Hq} "
+                             f"query heads, {F} rotary frequencies) needs {shape}")
+    for name, value, want in (("num_kv_heads", cal.num_kv_heads, Hkv), ("head_dim", cal.head_dim, D)):
+        if value != want:
+            raise ValueError(f"{what}: calibration.{name} is {value}, the model's is {want}")
+    for name, t, rule, ok in (("q_mean", torch.view_as_real(cal.q_mean), "finite", None),
+                              ("q_abs_mean", cal.q_abs_mean, "finite and >= 0", lambda x: x >= 0),
+                              ("omega", cal.omega, "finite and > 0", lambda x: x > 0),
+                              ("freq_scale_sq", cal.freq_scale_sq, "finite and > 0", lambda x: x > 0)):
+        good = torch.isfinite(t) if ok is None else torch.isfinite(t) & ok(t)
+        if not bool(good.all()):
+            where = (~good).nonzero()[0].tolist()
+            raise ValueError(f"{what}: calibration.{name} must be {rule} everywhere; at {where} it is "
+                             f"{t[tuple(where)].item()}")
+    return calibration

@@ -31,6 +31,16 @@ def lane_split(num_freqs: int, group: int, freqs_per_lane: int | None = None) ->
     return fpl, num_freqs // fpl
 
 
+def check_scorer_class(what: str, num_freqs: int, group: int) -> int:
+    """The CuTe scorer's shape rule for F frequencies and GQA group G: F a multiple of lane_split's frequencies per
+    lane, F / that a power of two <= 32 (a token's lanes, within one warp). Returns the frequencies per lane."""
+    fpl, lanes = lane_split(num_freqs, group)
+    if num_freqs % fpl or lanes < 1 or lanes & (lanes - 1) or lanes > 32:
+        raise ValueError(f"{what}: the GPU scorer needs F a multiple of {fpl} with F/{fpl} a power of two "
+                         f"<= 32, got F={num_freqs}")
+    return fpl
+
+
 def _score_torch(k_pools, page_table, prompt_lengths, cache_lengths, phase, q_real, q_imag, q_extra, raw, stats):
     R, L, Hq, n = raw.shape
     Hkv, T = k_pools[0].shape[2], k_pools[0].shape[3]
@@ -141,10 +151,7 @@ def check_pools(what: str, k_pools: Sequence[torch.Tensor], num_layers: int, num
         if (pool.shape, pool.stride(), pool.dtype, pool.device) != layout:
             raise ValueError(f"{what}: k_pools[{layer}] differs from k_pools[0] in shape, strides, dtype or device")
     if first.is_cuda:
-        fpl, lanes = lane_split(num_freqs, group)
-        if num_freqs % fpl or lanes & (lanes - 1) or lanes > 32:
-            raise ValueError(f"{what}: the GPU scorer needs F a multiple of {fpl} with F/{fpl} a power of two "
-                             f"<= 32, got F={num_freqs}")
+        fpl = check_scorer_class(what, num_freqs, group)
         if any(first.stride(d) % fpl for d in (0, 2, 3)):
             raise ValueError(f"{what}: the GPU scorer needs page, head and token strides that are multiples of "
                              f"{fpl} elements, got strides {first.stride()}")
