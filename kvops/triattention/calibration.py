@@ -97,8 +97,11 @@ class Calibration:
                        omega=self.omega.to(device), freq_scale_sq=self.freq_scale_sq.to(device))
 
 
-def _geometry(config: Mapping[str, Any]) -> tuple[int, int, int, int, int]:
-    what = "load_calibration: model_config"
+def _geometry(config: Mapping[str, Any], caller: str = "load_calibration", name: str = "model_config"
+              ) -> tuple[int, int, int, int, int]:
+    """(layers, query heads, KV heads, head_dim, RoPE frequencies) of a Hugging Face config dict; errors name
+    `caller` and the argument `name`."""
+    what = f"{caller}: {name}"
     if not isinstance(config, Mapping):
         raise TypeError(f"{what} must be a dict (a Hugging Face config's to_dict()), got {type(config).__name__}")
     for key in ("num_hidden_layers", "num_attention_heads"):
@@ -110,7 +113,7 @@ def _geometry(config: Mapping[str, Any]) -> tuple[int, int, int, int, int]:
     Hkv = Hq if Hkv is None else check_int(what, "num_key_value_heads", Hkv, 1)  # absent: multi-head attention
     D = head_dim_of(config)
     if Hq % Hkv:
-        raise ValueError(f"load_calibration: num_attention_heads {Hq} is not a multiple of num_key_value_heads {Hkv}")
+        raise ValueError(f"{what}: num_attention_heads {Hq} is not a multiple of num_key_value_heads {Hkv}")
     return L, Hq, Hkv, D, rotary_dim(config) // 2
 
 
@@ -207,3 +210,35 @@ def load_calibration(source: str | os.PathLike | Mapping[str, Any], model_config
     omega = _tensor(omega, "omega", (F,), torch.float32)
     freq_scale_sq = _tensor(freq_scale_sq, "freq_scale_sq", (F,), torch.float32)
     return Calibration(q_mean, q_abs, omega, freq_scale_sq, Hkv, D)
+
+
+def check_calibration(calibration: Calibration, model_config: Mapping[str, Any], caller: str = "check_calibration",
+                      config_name: str = "model_config") -> Calibration:
+    """Check a loaded Calibration against a model's config (``model_config`` as for ``load_calibration``): its
+    layers, query heads, KV heads, head_dim and RoPE frequency count must be the model's, its tensors of the dtypes
+    and shapes ``load_calibration`` makes. Raises TypeError/ValueError naming `caller`, the config argument
+    `config_name` and what does not match; returns the calibration. The RoPE frequencies themselves (omega,
+    freq_scale_sq) are the calibration's own, as ``load_calibration`` lets a file or the caller set them."""
+    if not isinstance(calibration, Calibration):
+        raise TypeError(f"{caller}: calibration must be a Calibration (load_calibration), got "
+                        f"{type(calibration).__name__}")
+    L, Hq, Hkv, D, F = _geometry(model_config, caller, config_name)
+    for name, t, dtype, shape in (("q_mean", calibration.q_mean, torch.complex64, 3),
+                                  ("q_abs_mean", calibration.q_abs_mean, torch.float32, 3),
+                                  ("omega", calibration.omega, torch.float32, 1),
+                                  ("freq_scale_sq", calibration.freq_scale_sq, torch.float32, 1)):
+        if not isinstance(t, torch.Tensor) or t.dtype != dtype or t.dim() != shape:
+            raise ValueError(f"{caller}: calibration.{name} must be a {shape}-D {dtype} tensor, got "
+                             f"{getattr(t, 'dtype', type(t).__name__)} {tuple(getattr(t, 'shape', ()))}")
+    have = dict(layers=calibration.num_layers, query_heads=calibration.num_query_heads,
+                kv_heads=calibration.num_kv_heads, head_dim=calibration.head_dim, freqs=calibration.num_freqs)
+    want = dict(layers=L, query_heads=Hq, kv_heads=Hkv, head_dim=D, freqs=F)
+    if have != want:
+        say = lambda g: (f"{g['layers']} layers, {g['query_heads']} query heads, {g['kv_heads']} KV heads, "  # noqa: E731
+                         f"head_dim {g['head_dim']}, {g['freqs']} RoPE frequencies")
+        raise ValueError(f"{caller}: the calibration describes a model of {say(have)}; the model has {say(want)}")
+    for name, t, shape in (("q_abs_mean", calibration.q_abs_mean, (L, Hq, F)), ("omega", calibration.omega, (F,)),
+                           ("freq_scale_sq", calibration.freq_scale_sq, (F,))):
+        if tuple(t.shape) != shape:
+            raise ValueError(f"{caller}: calibration.{name} has shape {tuple(t.shape)}, the model needs {shape}")
+    return calibration
