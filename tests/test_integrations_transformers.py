@@ -472,7 +472,8 @@ def test_constructor_checks_every_argument():
             (dict(config="qwen3"), TypeError, "config must be"),
             (dict(config={**model.config.to_dict(), "num_hidden_layers": None}), TypeError, "num_hidden_layers"),
             (dict(config={k: v for k, v in model.config.to_dict().items() if k != "num_hidden_layers"}), ValueError,
-             "num_hidden_layers")):
+             "num_hidden_layers"),
+            (dict(config={**model.config.to_dict(), "layer_types": 5}), TypeError, "layer_types must be a list")):
         args = {"config": model.config, "calibration": cal, **kw}
         with pytest.raises(error, match=match):
             TriAttentionCache(args.pop("config"), args.pop("calibration"), **args)
@@ -510,3 +511,23 @@ def test_a_model_unlike_its_config_is_refused_before_allocating():
     with pytest.raises(ValueError, match="starts at layer 0"):
         cache.update(k, k, 1)
     assert cache.pools is None
+
+
+def test_batch_and_length_operations_of_transformers():
+    """Beam search reorders the rows (equal to the default cache's beam search while nothing is evicted), reset
+    empties the cache, and what an evicting one-batch cache cannot do is refused by name."""
+    model, cal = _setup()
+    ids = torch.randint(1, TINY["vocab_size"], (2, 10))
+    want = model.generate(ids, max_new_tokens=8, num_beams=3, do_sample=False)
+    cache = TriAttentionCache(model.config, cal, budget=64, beta=8)
+    got = model.generate(ids, max_new_tokens=8, num_beams=3, do_sample=False, **_with(model, cache))
+    assert torch.equal(got, want)
+    for bad in (torch.tensor([0, 1]), torch.zeros(6), [0] * 6, torch.zeros(6, 1, dtype=torch.long)):
+        _refused(cache, lambda: cache.reorder_cache(bad), ValueError, "beam_idx must be a 1-D integer tensor of 6")
+    for name, args in (("crop", (-1,)), ("batch_repeat_interleave", (2,)), ("batch_select_indices", (torch.tensor([0]),)),
+                       ("early_initialization", (1, 2, 16, torch.bfloat16, "cpu"))):
+        _refused(cache, lambda: getattr(cache, name)(*args), NotImplementedError, f"TriAttentionCache.{name}")
+    cache.reset()
+    assert cache.pools is None and cache.held == 0 and cache.get_seq_length() == 0 and not cache.rounds
+    again = model.generate(ids, max_new_tokens=8, num_beams=3, do_sample=False, **_with(model, cache))
+    assert torch.equal(again, want)

@@ -165,7 +165,8 @@ class TriAttentionCache(_transformers_module.Cache):
     refused. A step's tokens count as held once its last layer has written them: a step refused at any layer, or
     a forward that stops half-way (it raised), holds nothing. A first step that stops half-way can also be a model
     with fewer layers than the config's: the next call then raises and the cache is empty again. A write to layer
-    ``num_layers`` right after a step's last layer (a model with more layers) is refused and undoes that step.
+    ``num_layers`` right after the first step's last layer (a model with more layers) is refused and empties the
+    cache, so a cache built for fewer layers than its model holds nothing.
     """
 
     def __init__(self, config, calibration, *, budget: int = 2048, beta: int = 128, mode: str = "union",
@@ -195,6 +196,9 @@ class TriAttentionCache(_transformers_module.Cache):
             raise TypeError(f"{what}: calibration must be a shipped name, a path, a loaded dict or a Calibration, "
                             f"got {type(calibration).__name__}")
         layer_types = model_config.get("layer_types") or ()
+        if not isinstance(layer_types, (list, tuple)):
+            raise TypeError(f"{what}: config layer_types must be a list of layer kinds, got "
+                            f"{type(layer_types).__name__} {layer_types!r}")
         if any(kind != "full_attention" for kind in layer_types):
             raise ValueError(f"{what}: the model has {sorted(set(layer_types))} layers; this cache holds "
                              f"full-attention layers only (sliding-window layers need their own eviction)")
@@ -227,7 +231,7 @@ class TriAttentionCache(_transformers_module.Cache):
         self.rounds: list[tuple[int, torch.Tensor]] = []
         self._round: TriAttentionRound | None = None
         self._step: _Step | None = None  # an eager step between its first and last layer
-        self._last: tuple[bool, int, int] | None = None  # the step that just completed: (first, start, tokens)
+        self._last = False  # whether the call before was the first step's last layer
 
     # -- what transformers asks -------------------------------------------------------------------------------
     @property
@@ -285,6 +289,49 @@ class TriAttentionCache(_transformers_module.Cache):
     def views(self) -> list[torch.Tensor]:
         """The per-layer pools as kvops' 5-D [page, plane, head, token, dim] views (a page is a batch row)."""
         return self.pools
+
+    def reset(self) -> None:
+        """Empty the cache: no pools, no rounds, no host tier; the next step is a new prompt."""
+        self._host, self._offloaded = None, set()
+        self._reset()
+
+    def reorder_cache(self, beam_idx: torch.Tensor) -> None:
+        """Beam search: batch row i takes what row ``beam_idx[i]`` holds (every row holds as many tokens, so the
+        counters stay). `beam_idx`: an integer tensor of one index per row, each in [0, batch); not read back."""
+        what = "TriAttentionCache.reorder_cache"
+        self._entry()
+        if self._offloaded:
+            raise RuntimeError(f"{what}: rows {sorted(self._offloaded)} are offloaded; onboard them first")
+        if self.pools is None:
+            raise RuntimeError(f"{what}: the cache holds no tokens yet")
+        B = self.pools[0].shape[0]
+        if not isinstance(beam_idx, torch.Tensor) or beam_idx.dim() != 1 or beam_idx.shape[0] != B or \
+                beam_idx.dtype.is_floating_point or beam_idx.dtype.is_complex or beam_idx.dtype == torch.bool:
+            raise ValueError(f"{what}: beam_idx must be a 1-D integer tensor of {B} row indices, got "
+                             f"{getattr(beam_idx, 'dtype', type(beam_idx).__name__)} "
+                             f"{tuple(getattr(beam_idx, 'shape', ()))}")
+        check_device(what, beam_idx=beam_idx)  # not meta
+        idx = beam_idx.to(self.device, torch.long)
+        for t in (*self.pools, self.slot_positions):
+            t.copy_(t.index_select(0, idx))
+
+    def _unsupported(self, name: str):
+        raise NotImplementedError(f"TriAttentionCache.{name}: not supported; the cache holds one batch that advances "
+                                  f"in lockstep and evicts tokens (assisted or speculative decoding and contrastive "
+                                  f"search need a cache that can take tokens back or change its batch)")
+
+    def crop(self, *args, **kwargs):
+        self._unsupported("crop")
+
+    def batch_repeat_interleave(self, *args, **kwargs):
+        self._unsupported("batch_repeat_interleave")
+
+    def batch_select_indices(self, *args, **kwargs):
+        self._unsupported("batch_select_indices")
+
+    def early_initialization(self, *args, **kwargs):
+        raise NotImplementedError("TriAttentionCache.early_initialization: not supported; the first step (the "
+                                  "prompt) sizes the pools")
 
     # -- storage ----------------------------------------------------------------------------------------------
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args, **kwargs):
@@ -360,8 +407,8 @@ class TriAttentionCache(_transformers_module.Cache):
             self._abandon()
             raise TypeError(f"{what}: layer_idx must be an int, got {type(layer_idx).__name__} {layer_idx!r}")
         if not 0 <= layer_idx < self.num_layers:
-            if self._last is not None and layer_idx == self.num_layers:
-                self._undo_last()  # the model goes on past the cache's last layer: the step it just wrote is void
+            if self._last and layer_idx == self.num_layers:
+                self._reset()  # the model goes on past the first step's last layer: a cache for fewer layers
             self._abandon()
             raise ValueError(f"{what}: layer_idx {layer_idx} is out of range: the cache holds {self.num_layers} "
                              f"layer(s) (its config's num_hidden_layers); build it from the model's config")
@@ -456,7 +503,7 @@ class TriAttentionCache(_transformers_module.Cache):
             logical = step.start + self.evicted
             self.slot_positions[..., step.start:end] = torch.arange(logical, logical + step.tokens,
                                                                     device=self.slot_positions.device)
-        self._held, self._step, self._last = end, None, (step.first, step.start, step.tokens)
+        self._held, self._step, self._last = end, None, step.first
 
     def _abandon(self) -> None:
         """Drop the step in progress: nothing of it stays (a first step takes its pools with it)."""
@@ -464,21 +511,11 @@ class TriAttentionCache(_transformers_module.Cache):
         if step is not None and step.first:
             self._reset()
 
-    def _undo_last(self) -> None:
-        first, start, tokens = self._last
-        if first:
-            self._reset()
-            return
-        if self.static:
-            self._offset.sub_(tokens)
-            self._logical.sub_(tokens)
-        self._held, self._last = start, None
-
     def _entry(self) -> None:
         """At every call but a step's later layers: the step the last forward left half-way is dropped (it
         raised). A first step left half-way may also be a model with fewer layers than the cache's config: the
         cache is emptied and this call raises."""
-        self._last = None
+        self._last = False
         step = self._step
         if step is None:
             return
