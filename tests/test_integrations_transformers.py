@@ -524,7 +524,8 @@ def test_batch_and_length_operations_of_transformers():
     assert torch.equal(got, want)
     for bad in (torch.tensor([0, 1]), torch.zeros(6), [0] * 6, torch.zeros(6, 1, dtype=torch.long)):
         _refused(cache, lambda: cache.reorder_cache(bad), ValueError, "beam_idx must be a 1-D integer tensor of 6")
-    for name, args in (("crop", (-1,)), ("batch_repeat_interleave", (2,)), ("batch_select_indices", (torch.tensor([0]),)),
+    for name, args in (("crop", (-1,)), ("batch_repeat_interleave", (2,)),
+                       ("batch_select_indices", (torch.tensor([0]),)),
                        ("early_initialization", (1, 2, 16, torch.bfloat16, "cpu"))):
         _refused(cache, lambda: getattr(cache, name)(*args), NotImplementedError, f"TriAttentionCache.{name}")
     cache.reset()

@@ -266,8 +266,8 @@ class TriAttentionCache(_transformers_module.Cache):
         that no row is offloaded. A static cache runs a due round here, where the host last sees the cache before a
         compiled step writes (generate builds the mask outside the graph); an eager one at the step's first
         layer, after checking its K/V."""
-        self._entry()
         q = check_int("TriAttentionCache.get_mask_sizes", "query_length", _tokens(query_length), 1)
+        self._entry()
         if self.pools is not None or self._offloaded:
             held = self._check_step(q)
             if self.static:
@@ -299,7 +299,6 @@ class TriAttentionCache(_transformers_module.Cache):
         """Beam search: batch row i takes what row ``beam_idx[i]`` holds (every row holds as many tokens, so the
         counters stay). `beam_idx`: an integer tensor of one index per row, each in [0, batch); not read back."""
         what = "TriAttentionCache.reorder_cache"
-        self._entry()
         if self._offloaded:
             raise RuntimeError(f"{what}: rows {sorted(self._offloaded)} are offloaded; onboard them first")
         if self.pools is None:
@@ -311,6 +310,7 @@ class TriAttentionCache(_transformers_module.Cache):
                              f"{getattr(beam_idx, 'dtype', type(beam_idx).__name__)} "
                              f"{tuple(getattr(beam_idx, 'shape', ()))}")
         check_device(what, beam_idx=beam_idx)  # not meta
+        self._entry()
         idx = beam_idx.to(self.device, torch.long)
         for t in (*self.pools, self.slot_positions):
             t.copy_(t.index_select(0, idx))

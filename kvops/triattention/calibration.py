@@ -234,8 +234,9 @@ def check_calibration(calibration: Calibration, model_config: Mapping[str, Any],
                 kv_heads=calibration.num_kv_heads, head_dim=calibration.head_dim, freqs=calibration.num_freqs)
     want = dict(layers=L, query_heads=Hq, kv_heads=Hkv, head_dim=D, freqs=F)
     if have != want:
-        say = lambda g: (f"{g['layers']} layers, {g['query_heads']} query heads, {g['kv_heads']} KV heads, "  # noqa: E731
-                         f"head_dim {g['head_dim']}, {g['freqs']} RoPE frequencies")
+        def say(g):
+            return (f"{g['layers']} layers, {g['query_heads']} query heads, {g['kv_heads']} KV heads, "
+                    f"head_dim {g['head_dim']}, {g['freqs']} RoPE frequencies")
         raise ValueError(f"{caller}: the calibration describes a model of {say(have)}; the model has {say(want)}")
     for name, t, shape in (("q_abs_mean", calibration.q_abs_mean, (L, Hq, F)), ("omega", calibration.omega, (F,)),
                            ("freq_scale_sq", calibration.freq_scale_sq, (F,))):
