@@ -136,7 +136,7 @@ def test_offload_and_onboard_round_trip_through_nvfp4(device):
         model.generate(out, max_new_tokens=2, do_sample=False, **_with(model, cache))
     cache.offload(1)
     assert cache.pools is None and kv_bytes(cache) == 0
-    with pytest.raises(ValueError, match="not offloaded"):
+    with pytest.raises(ValueError, match="row must be in \\[0, 1\\]"):
         cache.onboard(5)
     cache.onboard(1)
     cache.onboard(0)
@@ -265,7 +265,7 @@ def test_static_cache_refuses_a_step_it_cannot_take():
     cache = TriAttentionCache(model.config, cal, budget=16, beta=4, static=True)
     out = model.generate(torch.randint(1, TINY["vocab_size"], (2, 10)), max_new_tokens=8, do_sample=False,
                          **_with(model, cache))
-    with pytest.raises(RuntimeError, match="do not fit"):
+    with pytest.raises(ValueError, match="do not fit"):
         cache.get_mask_sizes(16 + 4 + 2)
     cache.offload(0)
     with pytest.raises(RuntimeError, match="offloaded"):
@@ -273,3 +273,262 @@ def test_static_cache_refuses_a_step_it_cannot_take():
     cache.onboard(0)
     more = model.generate(out, max_new_tokens=2, do_sample=False, **_with(model, cache))
     assert torch.equal(more[:, :out.shape[1]], out)
+
+
+# issue 30: bad input, second pass
+
+def _state(cache, held_only=False) -> dict:
+    """Every piece of the cache's state a call may change: host counters, the rounds, the offloaded set, and the
+    bytes of the pools (`held_only`: of their held slots), the slot positions and the host tier."""
+    clone = lambda t: None if t is None else bytes_of(t).clone()  # noqa: E731
+    end = cache.held if held_only else None
+    return dict(held=cache.held, evicted=cache.evicted, prompt=cache.prompt, logical=int(cache.get_seq_length()),
+                rounds=len(cache.rounds), round_held=cache._round_held, offloaded=sorted(cache._offloaded),
+                step=cache._step, pools=None if cache.pools is None else [clone(p[:, :, :, :end]) for p in cache.pools],
+                slots=clone(cache.slot_positions[..., :end]), host=clone(cache._host))
+
+
+def _assert_same(before: dict, after: dict) -> None:
+    for key, want in before.items():
+        got = after[key]
+        if isinstance(want, list) and want and isinstance(want[0], torch.Tensor):
+            assert len(got) == len(want) and all(torch.equal(a, b) for a, b in zip(got, want)), key
+        elif isinstance(want, torch.Tensor):
+            assert got is not None and torch.equal(got, want), key
+        else:
+            assert got == want, key
+
+
+def _refused(cache, fn, error, match):
+    before = _state(cache)
+    with pytest.raises(error, match=match):
+        fn()
+    _assert_same(before, _state(cache))
+
+
+def _run(model, cache, ids):
+    with torch.no_grad():
+        return model(input_ids=ids, **_with(model, cache)).logits
+
+
+@pytest.mark.parametrize("static", [False, True])
+def test_offload_and_onboard_take_int_rows(static):
+    """A row is a real int: 0.5 would pass a range check and encode row 0 again, True would be row 1."""
+    model, cal = _setup()
+    cache = TriAttentionCache(model.config, cal, budget=16, beta=4, static=static)
+    model.generate(torch.randint(1, TINY["vocab_size"], (2, 10)), max_new_tokens=6, do_sample=False,
+                   **_with(model, cache))
+    for bad in (0.5, True, 1.0, "0", None, [0], {0: 1}, torch.tensor(0)):
+        _refused(cache, lambda: cache.offload(bad), TypeError, "row must be an int")
+    for bad in (-1, 2):
+        _refused(cache, lambda: cache.offload(bad), ValueError, "row must be in \\[0, 1\\]")
+    cache.offload(0)
+    _refused(cache, lambda: cache.offload(0.5), TypeError, "row must be an int")  # would release the pools
+    _refused(cache, lambda: cache.offload(0), ValueError, "not a resident")
+    for bad in (0.0, False, [0], {0: 1}):
+        _refused(cache, lambda: cache.onboard(bad), TypeError, "row must be an int")
+    _refused(cache, lambda: cache.onboard(1), ValueError, "not offloaded")
+    cache.offload(1)
+    assert cache.pools is None
+    _refused(cache, lambda: cache.onboard(True), TypeError, "row must be an int")
+    cache.onboard(1)
+    cache.onboard(0)
+    assert not cache._offloaded and cache.pools is not None
+
+
+@pytest.mark.parametrize("static", [False, True])
+def test_a_second_generate_with_another_batch_size_is_refused_before_any_change(static):
+    """The step is checked against the pools (batch, heads, head_dim, dtype, device) before held or the slot
+    positions move; the cache then takes the right batch and still runs its rounds."""
+    model, cal = _setup()
+    cache = TriAttentionCache(model.config, cal, budget=16, beta=4, static=static)
+    out = model.generate(torch.randint(1, TINY["vocab_size"], (2, 10)), max_new_tokens=8, do_sample=False,
+                         **_with(model, cache))
+    other = torch.randint(1, TINY["vocab_size"], (3, out.shape[1]))
+    _refused(cache, lambda: model.generate(other, max_new_tokens=2, do_sample=False, **_with(model, cache)),
+             ValueError, "batch size 3.*holds 2")
+    _refused(cache, lambda: _run(model, cache, other[:, :1]), ValueError, "batch size 3")
+    more = model.generate(out, max_new_tokens=30, do_sample=False, **_with(model, cache))
+    assert torch.equal(more[:, :out.shape[1]], out) and len(cache.rounds) >= 3  # the rounds still run
+
+
+def test_a_layer_write_refused_mid_step_leaves_the_cache_as_before():
+    """A step whose second layer's K/V do not match the first's is refused there: nothing of it stays (held, the
+    held slots and their positions, the pending step), and the next steps and rounds run as if it never
+    happened."""
+    model, cal = _setup()
+    cache = TriAttentionCache(model.config, cal, budget=16, beta=4)
+    kv = lambda B, q: torch.randn(B, 2, q, 16).bfloat16()  # noqa: E731
+
+    def step(q):
+        cache.get_mask_sizes(q)
+        for layer in range(2):
+            cache.update(kv(2, q), kv(2, q), layer)
+
+    for q in (10, 1, 1, 1):
+        step(q)
+    before = _state(cache, held_only=True)
+    for bad in (kv(3, 1), kv(2, 2), kv(2, 1).half(), torch.randn(2, 1, 1, 16).bfloat16()):
+        cache.get_mask_sizes(1)
+        cache.update(kv(2, 1), kv(2, 1), 0)
+        with pytest.raises((ValueError, TypeError), match="key_states"):
+            cache.update(bad, kv(2, 1), 1)
+        _assert_same(before, _state(cache, held_only=True))
+    for bad in (2, -1, 1.0, True):
+        cache.update(kv(2, 1), kv(2, 1), 0)
+        with pytest.raises((ValueError, TypeError), match="layer_idx"):
+            cache.update(kv(2, 1), kv(2, 1), bad)
+        _assert_same(before, _state(cache, held_only=True))
+    with pytest.raises(ValueError, match="starts at layer 0"):
+        cache.update(kv(2, 1), kv(2, 1), 1)
+    _assert_same(before, _state(cache, held_only=True))
+    for _ in range(15):  # 18 generated tokens: one round ran before the 18th
+        step(1)
+    assert len(cache.rounds) == 1 and cache.held == 10 + 16 + 1 and cache.evicted == 1
+
+
+def test_a_cache_for_fewer_layers_than_the_model_is_refused_and_holds_nothing():
+    from dataclasses import replace
+
+    model, cal = _setup()
+    config = transformers.Qwen3Config(**{**model.config.to_dict(), "num_hidden_layers": 1, "layer_types": None})
+    one = replace(cal, q_mean=cal.q_mean[:1], q_abs_mean=cal.q_abs_mean[:1])
+    for static in (False, True):
+        cache = TriAttentionCache(config, one, budget=16, beta=4, static=static)
+        with pytest.raises(ValueError, match="layer_idx 1.*1 layer"):
+            model.generate(torch.randint(1, TINY["vocab_size"], (2, 10)), max_new_tokens=4, do_sample=False,
+                           **_with(model, cache))
+        assert cache.pools is None and cache.held == 0 and cache.get_seq_length() == 0
+
+
+def test_a_model_with_fewer_layers_than_the_cache_is_refused_at_its_next_call():
+    """A forward that stops before the cache's last layer (a model with fewer layers, or one that raised) holds
+    nothing: the first such step is refused at the next call, and a cache that has completed steps drops it."""
+    from dataclasses import replace
+
+    model, cal = _setup()
+    config = transformers.Qwen3Config(**{**model.config.to_dict(), "num_hidden_layers": 3, "layer_types": None})
+    three = replace(cal, q_mean=torch.cat([cal.q_mean, cal.q_mean[:1]]),
+                    q_abs_mean=torch.cat([cal.q_abs_mean, cal.q_abs_mean[:1]]))
+    cache = TriAttentionCache(config, three, budget=16, beta=4)
+    with pytest.raises(RuntimeError, match="2 of the cache's 3 layers"):
+        model.generate(torch.randint(1, TINY["vocab_size"], (2, 10)), max_new_tokens=4, do_sample=False,
+                       **_with(model, cache))
+    assert cache.pools is None and cache.held == 0
+    cache = TriAttentionCache(model.config, cal, budget=16, beta=4)
+    seq = torch.randint(1, TINY["vocab_size"], (1, 12))
+    _run(model, cache, seq[:, :10])
+    cache.update(*(torch.randn(1, 2, 1, 16).bfloat16() for _ in range(2)), 0)  # a forward that stopped there
+    _run(model, cache, seq[:, 10:12])
+    assert cache.held == 12 and cache._step is None
+
+
+def test_a_long_step_into_a_used_cache_is_refused_before_the_due_round():
+    model, cal = _setup()
+    for static in (False, True):
+        cache = TriAttentionCache(model.config, cal, budget=16, beta=4, static=static)
+        seq = torch.randint(1, TINY["vocab_size"], (1, 27))
+        _run(model, cache, seq[:, :10])
+        for t in range(10, 27):  # 17 generated tokens: a round is due before the next step
+            _run(model, cache, seq[:, t:t + 1])
+        assert not cache.rounds and cache.held == 27
+        _refused(cache, lambda: _run(model, cache, torch.randint(1, TINY["vocab_size"], (1, 20))),
+                 ValueError, "do not fit")
+        _run(model, cache, seq[:, :1])
+        assert len(cache.rounds) == 1 and cache.held == 10 + 16 + 1
+
+
+@pytest.mark.parametrize("all_rows", [False, True])
+def test_onboard_of_a_corrupted_host_slot_is_refused(all_rows):
+    """A host slot whose blob holds no valid global scale is refused before any page is written."""
+    model, cal = _setup()
+    cache = TriAttentionCache(model.config, cal, budget=16, beta=4)
+    model.generate(torch.randint(1, TINY["vocab_size"], (2, 10)), max_new_tokens=6, do_sample=False,
+                   **_with(model, cache))
+    cache.offload(1)
+    if all_rows:
+        cache.offload(0)
+    cache._host[1].fill_(255)  # NaN scales
+    _refused(cache, lambda: cache.onboard(1), ValueError, "slot 1")
+    assert (cache.pools is None) == all_rows
+    if all_rows:
+        cache.onboard(0)
+
+
+def test_constructor_checks_every_argument():
+    model, cal = _setup()
+    for kw, error, match in (
+            (dict(cuda_graphs="no"), TypeError, "cuda_graphs must be a bool"),
+            (dict(cuda_graphs=1), TypeError, "cuda_graphs must be a bool"),
+            (dict(static="yes"), TypeError, "static must be a bool"),
+            (dict(budget=16.0), TypeError, "budget must be an int"),
+            (dict(budget=True), TypeError, "budget must be an int"),
+            (dict(budget=0), ValueError, "budget must be >= 1"),
+            (dict(beta=2.5), TypeError, "beta must be an int"),
+            (dict(mode=1), TypeError, "mode must be a str"),
+            (dict(mode="per_token"), ValueError, "mode must be one of"),
+            (dict(compaction_order=["fill"]), TypeError, "compaction_order must be a str"),
+            (dict(calibration=42), TypeError, "calibration"),
+            (dict(config="qwen3"), TypeError, "config must be"),
+            (dict(config={**model.config.to_dict(), "num_hidden_layers": None}), TypeError, "num_hidden_layers"),
+            (dict(config={k: v for k, v in model.config.to_dict().items() if k != "num_hidden_layers"}), ValueError,
+             "num_hidden_layers"),
+            (dict(config={**model.config.to_dict(), "layer_types": 5}), TypeError, "layer_types must be a list")):
+        args = {"config": model.config, "calibration": cal, **kw}
+        with pytest.raises(error, match=match):
+            TriAttentionCache(args.pop("config"), args.pop("calibration"), **args)
+    assert TriAttentionCache(model.config.to_dict(), cal).num_layers == 2  # a dict config is a config
+
+
+@pytest.mark.parametrize("field, value, match", [
+    ("num_hidden_layers", 3, r"3 layers"), ("num_attention_heads", 8, r"8 query heads"),
+    ("num_key_value_heads", 1, r"num_kv_heads is 2, the model's is 1"), ("head_dim", 32, r"16 rotary frequencies"),
+    ("partial_rotary_factor", 0.5, r"4 rotary frequencies")])
+def test_a_calibration_for_another_model_is_refused_at_construction(field, value, match):
+    model, cal = _setup()
+    config = {**model.config.to_dict(), field: value}
+    with pytest.raises(ValueError, match=f"calibration.*{match}"):
+        TriAttentionCache(config, cal)
+
+
+def test_a_model_unlike_its_config_is_refused_before_allocating():
+    """K/V whose heads or head_dim differ from the config (a model the config does not describe) or float32 K/V
+    are refused at the first layer, before the pools exist."""
+    model, cal = _setup()
+    cache = TriAttentionCache(model.config, cal)
+    for k, error, match in ((torch.randn(1, 4, 5, 16).bfloat16(), ValueError, "2 KV heads"),
+                            (torch.randn(1, 2, 5, 8).bfloat16(), ValueError, "head_dim 16"),
+                            (torch.randn(2, 5, 16).bfloat16(), ValueError, "4-D"),
+                            (torch.randn(1, 2, 5, 16), TypeError, "bfloat16 or float16"),
+                            (torch.empty(1, 2, 5, 16, dtype=torch.bfloat16, device="meta"), ValueError, "meta"),
+                            ("k", TypeError, "key_states must be a tensor")):
+        with pytest.raises(error, match=match):
+            cache.update(k, k, 0)
+        assert cache.pools is None and cache._step is None
+    k = torch.randn(1, 2, 5, 16).bfloat16()
+    with pytest.raises(ValueError, match="value_states"):
+        cache.update(k, k[:, :, :4], 0)
+    with pytest.raises(ValueError, match="starts at layer 0"):
+        cache.update(k, k, 1)
+    assert cache.pools is None
+
+
+def test_batch_and_length_operations_of_transformers():
+    """Beam search reorders the rows (equal to the default cache's beam search while nothing is evicted), reset
+    empties the cache, and what an evicting one-batch cache cannot do is refused by name."""
+    model, cal = _setup()
+    ids = torch.randint(1, TINY["vocab_size"], (2, 10))
+    want = model.generate(ids, max_new_tokens=8, num_beams=3, do_sample=False)
+    cache = TriAttentionCache(model.config, cal, budget=64, beta=8)
+    got = model.generate(ids, max_new_tokens=8, num_beams=3, do_sample=False, **_with(model, cache))
+    assert torch.equal(got, want)
+    for bad in (torch.tensor([0, 1]), torch.zeros(6), [0] * 6, torch.zeros(6, 1, dtype=torch.long)):
+        _refused(cache, lambda: cache.reorder_cache(bad), ValueError, "beam_idx must be a 1-D integer tensor of 6")
+    for name, args in (("crop", (-1,)), ("batch_repeat_interleave", (2,)),
+                       ("batch_select_indices", (torch.tensor([0]),)),
+                       ("early_initialization", (1, 2, 16, torch.bfloat16, "cpu"))):
+        _refused(cache, lambda: getattr(cache, name)(*args), NotImplementedError, f"TriAttentionCache.{name}")
+    cache.reset()
+    assert cache.pools is None and cache.held == 0 and cache.get_seq_length() == 0 and not cache.rounds
+    again = model.generate(ids, max_new_tokens=8, num_beams=3, do_sample=False, **_with(model, cache))
+    assert torch.equal(again, want)

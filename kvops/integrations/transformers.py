@@ -29,16 +29,19 @@ multi-turn sessions); once every row is offloaded the device pools are released.
 from __future__ import annotations
 
 import inspect
+import os
+from dataclasses import dataclass
+from typing import Mapping
 
 import torch
 
-from .._checks import check_bool, check_int
+from .._checks import check_bool, check_device, check_int
 from .._dispatch import python_op
 from ..calibrate import require_transformers
-from ..compaction import ORDERS
+from ..compaction import MODES, ORDERS
 from ..manager import TriAttentionRound
 from ..nvfp4 import PageBlobCodec, RowSpec
-from ..triattention import Calibration, TriAttentionSelector, load_calibration
+from ..triattention import Calibration, TriAttentionSelector, load_calibration, validate_calibration
 
 _transformers_module = require_transformers()
 
@@ -53,9 +56,24 @@ def _write_slots(pool: torch.Tensor, slots: torch.Tensor, key_states: torch.Tens
     pool[:, 1].index_copy_(2, slots, value_states)
 
 
-def _tokens(query_length) -> int:
+def _tokens(query_length):
     """A step's token count, from what transformers passes as the query length (an int or the positions)."""
-    return query_length.shape[0] if isinstance(query_length, torch.Tensor) else int(query_length)
+    return query_length.shape[0] if isinstance(query_length, torch.Tensor) else query_length
+
+
+_KV_DTYPES = (torch.bfloat16, torch.float16)
+
+
+@dataclass
+class _Step:
+    """An eager step between its first and last layer's write: its tokens count as held only once the last layer
+    has written them (a step stopped or refused half-way holds nothing)."""
+
+    start: int           # the slot of its first token
+    tokens: int
+    shape: torch.Size    # every layer's key_states and value_states
+    first: bool          # the cache's first step (the prompt): it allocated the pools
+    layer: int = 0       # the layer it writes next
 
 
 class _PoolLayer(_transformers_module.cache_utils.CacheLayerMixin):
@@ -71,23 +89,25 @@ class _PoolLayer(_transformers_module.cache_utils.CacheLayerMixin):
     def is_compileable(self) -> bool:
         return self.cache.static
 
+    @property
+    def is_initialized(self) -> bool:
+        return self.cache.pools is not None
+
+    @is_initialized.setter
+    def is_initialized(self, value):  # the base class sets it; the cache's pools are the state
+        pass
+
     def lazy_initialization(self, key_states, value_states) -> None:
-        self.cache._allocate(key_states)
-        self.is_initialized = True
+        """The cache allocates its pools at a step's first layer, once it has checked the step."""
 
     def update(self, key_states, value_states, *args, **kwargs):
-        if not self.is_initialized:
-            self.lazy_initialization(key_states, value_states)
         return self.cache._write(self.layer_idx, key_states, value_states)
 
     def get_seq_length(self):
         return self.cache._offset if self.cache.static and self.cache._offset is not None else self.cache.held
 
     def get_mask_sizes(self, query_length) -> tuple[int, int]:
-        q = _tokens(query_length)
-        if self.cache.static:  # every slot; the first update (the prompt) allocates q + max_generated of them
-            return (self.cache.pools[0].shape[3] if self.cache.pools is not None else q + self.cache.max_generated), 0
-        return self.cache.held + q, 0
+        return self.cache._mask_sizes(_tokens(query_length)), 0
 
     def get_max_length(self) -> int:
         return -1
@@ -114,10 +134,11 @@ class TriAttentionCache(_transformers_module.Cache):
 
     Parameters
     ----------
-    config : transformers.PretrainedConfig
-        The model's config (layers, heads, RoPE).
-    calibration : str, os.PathLike or Calibration
-        A shipped name (``kvops.triattention.SHIPPED``), a file from ``kvops calibrate``, or a loaded Calibration.
+    config : transformers.PretrainedConfig or dict
+        The model's config (layers, heads, RoPE), or its ``to_dict()``.
+    calibration : str, os.PathLike, dict or Calibration
+        A shipped name (``kvops.triattention.SHIPPED``), a file from ``kvops calibrate``, its loaded dict, or a
+        loaded Calibration; checked against the config's layers, heads, KV heads, head_dim and RoPE frequencies.
     budget, beta : int
         Generated tokens kept per round, and the tokens between rounds: a round runs once a row holds more than
         ``budget`` generated tokens and ``beta`` arrived since its last round, so it never holds more than
@@ -132,22 +153,56 @@ class TriAttentionCache(_transformers_module.Cache):
     static : bool
         Static shapes for ``torch.compile`` of the decode step (see the module's docstring): attention reads all
         ``prompt + budget + beta + 1`` slots under a mask instead of the held ones.
+
+    Notes
+    -----
+    A cache serves one batch (the first step's batch size, KV dtype and device) of the model its config
+    describes. A step is checked before anything changes: its length against the slots free after a due round,
+    and no row offloaded, when its masks are sized; its K/V against the config and the pools (batch size, heads,
+    head_dim, dtype, device) at every layer. A due round runs once those checks passed (at the step's first layer;
+    in a static cache when the masks are sized, which cannot see the batch size), and stays if a later layer is
+    refused. A step's tokens count as held once its last layer has written them: a step refused at any layer, or
+    a forward that stops half-way (it raised), holds nothing. A first step that stops half-way can also be a model
+    with fewer layers than the config's: the next call then raises and the cache is empty again. A write to layer
+    ``num_layers`` right after the first step's last layer (a model with more layers) is refused and empties the
+    cache, so a cache built for fewer layers than its model holds nothing.
     """
 
     def __init__(self, config, calibration, *, budget: int = 2048, beta: int = 128, mode: str = "union",
                  compaction_order: str = "fill", cuda_graphs: bool = True, static: bool = False):
         what = "TriAttentionCache"
-        model_config = config.to_dict() if hasattr(config, "to_dict") else dict(config)
-        if not isinstance(calibration, Calibration):
-            calibration = load_calibration(calibration, model_config)
+        check_int(what, "budget", budget, 1)
         check_int(what, "beta", beta, 1)
+        for name, value, choices in (("mode", mode, MODES), ("compaction_order", compaction_order, ORDERS)):
+            if not isinstance(value, str):
+                raise TypeError(f"{what}: {name} must be a str, got {type(value).__name__} {value!r}")
+            if value not in choices:
+                raise ValueError(f"{what}: {name} must be one of {choices}, got {value!r}")
+        check_bool(what, "cuda_graphs", cuda_graphs)
         check_bool(what, "static", static)
-        if compaction_order not in ORDERS:
-            raise ValueError(f"{what}: compaction_order must be one of {ORDERS}, got {compaction_order!r}")
-        if any(kind != "full_attention" for kind in model_config.get("layer_types") or ()):
-            raise ValueError(f"{what}: the model has {sorted(set(model_config['layer_types']))} layers; this cache "
-                             f"holds full-attention layers only (sliding-window layers need their own eviction)")
-        self.num_layers = model_config["num_hidden_layers"]
+        if isinstance(config, _transformers_module.PretrainedConfig):
+            model_config = config.to_dict()
+        elif isinstance(config, Mapping):
+            model_config = dict(config)
+        else:
+            raise TypeError(f"{what}: config must be a transformers PretrainedConfig or its to_dict(), got "
+                            f"{type(config).__name__}")
+        if isinstance(calibration, Calibration):
+            validate_calibration(calibration, model_config, what=what)
+        elif isinstance(calibration, (str, os.PathLike, Mapping)):
+            calibration = load_calibration(calibration, model_config)
+        else:
+            raise TypeError(f"{what}: calibration must be a shipped name, a path, a loaded dict or a Calibration, "
+                            f"got {type(calibration).__name__}")
+        layer_types = model_config.get("layer_types") or ()
+        if not isinstance(layer_types, (list, tuple)):
+            raise TypeError(f"{what}: config layer_types must be a list of layer kinds, got "
+                            f"{type(layer_types).__name__} {layer_types!r}")
+        if any(kind != "full_attention" for kind in layer_types):
+            raise ValueError(f"{what}: the model has {sorted(set(layer_types))} layers; this cache holds "
+                             f"full-attention layers only (sliding-window layers need their own eviction)")
+        self.num_layers = calibration.num_layers
+        self.num_kv_heads, self.head_dim = calibration.num_kv_heads, calibration.head_dim
         super().__init__(layers=[_PoolLayer(self, i) for i in range(self.num_layers)])
         # the generated tokens a row can hold (a step may overshoot a due round by one): all of them are scored,
         # so no token past max_decode is ever dropped unscored
@@ -155,23 +210,27 @@ class TriAttentionCache(_transformers_module.Cache):
         self.selector = TriAttentionSelector(calibration, budget, mode, max_decode=self.max_generated)
         self.budget, self.beta, self.order, self.cuda_graphs = budget, beta, compaction_order, cuda_graphs
         self.static = static
+        self._host: torch.Tensor | None = None
+        self._offloaded: set[int] = set()
+        self._reset()
+
+    def _reset(self) -> None:
+        """The state of a cache that holds nothing (no pools, no rounds)."""
         # static: the slot the next token is written to (= held) and the logical length, on the device
         self._offset: torch.Tensor | None = None
         self._logical: torch.Tensor | None = None
-        self._start = 0            # the slot a step's first token goes to (set at its first layer's write)
         self.pools: list[torch.Tensor] | None = None  # per layer [batch, 2, kv_head, capacity, dim]
         self._held = 0             # tokens each row holds (physical; mirrors _offset in a static cache)
         self.evicted = 0           # tokens each row has dropped (logical length = held + evicted)
-        self.prompt = 0            # the first update's length: never evicted
+        self.prompt = 0            # the first step's length: never evicted
         self._round_held = 0       # what each row held after the prompt or the last round
         self.slot_positions: torch.Tensor | None = None  # logical position of each slot, [batch, rows, capacity]
         # each round: (the logical position of the first token after it, the kept logical positions of its
         # generated tokens [batch, rows, budget] in slot order)
         self.rounds: list[tuple[int, torch.Tensor]] = []
         self._round: TriAttentionRound | None = None
-        self._host: torch.Tensor | None = None
-        self._offloaded: set[int] = set()
-        self._writing = False      # between a step's first and last layer: no round may move tokens then
+        self._step: _Step | None = None  # an eager step between its first and last layer
+        self._last = False  # whether the call before was the first step's last layer
 
     # -- what transformers asks -------------------------------------------------------------------------------
     @property
@@ -194,33 +253,92 @@ class TriAttentionCache(_transformers_module.Cache):
         return self.held + self.evicted
 
     def get_query_offset(self, layer_idx: int = 0):
-        """The slot of the next token: the held tokens precede it (a device tensor in a static cache)."""
-        self._settle()
-        return self._offset if self.static and self._offset is not None else self.held
+        """The slot of the next token: the held tokens precede it, after a due round (a device tensor in a static
+        cache)."""
+        self._entry()
+        if self.static and self._offset is not None:
+            return self._offset
+        return self._held if self._offloaded else self._after_round(self._held)
 
     def get_mask_sizes(self, query_length, layer_idx: int = 0) -> tuple[int, int]:
-        """Sizes the next step's mask. A due round runs first. A static cache checks the step here, where the
-        host last sees it before a compiled step writes (generate builds the mask outside the graph)."""
-        held = self._settle()
-        if self.static and self.pools is not None:
-            self._check_step(_tokens(query_length), held)
-        return self.layers[layer_idx].get_mask_sizes(query_length)
+        """Sizes the next step's mask, after checking the step's length (the slots free after a due round) and
+        that no row is offloaded. A static cache runs a due round here, where the host last sees the cache before a
+        compiled step writes (generate builds the mask outside the graph); an eager one at the step's first
+        layer, after checking its K/V."""
+        q = check_int("TriAttentionCache.get_mask_sizes", "query_length", _tokens(query_length), 1)
+        self._entry()
+        if self.pools is not None or self._offloaded:
+            held = self._check_step(q)
+            if self.static:
+                self._settle(held)
+        return self._mask_sizes(q), 0
+
+    def _mask_sizes(self, q: int) -> int:
+        if self.static:  # every slot; the first step (the prompt) allocates q + max_generated of them
+            return self.pools[0].shape[3] if self.pools is not None else q + self.max_generated
+        return (self._held if self._offloaded else self._after_round(self._held)) + q
 
     @property
     def device(self) -> torch.device:
+        if self.pools is None:
+            raise RuntimeError("TriAttentionCache.device: the cache holds no device pools (no step yet, or every row "
+                               "offloaded)")
         return self.pools[0].device
 
     def views(self) -> list[torch.Tensor]:
         """The per-layer pools as kvops' 5-D [page, plane, head, token, dim] views (a page is a batch row)."""
         return self.pools
 
+    def reset(self) -> None:
+        """Empty the cache: no pools, no rounds, no host tier; the next step is a new prompt."""
+        self._host, self._offloaded = None, set()
+        self._reset()
+
+    def reorder_cache(self, beam_idx: torch.Tensor) -> None:
+        """Beam search: batch row i takes what row ``beam_idx[i]`` holds (every row holds as many tokens, so the
+        counters stay). `beam_idx`: an integer tensor of one index per row, each in [0, batch); not read back."""
+        what = "TriAttentionCache.reorder_cache"
+        if self._offloaded:
+            raise RuntimeError(f"{what}: rows {sorted(self._offloaded)} are offloaded; onboard them first")
+        if self.pools is None:
+            raise RuntimeError(f"{what}: the cache holds no tokens yet")
+        B = self.pools[0].shape[0]
+        if not isinstance(beam_idx, torch.Tensor) or beam_idx.dim() != 1 or beam_idx.shape[0] != B or \
+                beam_idx.dtype.is_floating_point or beam_idx.dtype.is_complex or beam_idx.dtype == torch.bool:
+            raise ValueError(f"{what}: beam_idx must be a 1-D integer tensor of {B} row indices, got "
+                             f"{getattr(beam_idx, 'dtype', type(beam_idx).__name__)} "
+                             f"{tuple(getattr(beam_idx, 'shape', ()))}")
+        check_device(what, beam_idx=beam_idx)  # not meta
+        self._entry()
+        idx = beam_idx.to(self.device, torch.long)
+        for t in (*self.pools, self.slot_positions):
+            t.copy_(t.index_select(0, idx))
+
+    def _unsupported(self, name: str):
+        raise NotImplementedError(f"TriAttentionCache.{name}: not supported; the cache holds one batch that advances "
+                                  f"in lockstep and evicts tokens (assisted or speculative decoding and contrastive "
+                                  f"search need a cache that can take tokens back or change its batch)")
+
+    def crop(self, *args, **kwargs):
+        self._unsupported("crop")
+
+    def batch_repeat_interleave(self, *args, **kwargs):
+        self._unsupported("batch_repeat_interleave")
+
+    def batch_select_indices(self, *args, **kwargs):
+        self._unsupported("batch_select_indices")
+
+    def early_initialization(self, *args, **kwargs):
+        raise NotImplementedError("TriAttentionCache.early_initialization: not supported; the first step (the "
+                                  "prompt) sizes the pools")
+
     # -- storage ----------------------------------------------------------------------------------------------
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args, **kwargs):
+        """Write a step's K and V (``[batch, kv_head, tokens, head_dim]``) of layer `layer_idx`; returns the
+        layer's K and V for attention. A step writes layers 0 to num_layers - 1 in order."""
+        return self._write(layer_idx, key_states, value_states)
+
     def _allocate(self, key_states: torch.Tensor) -> None:
-        if self.pools is not None:
-            return
-        if key_states.dtype not in (torch.bfloat16, torch.float16):
-            raise TypeError(f"TriAttentionCache: the kvops kernels hold bfloat16 or float16 KV, got "
-                            f"{key_states.dtype}; load the model in one of them")
         B, H, q, D = key_states.shape
         self.prompt = q
         capacity = q + self.max_generated
@@ -241,56 +359,184 @@ class TriAttentionCache(_transformers_module.Cache):
                 torch._dynamo.mark_static_address(t)
 
     def _write(self, layer_idx: int, key_states: torch.Tensor, value_states: torch.Tensor):
-        q, pool = key_states.shape[2], self.pools[layer_idx]
-        if self.static:  # tensor ops on device-side offsets only: the same graph every step, no host read
-            steps = torch.arange(q, device=pool.device)
-            slots = steps + self._offset
-            if layer_idx == 0:
-                logical = (steps + self._logical).expand(*self.slot_positions.shape[:2], q)
-                self.slot_positions.index_copy_(2, slots, logical)
-            _write_slots(pool, slots, key_states, value_states)
-            if layer_idx == self.num_layers - 1:
-                self._offset.add_(q)
-                self._logical.add_(q)
-            return pool[:, 0], pool[:, 1]
+        if self.static and torch.compiler.is_compiling():  # the host checked the step (get_mask_sizes)
+            if not 0 <= layer_idx < self.num_layers:
+                raise ValueError(f"TriAttentionCache.update: layer_idx {layer_idx} is out of range: the cache "
+                                 f"holds {self.num_layers} layer(s)")
+            return self._write_static(layer_idx, key_states, value_states)
+        self._check_layer(layer_idx)
         if layer_idx == 0:
-            self._begin_step(q)
+            self._begin_step(key_states, value_states)
+        else:
+            self._continue_step(layer_idx, key_states, value_states)
+        try:
+            if self.static:
+                out = self._write_static(layer_idx, key_states, value_states)
+            else:
+                start, end = self._step.start, self._step.start + self._step.tokens
+                pool = self.pools[layer_idx]
+                pool[:, 0, :, start:end] = key_states
+                pool[:, 1, :, start:end] = value_states
+                out = pool[:, 0, :, :end], pool[:, 1, :, :end]
+        except BaseException:
+            self._abandon()  # nothing of a step that failed to write stays
+            raise
         if layer_idx == self.num_layers - 1:
-            self._writing = False
-        start, end = self._start, self._start + q
-        pool[:, 0, :, start:end] = key_states
-        pool[:, 1, :, start:end] = value_states
-        return pool[:, 0, :, :end], pool[:, 1, :, :end]
+            self._commit()
+        else:
+            self._step.layer = layer_idx + 1
+        return out
 
-    def _check_step(self, q: int, held: int) -> None:
+    def _write_static(self, layer_idx: int, key_states: torch.Tensor, value_states: torch.Tensor):
+        """Tensor ops on device-side offsets only: the same graph every step, no host read."""
+        q, pool = key_states.shape[2], self.pools[layer_idx]
+        steps = torch.arange(q, device=pool.device)
+        slots = steps + self._offset
+        _write_slots(pool, slots, key_states, value_states)
+        if layer_idx == self.num_layers - 1:
+            logical = (steps + self._logical).expand(*self.slot_positions.shape[:2], q)
+            self.slot_positions.index_copy_(2, slots, logical)
+            self._offset.add_(q)
+            self._logical.add_(q)
+        return pool[:, 0], pool[:, 1]
+
+    def _check_layer(self, layer_idx) -> None:
+        what = "TriAttentionCache.update"
+        if isinstance(layer_idx, bool) or not isinstance(layer_idx, int):
+            self._abandon()
+            raise TypeError(f"{what}: layer_idx must be an int, got {type(layer_idx).__name__} {layer_idx!r}")
+        if not 0 <= layer_idx < self.num_layers:
+            if self._last and layer_idx == self.num_layers:
+                self._reset()  # the model goes on past the first step's last layer: a cache for fewer layers
+            self._abandon()
+            raise ValueError(f"{what}: layer_idx {layer_idx} is out of range: the cache holds {self.num_layers} "
+                             f"layer(s) (its config's num_hidden_layers); build it from the model's config")
+        if layer_idx > 0 and (self._step is None or self._step.layer != layer_idx):
+            expect = "a step's first write (layer 0)" if self._step is None else f"layer {self._step.layer}"
+            self._abandon()
+            raise ValueError(f"{what}: a step starts at layer 0 and writes its layers in order; the next write is "
+                             f"{expect}, got layer_idx {layer_idx}")
+
+    def _check_kv(self, layer_idx: int, key_states, value_states, shape: torch.Size | None = None) -> int:
+        """A step's K and V at a layer: 4-D, the config's KV heads and head_dim, bfloat16 or float16, and (once
+        the pools exist) their batch size, dtype and device; `shape`: the step's first layer's. Returns the
+        step's token count."""
+        what = f"TriAttentionCache.update (layer_idx {layer_idx})"
+        for name, t in (("key_states", key_states), ("value_states", value_states)):
+            if not isinstance(t, torch.Tensor):
+                raise TypeError(f"{what}: {name} must be a tensor, got {type(t).__name__}")
+        check_device(what, key_states=key_states, value_states=value_states)
+        if key_states.dim() != 4:
+            raise ValueError(f"{what}: key_states must be 4-D [batch, kv_heads, tokens, head_dim], got shape "
+                             f"{tuple(key_states.shape)}")
+        if value_states.shape != key_states.shape:
+            raise ValueError(f"{what}: value_states must have key_states' shape {tuple(key_states.shape)}, got "
+                             f"{tuple(value_states.shape)}")
+        B, H, q, D = key_states.shape
+        if (H, D) != (self.num_kv_heads, self.head_dim):
+            raise ValueError(f"{what}: key_states has {H} KV heads of head_dim {D}; the config describes "
+                             f"{self.num_kv_heads} KV heads of head_dim {self.head_dim} (build the cache from the "
+                             f"model's config)")
+        if B < 1 or q < 1:
+            raise ValueError(f"{what}: key_states must hold at least one row and one token, got shape "
+                             f"{tuple(key_states.shape)}")
+        if key_states.dtype not in _KV_DTYPES or value_states.dtype != key_states.dtype:
+            raise TypeError(f"{what}: the kvops kernels hold bfloat16 or float16 KV, got key_states "
+                            f"{key_states.dtype} and value_states {value_states.dtype}; load the model in one of "
+                            f"them")
+        if self.pools is not None:
+            pool = self.pools[layer_idx]
+            if B != pool.shape[0]:
+                raise ValueError(f"{what}: key_states has batch size {B}; the cache holds {pool.shape[0]} rows (a "
+                                 f"cache serves one batch: build another for another batch size)")
+            if key_states.dtype != pool.dtype or key_states.device != pool.device:
+                raise ValueError(f"{what}: key_states is {key_states.dtype} on {key_states.device}; the cache "
+                                 f"holds {pool.dtype} on {pool.device}")
+        if shape is not None and key_states.shape != shape:
+            raise ValueError(f"{what}: key_states has shape {tuple(key_states.shape)}; the step's layer 0 had "
+                             f"{tuple(shape)}")
+        return q
+
+    def _check_step(self, q: int) -> int:
+        """That a step of q tokens may run: no row offloaded, and it fits the slots free after a due round.
+        Returns what each row holds now (read once: a device read in a static cache)."""
         if self._offloaded:
             raise RuntimeError(f"TriAttentionCache: rows {sorted(self._offloaded)} are offloaded; onboard them "
                                f"before generating")
-        if held + q > self.pools[0].shape[3]:
-            raise RuntimeError(f"TriAttentionCache: {held + q} tokens do not fit the {self.pools[0].shape[3]} "
-                               f"slots; a step may add at most beta + 1 tokens past the prompt")
+        held = self.held
+        after, capacity = self._after_round(held), self.pools[0].shape[3]
+        if after + q > capacity:
+            raise ValueError(f"TriAttentionCache: {after + q} tokens do not fit the {capacity} slots (it holds "
+                             f"{after} after a due round); a step may add at most beta + 1 tokens past the prompt")
+        return held
 
-    def _begin_step(self, q: int) -> None:
-        """The host's side of an eager step, at its first layer's write: a due round, the step's check and its
-        slots' logical positions."""
-        start = self._settle()
-        self._check_step(q, start)
-        logical = start + self.evicted
-        self.slot_positions[..., start:start + q] = torch.arange(logical, logical + q, device=self.device)
-        # the step's tokens count as held from here: no round may run until its last layer has written them
-        self._start, self._held, self._writing = start, start + q, self.num_layers > 1
+    def _begin_step(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
+        """The host's side of a step at its first layer's write (eager, or a static cache's uncompiled step):
+        every check, then the pools (the first step), or a due round (an eager cache)."""
+        self._entry()
+        if self._offloaded:
+            self._check_step(1)  # raises
+        q = self._check_kv(0, key_states, value_states)
+        first = self.pools is None
+        if first:
+            self._allocate(key_states)
+            start = 0
+        else:
+            start = self._settle(self._check_step(q))
+        self._step = _Step(start, q, key_states.shape, first)
+
+    def _continue_step(self, layer_idx: int, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
+        step, pool = self._step, self.pools[layer_idx]
+        if not (key_states.shape == step.shape and value_states.shape == step.shape and
+                key_states.dtype == value_states.dtype == pool.dtype and
+                key_states.device == value_states.device == pool.device):
+            try:
+                self._check_kv(layer_idx, key_states, value_states, step.shape)
+            except BaseException:
+                self._abandon()  # a refused layer voids its step
+                raise
+
+    def _commit(self) -> None:
+        step, end = self._step, self._step.start + self._step.tokens
+        if not self.static:  # the static write set them on the device
+            logical = step.start + self.evicted
+            self.slot_positions[..., step.start:end] = torch.arange(logical, logical + step.tokens,
+                                                                    device=self.slot_positions.device)
+        self._held, self._step, self._last = end, None, step.first
+
+    def _abandon(self) -> None:
+        """Drop the step in progress: nothing of it stays (a first step takes its pools with it)."""
+        step, self._step = self._step, None
+        if step is not None and step.first:
+            self._reset()
+
+    def _entry(self) -> None:
+        """At every call but a step's later layers: the step the last forward left half-way is dropped (it
+        raised). A first step left half-way may also be a model with fewer layers than the cache's config: the
+        cache is emptied and this call raises."""
+        self._last = False
+        step = self._step
+        if step is None:
+            return
+        self._abandon()
+        if step.first:
+            raise RuntimeError(f"TriAttentionCache: the last forward wrote {step.layer} of the cache's "
+                               f"{self.num_layers} layers and stopped: the model has fewer layers than the config "
+                               f"the cache was built from, or that forward raised; the cache holds nothing")
 
     # -- eviction ---------------------------------------------------------------------------------------------
-    def _settle(self) -> int:
-        """Run a due round and return the tokens each row then holds (read once: a device read in a static
-        cache). It runs when the cache is next read (the next forward sizes its masks before any layer writes),
-        so every layer of a step sees the same held tokens."""
-        if self.pools is None or self._offloaded or self._writing:
-            return self._held
-        held = self.held
-        if held - self.prompt > self.budget and held - self._round_held >= self.beta:
-            held = self._compress(held)
-        return held
+    def _due(self, held: int) -> bool:
+        return held - self.prompt > self.budget and held - self._round_held >= self.beta
+
+    def _after_round(self, held: int) -> int:
+        """What each row holds once a due round has run."""
+        return self.prompt + self.budget if self._due(held) else held
+
+    def _settle(self, held: int) -> int:
+        """Run a due round and return the tokens each row then holds. It runs before the next step writes (at the
+        step's first layer, or in a static cache when the next forward sizes its masks), so every layer of a step
+        sees the same held tokens."""
+        return self._compress(held) if self._due(held) else held
 
     def _compress(self, held: int) -> int:
         """One round over the whole batch, before the next token is written: keep `budget` of the generated tokens
@@ -312,19 +558,30 @@ class TriAttentionCache(_transformers_module.Cache):
         return end
 
     # -- host tier --------------------------------------------------------------------------------------------
-    def _codec(self) -> PageBlobCodec:
-        D = self.pools[0].shape[-1]
-        return PageBlobCodec(self.pools, [RowSpec.full(D, plane_dim=1)] * self.num_layers)
+    def _codec(self, pools) -> PageBlobCodec:
+        return PageBlobCodec(pools, [RowSpec.full(self.head_dim, plane_dim=1)] * self.num_layers)
+
+    def _row(self, what: str, row) -> int:
+        """A batch row: a Python int below the batch size."""
+        if isinstance(row, bool) or not isinstance(row, int):
+            check_int(what, "row", row)  # raises TypeError
+        if self.pools is None and self._host is None:
+            raise ValueError(f"{what}: the cache holds no tokens yet")
+        rows = self.pools[0].shape[0] if self.pools is not None else self._shapes[0][0][0]
+        return check_int(what, "row", row, 0, rows - 1)
 
     def offload(self, row: int) -> None:
         """Encode batch row `row` into pinned host memory (NVFP4); the device pools go once every row is out."""
-        if self.pools is None or not 0 <= row < self.pools[0].shape[0] or row in self._offloaded:
-            raise ValueError(f"TriAttentionCache.offload: row {row!r} is not a resident batch row")
-        codec = self._codec()
-        if self._host is None:
-            self._host = codec.allocate(self.pools[0].shape[0])
+        what = "TriAttentionCache.offload"
+        row = self._row(what, row)
+        self._entry()
+        if self.pools is None or row in self._offloaded:
+            raise ValueError(f"{what}: row {row} is not a resident batch row (offloaded: {sorted(self._offloaded)})")
+        codec = self._codec(self.pools)
+        host = self._host if self._host is not None else codec.allocate(self.pools[0].shape[0])
         pairs = torch.tensor([[row, row]], dtype=torch.int32, device=self.device)
-        codec.encode(self.pools, self._host, pairs)
+        codec.encode(self.pools, host, pairs)
+        self._host = host
         self._offloaded.add(row)
         if len(self._offloaded) == self.pools[0].shape[0]:
             torch.cuda.synchronize() if self.device.type == "cuda" else None
@@ -332,17 +589,25 @@ class TriAttentionCache(_transformers_module.Cache):
             self.pools = None
 
     def onboard(self, row: int) -> None:
-        """Decode batch row `row` back from the host tier into the device pools (reallocated if released)."""
+        """Decode batch row `row` back from the host tier into the device pools (reallocated if released). The
+        host copy is validated first: a corrupt one raises ValueError and changes nothing."""
+        what = "TriAttentionCache.onboard"
+        row = self._row(what, row)
+        self._entry()
         if row not in self._offloaded:
-            raise ValueError(f"TriAttentionCache.onboard: row {row!r} is not offloaded")
+            raise ValueError(f"{what}: row {row} is not offloaded (offloaded: {sorted(self._offloaded)})")
+        pools = self.pools if self.pools is not None else \
+            [torch.zeros(s, dtype=t, device=d) for s, t, d in self._shapes]
+        pairs = torch.tensor([[row, row]], dtype=torch.int32, device=pools[0].device)
+        try:  # validate: a blob without valid global scales raises before any page is written
+            self._codec(pools).decode(self._host, pools, pairs, validate=True)
+        except ValueError as e:
+            raise ValueError(f"{what}: row {row}'s host copy cannot be decoded: {e}") from e
         if self.pools is None:
-            self.pools = [torch.zeros(s, dtype=t, device=d) for s, t, d in self._shapes]
+            self.pools = pools
             self._round = None  # its buffers were bound to the released pools
             if self.static:
                 self._mark_static()
-        codec = self._codec()
-        pairs = torch.tensor([[row, row]], dtype=torch.int32, device=self.device)
-        codec.decode(self._host, self.pools, pairs)
         self._offloaded.discard(row)
 
 

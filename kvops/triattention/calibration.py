@@ -238,7 +238,8 @@ def load_calibration(source: str | os.PathLike | Mapping[str, Any], model_config
     return _validate("load_calibration", Calibration(q_mean, q_abs, omega, freq_scale_sq, Hkv, D), model_config)
 
 
-def validate_calibration(calibration: Calibration, model_config: Mapping[str, Any]) -> Calibration:
+def validate_calibration(calibration: Calibration, model_config: Mapping[str, Any], *,
+                         what: str = "validate_calibration") -> Calibration:
     """Check a Calibration against a model before it is used; returns it unchanged.
 
     The model's geometry (model_config as for ``load_calibration``: layers, query and KV heads, head_dim, the
@@ -246,9 +247,10 @@ def validate_calibration(calibration: Calibration, model_config: Mapping[str, An
     freq_scale_sq float32, all on one real device (not meta) and finite, with q_abs_mean >= 0 (a mean of
     magnitudes), omega > 0 (inverse frequencies) and freq_scale_sq > 0 (a square; <= 0 would flip or erase every
     score). Raises TypeError for a wrong kind of argument or field, ValueError naming what does not match.
-    Reads the values (a device sync when they sit on a GPU): call it once, where the calibration is taken.
+    Reads the values (a device sync when they sit on a GPU): call it once, where the calibration is taken. `what`
+    names the caller in the messages.
     """
-    return _validate("validate_calibration", calibration, model_config)
+    return _validate(what, calibration, model_config)
 
 
 def _validate(what: str, calibration: Calibration, model_config: Mapping[str, Any]) -> Calibration:
