@@ -15,7 +15,7 @@ from typing import Sequence
 import torch
 import triton
 
-from ._checks import check_device, check_int
+from ._checks import check_bool, check_device, check_hashable, check_int
 from .compaction import build_compaction_params, compact
 from .nvfp4 import PageBlobCodec, RowSpec
 
@@ -82,12 +82,16 @@ class PagedKVCache:
                 f"request {rid!r}: length {r.length} needs {self._pages_for(r.length)} pages, it holds {held}"
 
     def _distinct(self, what: str, rids: Sequence) -> list[_Request]:
-        rids = list(rids)
+        if not isinstance(rids, (list, tuple)):
+            raise TypeError(f"{what}: rids must be a list or tuple of request ids, got {type(rids).__name__}")
+        for i, rid in enumerate(rids):
+            check_hashable(what, f"rids[{i}]", rid)
         if len(set(rids)) != len(rids):
-            raise ValueError(f"{what}: request ids must be distinct, got {rids}")
+            raise ValueError(f"{what}: request ids must be distinct, got {list(rids)}")
         return [self._get(r) for r in rids]
 
     def _get(self, rid) -> _Request:
+        check_hashable("PagedKVCache", "request id", rid)
         if rid not in self._requests:
             raise ValueError(f"PagedKVCache: unknown request {rid!r}")
         return self._requests[rid]
@@ -97,6 +101,8 @@ class PagedKVCache:
 
     # -- lifecycle ----------------------------------------------------------------------------------------
     def add_request(self, rid) -> None:
+        """A new request, holding no tokens; rid is any hashable id."""
+        check_hashable("PagedKVCache.add_request", "rid", rid)
         if rid in self._requests:
             raise ValueError(f"PagedKVCache: request {rid!r} already exists")
         self._requests[rid] = _Request()
@@ -152,6 +158,9 @@ class PagedKVCache:
                    ) -> torch.Tensor:
         """int32 [R, width] (default: the longest request's pages) on `device` (default: the pools'), -1 past
         each request's pages."""
+        if not isinstance(rids, (list, tuple)):
+            raise TypeError(f"PagedKVCache.page_table: rids must be a list or tuple of request ids, got "
+                            f"{type(rids).__name__}")
         reqs = [self._get(r) for r in rids]
         need = max([len(r.pages) for r in reqs] + [1])
         if width is not None:
@@ -168,7 +177,8 @@ class PagedKVCache:
         """Move each request's kept tokens down in place (kvops.compaction), then release the pages past the new
         lengths. Returns the new lengths. Validation (on by default here) raises before anything moves, also
         when scored + tail differs from a request's length (tokens past it would be dropped). order: "fill" (the
-        default) or "ordered" (kvops.compaction.build_compaction_params)."""
+        default) or "ordered" (kvops.compaction.build_compaction_params). No requests (empty rids and tensors):
+        nothing moves, and the result is empty."""
         reqs = self._distinct("PagedKVCache.compact", rids)
         if any(r.slots is not None for r in reqs):
             raise ValueError("PagedKVCache.compact: offloaded requests cannot be compacted")
@@ -206,25 +216,34 @@ class PagedKVCache:
         """Encode the request's pages into host slots through the codec and free its GPU pages."""
         self._migrate(rid, to_host=True)
 
-    def onboard(self, rid) -> None:
-        """Allocate GPU pages, decode the request's host slots into them and free the slots."""
-        self._migrate(rid, to_host=False)
+    def onboard(self, rid, validate: bool = True) -> None:
+        """Allocate GPU pages, decode the request's host slots into them and free the slots. With validate (the
+        default), every slot's global scales are read first (a sync on the GPU): a slot never encoded or corrupt
+        raises ValueError with nothing written or changed. Without it, such a plane is left as the page held it
+        (another request's stale KV) and only ``codec.refused(device)`` counts it."""
+        check_bool("PagedKVCache.onboard", "validate", validate)
+        self._migrate(rid, to_host=False, validate=validate)
 
-    def _migrate(self, rid, to_host: bool) -> None:
+    def _migrate(self, rid, to_host: bool, validate: bool = False) -> None:
         req = self._get(rid)
         what = "offload" if to_host else "onboard"
         if (req.slots is None) != to_host:
             raise ValueError(f"PagedKVCache.{what}: request {rid!r} is {'already' if to_host else 'not'} offloaded")
         sources, source_free = (req.pages, self._free_pages) if to_host else (req.slots, self._free_slots)
         target_free, target = (self._free_slots, "host slots") if to_host else (self._free_pages, "pages")
-        if len(sources) > len(target_free):
-            raise ValueError(f"PagedKVCache.{what}: {len(sources)} {target} needed, {len(target_free)} free")
-        targets = [target_free.pop() for _ in sources]
+        n = len(sources)
+        if n > len(target_free):
+            raise ValueError(f"PagedKVCache.{what}: {n} {target} needed, {len(target_free)} free")
+        targets = target_free[::-1][:n]  # what pop() hands out, taken only once the copy went through
         if targets:  # pairs are (destination, source); later writes to freed pages queue behind the copy
             pairs = torch.tensor(list(zip(targets, sources)), dtype=torch.int32, device=self.device)
             if to_host:
                 self.codec.encode(self.pools, self.host, pairs)
             else:
-                self.codec.decode(self.host, self.pools, pairs)
+                try:
+                    self.codec.decode(self.host, self.pools, pairs, validate=validate)
+                except ValueError as e:
+                    raise ValueError(f"PagedKVCache.onboard: request {rid!r}: {e}") from e
+        del target_free[len(target_free) - n:]
         source_free += reversed(sources)
         req.pages, req.slots = ([], targets) if to_host else (targets, None)
