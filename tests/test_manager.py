@@ -6,7 +6,7 @@ import torch
 from kvops.cache import PagedKVCache
 from kvops.config import NVFP4ColdPageConfig, TriAttentionConfig
 from kvops.manager import (KVCacheCompressionManager, NVFP4ColdPageManager, Request, TriAttentionManager,
-                           create_compression_manager)
+                           TriAttentionRound, create_compression_manager)
 from kvops.compaction.reference import fill_order
 from kvops.triattention.reference import select_reference
 
@@ -110,7 +110,7 @@ def test_admission(calibration):
     with pytest.raises(ValueError, match="the cache has 2 KV heads, the model 4"):
         create_compression_manager(tri, cache, {**MODEL, "num_key_value_heads": 4})
     with pytest.raises(ValueError, match="the model needs"):  # the calibration's geometry
-        create_compression_manager(tri, cache, {**MODEL, "head_dim": 64})
+        create_compression_manager(tri, PagedKVCache(2, 2, 64, 8, num_pages=4), {**MODEL, "head_dim": 64})
     base = KVCacheCompressionManager(tri, cache, MODEL)  # every hook is a no-op
     for hook in (base.on_request_init, base.on_request_finish):
         hook(Request("x", 1))
@@ -222,3 +222,199 @@ def test_hooks_refuse_bad_requests_before_changing_anything(calibration):
     with pytest.raises(TypeError, match="confirmed tokens"):
         manager.on_generation_step_end([("a", 1.5)])
     assert manager.since_round == before
+
+
+# issue 30: bad input, second pass
+
+def _snapshot(manager, cache):
+    """Every piece of manager and cache state, pools as bytes: what a refused call must leave as it was."""
+    return ({name: dict(getattr(manager, name, {})) for name in
+             ("prompt_length", "since_round", "num_compressed_tokens", "accounted_length")}, manager.rounds,
+            list(cache._free_pages), list(cache._free_slots),
+            {r: (q.length, list(q.pages), q.slots and list(q.slots)) for r, q in cache._requests.items()},
+            [p.view(torch.uint8).clone() for p in cache.pools], cache.host.clone())
+
+
+def _same(a, b):
+    return a[:5] == b[:5] and all(torch.equal(x, y) for x, y in zip(a[5], b[5])) and torch.equal(a[6], b[6])
+
+
+def _refused(manager, cache, fn, exc, match):
+    before = _snapshot(manager, cache)
+    with pytest.raises(exc, match=match):
+        fn()
+    assert _same(before, _snapshot(manager, cache))
+    cache.check_invariants()
+
+
+def _admit(manager, cache, rid, prompt, decode=0):
+    cache.add_request(rid)
+    manager.on_request_init(Request(rid, prompt))
+    cache.append(rid, *_kv(prompt))
+    manager.on_context_step_end([Request(rid, prompt)])
+    for _ in range(decode):
+        cache.append(rid, *_kv(1))
+        manager.on_generation_step_end([(rid, 1)])
+
+
+def test_refused_steps_count_no_confirmed_tokens(calibration):
+    """A step refused for a due request that is offloaded, one that confirms too many tokens past a due round,
+    or one naming a request the cache has released counts nothing; the step goes through once it can."""
+    cache = _cache()
+    manager = create_compression_manager(TriAttentionConfig(budget=12, beta=5, calibration_path=calibration), cache,
+                                         MODEL)
+    _admit(manager, cache, "a", 3, decode=8)
+    _admit(manager, cache, "b", 5, decode=2)
+    cache.append("a", *_kv(5))  # 13 decode tokens: due
+    cache.offload("a")
+    _refused(manager, cache, lambda: manager.on_generation_step_end([("b", 0), ("a", 5)]), RuntimeError,
+             "offloaded")
+    cache.onboard("a")
+    cache.append("a", *_kv(15))  # 28 decode tokens: 6 past the 22 a round scores, more than beta
+    _refused(manager, cache, lambda: manager.on_generation_step_end([("a", 20)]), RuntimeError, "more than beta")
+    cache.shrink(["a"], [3 + 13])  # back to the 13 decode tokens of the due step
+    cache.add_request("gone")
+    manager.on_request_init(Request("gone", 2))
+    cache.append("gone", *_kv(2))
+    cache.finish("gone")  # released by the cache only
+    cache.append("b", *_kv(1))
+    _refused(manager, cache, lambda: manager.on_generation_step_end([("b", 1), ("gone", 0)]), ValueError,
+             "'gone' is admitted here but unknown to the cache")
+    assert manager.since_round == {"a": 8, "b": 2, "gone": 0}
+    manager.on_generation_step_end([("a", 5), ("b", 1)])  # the step, counted once: a round
+    assert manager.rounds == 1 and cache.length("a") == 3 + 12 and manager.since_round == {"a": 0, "b": 3, "gone": 0}
+    assert manager.logical_position("a") == 3 + 13
+    cache.check_invariants()
+
+
+def test_confirmed_tokens_must_be_what_the_cache_gained(calibration):
+    """A hook called twice for one step, or a count other than the tokens written since the last hook, would
+    shift every later round (beta halved, rounds before budget): refused, naming the request."""
+    cache = _cache()
+    manager = create_compression_manager(TriAttentionConfig(budget=12, beta=5, calibration_path=calibration), cache,
+                                         MODEL)
+    _admit(manager, cache, "a", 7, decode=3)
+    _admit(manager, cache, "b", 4)
+    cache.append("a", *_kv(1))
+    cache.append("b", *_kv(2))
+    manager.on_generation_step_end([("a", 1), ("b", 2)])
+    step = lambda batch: (lambda: manager.on_generation_step_end(batch))  # noqa: E731
+    _refused(manager, cache, step([("a", 1), ("b", 2)]), ValueError, "request 'a' confirmed 1 tokens, but its cache "
+             "grew by 0")  # the same hook twice
+    cache.append("a", *_kv(1))
+    _refused(manager, cache, step([("a", 2)]), ValueError, "'a' confirmed 2 tokens, but its cache grew by 1")
+    cache.append("a", *_kv(1))
+    _refused(manager, cache, step([("a", 1)]), ValueError, "'a' confirmed 1 tokens, but its cache grew by 2")
+    manager.on_generation_step_end([("a", 2)])
+    assert manager.since_round == {"a": 6, "b": 2} and manager.accounted_length == {"a": 13, "b": 6}
+    # the prefill: the context step may see part of the prompt (chunked), never more than all of it
+    cache.add_request("c")
+    manager.on_request_init(Request("c", 6))
+    cache.append("c", *_kv(4))
+    manager.on_context_step_end([Request("c", 6)])
+    cache.append("c", *_kv(3))
+    _refused(manager, cache, step([("c", 1)]), ValueError, "'c' confirmed 1 tokens, but its cache grew by 3")
+    _refused(manager, cache, lambda: manager.on_context_step_end([Request("c", 6)]), ValueError,
+             "holds 7 tokens after its context step, more than its prompt_length 6")
+    _refused(manager, cache, lambda: manager.on_context_step_end([Request("c", 5)]), ValueError,
+             "admitted with 6")
+    cache.shrink(["c"], [6])
+    manager.on_context_step_end([Request("c", 6)])
+    cache.append("c", *_kv(1))
+    manager.on_generation_step_end([("c", 1)])
+    assert manager.since_round["c"] == 1
+
+
+def test_hooks_name_bad_argument_types(calibration):
+    cache = _cache()
+    manager = create_compression_manager(TriAttentionConfig(budget=12, beta=5, calibration_path=calibration), cache,
+                                         MODEL)
+    _admit(manager, cache, "a", 4, decode=1)
+    cases = [
+        (lambda: manager.on_request_finish(0), TypeError, "on_request_finish: request must be a Request, got int"),
+        (lambda: manager.on_request_finish("a"), TypeError, "request must be a Request"),
+        (lambda: manager.on_request_finish(Request("zzz", 1)), ValueError, "'zzz' .* never admitted"),
+        (lambda: manager.on_request_init(("a", 4)), TypeError, "on_request_init: request must be a Request"),
+        (lambda: manager.on_context_step_end(Request("a", 4)), TypeError, "requests must be a sequence"),
+        (lambda: manager.on_context_step_end("a"), TypeError, "requests must be a sequence"),
+        (lambda: manager.on_context_step_end(["a"]), TypeError, "requests\\[0\\] must be a Request"),
+        (lambda: manager.on_context_step_end([Request("a", 4)] * 2), ValueError, "twice"),
+        (lambda: manager.on_generation_step_begin(3), TypeError, "batch must be a sequence"),
+        (lambda: manager.on_generation_step_begin(["a", ["a"]]), TypeError, "batch\\[1\\] must be hashable"),
+        (lambda: manager.on_generation_step_begin(["a", "zzz"]), ValueError, "batch\\[1\\]: request 'zzz' was never"),
+        (lambda: manager.on_generation_step_begin(["a", "a"]), ValueError, "twice"),
+        (lambda: manager.on_generation_step_end(None), TypeError, "batch must be a sequence"),
+        (lambda: manager.on_generation_step_end(["a"]), TypeError, "batch\\[0\\] must be a \\(request id"),
+        (lambda: manager.on_generation_step_end([(["a"], 1)]), TypeError, "batch\\[0\\] must be hashable"),
+        (lambda: manager.on_generation_step_end([("a", -1)]), ValueError, "confirmed tokens must be >= 0"),
+        (lambda: manager.on_generation_step_end([("a", True)]), TypeError, "confirmed tokens"),
+        (lambda: manager.logical_position(["a"]), TypeError, "rid must be hashable"),
+        (lambda: manager.logical_position("zzz"), ValueError, "never admitted"),
+    ]
+    for fn, exc, match in cases:
+        _refused(manager, cache, fn, exc, match)
+    request = Request("b", 3)
+    request.id = ["b"]  # a mutable dataclass: checked again at each hook
+    _refused(manager, cache, lambda: manager.on_request_init(request), TypeError, "request.id must be hashable")
+    manager.on_generation_step_begin(("a",))
+    manager.on_request_finish(Request("a", 4))
+    assert manager.prompt_length == {} and manager.accounted_length == {}
+
+
+def test_unhashable_request_ids_are_refused_by_name(calibration):
+    with pytest.raises(TypeError, match="Request: id must be hashable"):
+        Request([1], 3)
+    cache = _cache()
+    _refused_cache = lambda fn, match: _refused(manager, cache, fn, TypeError, match)  # noqa: E731
+    manager = create_compression_manager(TriAttentionConfig(calibration_path=calibration), cache, MODEL)
+    cache.add_request((1, 2))  # any hashable id
+    _refused_cache(lambda: cache.add_request([1]), "add_request: rid must be hashable")
+    _refused_cache(lambda: cache.add_request((1, [2])), "rid must be hashable")
+    for method in (cache.length, cache.resident, cache.read, cache.finish, cache.offload, cache.onboard):
+        _refused_cache(lambda: method([1]), "request id must be hashable")
+    _refused_cache(lambda: cache.shrink([(1, 2), [1]], [0, 0]), "rids\\[1\\] must be hashable")
+    _refused_cache(lambda: cache.shrink({(1, 2)}, [0]), "rids must be a list or tuple")
+    _refused_cache(lambda: cache.page_table("ab"), "rids must be a list or tuple")
+
+
+def test_model_head_dim_is_checked_against_the_cache_and_the_row_size(calibration):
+    tri = TriAttentionConfig(calibration_path=calibration)
+    wide = PagedKVCache(2, 2, 64, 8, num_pages=4)
+    for config in (tri, NVFP4ColdPageConfig(row_size=64)):
+        with pytest.raises(ValueError, match="the cache's head_dim is 64, the model's KV rows hold 32"):
+            create_compression_manager(config, wide, MODEL)
+    with pytest.raises(ValueError, match="row_size is 128, the model's KV rows hold 32"):
+        create_compression_manager(NVFP4ColdPageConfig(row_size=128), _cache(), MODEL)
+    no_head_dim = {k: v for k, v in MODEL.items() if k != "head_dim"}
+    with pytest.raises(ValueError, match="head_dim is 32, the model's KV rows hold 16"):  # 64 // 4 heads
+        create_compression_manager(NVFP4ColdPageConfig(row_size=32), _cache(), {**no_head_dim, "hidden_size": 64})
+    create_compression_manager(NVFP4ColdPageConfig(row_size=32), _cache(), {**no_head_dim, "hidden_size": 128})
+    mla = dict(num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=1, kv_lora_rank=512,
+               qk_rope_head_dim=64, head_dim=192)
+    create_compression_manager(NVFP4ColdPageConfig(row_size=576), PagedKVCache(2, 1, 576, 8, num_pages=2), mla)
+    for cache in (None, object()):
+        with pytest.raises(TypeError, match="kv_cache must be a paged KV cache"):
+            create_compression_manager(tri, cache, MODEL)
+    with pytest.raises(TypeError, match="model_config must be a dict"):
+        create_compression_manager(NVFP4ColdPageConfig(row_size=32), _cache(), [("head_dim", 32)])
+
+
+def test_a_round_over_no_requests_does_nothing(calibration):
+    """TriAttentionRound.run with R = 0 launches nothing (the selector cannot size an empty score matrix); the
+    round's capacities and inputs are checked before anything is copied."""
+    cache = _cache()
+    manager = create_compression_manager(TriAttentionConfig(budget=12, beta=5, calibration_path=calibration), cache,
+                                         MODEL)
+    _admit(manager, cache, "a", 5, decode=4)
+    for requests, width, match in ((0, 2, "requests must be >= 1"), (1, 0, "width must be >= 1")):
+        with pytest.raises(ValueError, match=match):
+            TriAttentionRound(manager.selector, cache, requests, width, 5, False)
+    round_ = TriAttentionRound(manager.selector, cache, 2, 3, 5, False)
+    before = _snapshot(manager, cache)
+    round_.run(torch.zeros(0, 4, dtype=torch.int32), [], [], [], [])
+    table = cache.page_table(["a"], 4)
+    for args in ((table, [9], [5], [0], [9, 9]), (table[:, :2], [9], [5], [0], [9]),
+                 (cache.page_table(["a"] * 3, 4), [9] * 3, [5] * 3, [0] * 3, [9] * 3)):
+        with pytest.raises(ValueError, match="TriAttentionRound.run: page_table"):
+            round_.run(*args)
+    assert _same(before, _snapshot(manager, cache))
