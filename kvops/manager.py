@@ -275,9 +275,9 @@ class TriAttentionRound:
         R = len(scored)
         if not len(prompts) == len(tails) == len(positions) == R or R > self.requests or \
                 tuple(page_table.shape) != (R, self.width):
-            raise ValueError(f"TriAttentionRound.run: page_table [R, {self.width}] and R scored lengths, prompts, tails "
-                             f"and positions for R <= {self.requests} requests, got {tuple(page_table.shape)} and "
-                             f"{len(scored)}, {len(prompts)}, {len(tails)}, {len(positions)}")
+            raise ValueError(f"TriAttentionRound.run: page_table [R, {self.width}] and R scored lengths, prompts, "
+                             f"tails and positions for R <= {self.requests} requests, got {tuple(page_table.shape)} "
+                             f"and {len(scored)}, {len(prompts)}, {len(tails)}, {len(positions)}")
         if R == 0:
             return
         self.page_table[:R].copy_(page_table, non_blocking=True)
@@ -353,7 +353,8 @@ def create_compression_manager(config: KVCacheCompressionConfig, kv_cache, model
     row, cache_row = _model_row_size(model_config), getattr(kv_cache, "head_dim", None)
     where = "(head_dim, else hidden_size // num_attention_heads; kv_lora_rank + qk_rope_head_dim for latent attention)"
     if cache_row is not None and row is not None and cache_row != row:
-        raise ValueError(f"{what}: the cache's head_dim is {cache_row}, the model's KV rows hold {row} elements {where}")
+        raise ValueError(f"{what}: the cache's head_dim is {cache_row}, the model's KV rows hold {row} elements "
+                         f"{where}")
     if isinstance(config, NVFP4ColdPageConfig) and row is not None and config.row_size != row:
         raise ValueError(f"{what}: NVFP4ColdPageConfig.row_size is {config.row_size}, the model's KV rows hold {row} "
                          f"elements {where}")

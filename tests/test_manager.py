@@ -1,12 +1,16 @@
 """Managers on the reference cache: admission, due rounds, logical positions, and the round's effect."""
 
+import random
+
 import pytest
 import torch
+import triton
 
 from kvops.cache import PagedKVCache
 from kvops.config import NVFP4ColdPageConfig, TriAttentionConfig
 from kvops.manager import (KVCacheCompressionManager, NVFP4ColdPageManager, Request, TriAttentionManager,
                            TriAttentionRound, create_compression_manager)
+from kvops.compaction import MODES
 from kvops.compaction.reference import fill_order
 from kvops.triattention.reference import select_reference
 
@@ -418,3 +422,201 @@ def test_a_round_over_no_requests_does_nothing(calibration):
         with pytest.raises(ValueError, match="TriAttentionRound.run: page_table"):
             round_.run(*args)
     assert _same(before, _snapshot(manager, cache))
+
+
+def _round_kept(old, new, prompt, budget, tail):
+    """A round's effect on one request's [L, 2, n, H, D] contents: the prompt stays; per (layer, KV head) the
+    budget + tail decode rows it holds after are distinct rows of the decode tokens it held before (scored or
+    tail), the tail among them (fill order may move tail tokens into holes)."""
+    n = old.shape[2]
+    assert new.shape[2] == prompt + budget + tail and torch.equal(new[:, :, :prompt], old[:, :, :prompt])
+    row = lambda x, layer, head, i: tuple(x[layer, :, i, head].view(torch.int16).reshape(-1).tolist())  # noqa: E731
+    for layer in range(old.shape[0]):
+        for head in range(old.shape[3]):
+            kept = [row(new, layer, head, i) for i in range(prompt, new.shape[2])]
+            before = {row(old, layer, head, i) for i in range(prompt, n)}
+            assert len(set(kept)) == len(kept) and set(kept) <= before
+            assert {row(old, layer, head, i) for i in range(n - tail, n)} <= set(kept)
+
+
+HOOK_OPS = {"admit": 4, "prefill": 4, "step": 16, "lie": 2, "burst": 1, "again": 1, "bad_batch": 1, "offload": 2,
+            "onboard": 3, "corrupt": 1, "finish": 1, "drop": 0.5, "begin": 1, "bad_type": 1}
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_random_hooks_and_churn_match_a_shadow_model(calibration, mode):
+    """Admissions, (chunked) prefills, decode steps with rounds, offload/onboard, finishes (also by the cache
+    alone), and calls that must be refused (bad batches, a hook called twice, counts other than what was written,
+    due requests offloaded or too far past a round, onboards of a corrupt host slot, unknown or unhashable ids,
+    wrong types), against a shadow of the hook contract: every accepted call leaves the manager's tables, the
+    cache's lengths, residency and contents and the logical positions as the shadow says; every refused call
+    leaves all of it, pools and host bytes included, as it was. The ops are drawn from the test's torch seed
+    (KVOPS_TEST_SEED reproduces a run)."""
+    rng = random.Random(int(torch.randint(2**31, ())))
+    order = rng.choice(["fill", "ordered"])
+    budget, beta, T = 3, 2, 4
+    cache = PagedKVCache(2, 2, 32, T, num_pages=32, host_slots=16)
+    config = TriAttentionConfig(budget=budget, beta=beta, eviction_mode=mode, calibration_path=calibration,
+                                compaction_order=order)
+    manager = create_compression_manager(config, cache, MODEL)
+    mgr: dict[int, dict] = {}   # rid -> prompt, accounted, since, compressed: the manager's view
+    held: dict[int, dict] = {}  # rid -> content [L, 2, n, H, D], offloaded: the cache's view
+    rounds, last_batch = 0, []
+    length = lambda r: held[r]["content"].shape[2]  # noqa: E731
+
+    def refused(fn):
+        before = _snapshot(manager, cache)
+        with pytest.raises((ValueError, TypeError, RuntimeError)):
+            fn()
+        assert _same(before, _snapshot(manager, cache))
+
+    def append(r, n):
+        k, v = _kv(n)
+        if triton.cdiv(length(r) + n, T) - triton.cdiv(length(r), T) > cache.num_free_pages:
+            return refused(lambda: cache.append(r, k, v))
+        cache.append(r, k, v)
+        held[r]["content"] = torch.cat([held[r]["content"], torch.stack([k, v])[None].expand(2, -1, -1, -1, -1)], 2)
+
+    def step(batch):
+        nonlocal rounds
+        ok = all(r in held and c == length(r) - mgr[r]["accounted"] for r, c in batch)
+        due = [r for r, c in batch if ok and length(r) - mgr[r]["prompt"] > budget
+               and mgr[r]["since"] + c >= beta]
+        tails = {r: max(0, length(r) - mgr[r]["prompt"] - (budget + 2 * beta)) for r in due}
+        if not ok or any(held[r]["offloaded"] for r in due) or any(t > beta for t in tails.values()):
+            refused(lambda: manager.on_generation_step_end(batch))
+            for r in due:  # the engine drops what a step wrote too far past a due round
+                if tails[r] > beta and not held[r]["offloaded"]:
+                    cache.shrink([r], [mgr[r]["accounted"]])
+                    held[r]["content"] = held[r]["content"][:, :, :mgr[r]["accounted"]]
+            return
+        old = {r: held[r]["content"] for r in due}
+        manager.on_generation_step_end(batch)
+        for r, c in batch:
+            mgr[r]["since"] += c
+            mgr[r]["accounted"] = length(r)
+        for r in due:
+            prompt, n = mgr[r]["prompt"], length(r)
+            held[r]["content"] = cache.read(r)
+            _round_kept(old[r], held[r]["content"], prompt, budget, tails[r])
+            mgr[r].update(since=0, accounted=length(r), compressed=mgr[r]["compressed"] + n - length(r))
+        rounds += bool(due)
+
+    for _ in range(160):
+        op = rng.choices(list(HOOK_OPS), weights=list(HOOK_OPS.values()))[0]
+        n = rng.randrange(128)
+        fitting = {"admit": [r for r in range(6) if r not in mgr and r not in held],
+                   "prefill": [r for r in sorted(mgr) if r in held and length(r) < mgr[r]["prompt"]],
+                   "offload": [r for r in sorted(held) if not held[r]["offloaded"]],
+                   "onboard": [r for r in sorted(held) if held[r]["offloaded"]],
+                   "corrupt": [r for r in sorted(held) if held[r]["offloaded"] and length(r)],
+                   "finish": sorted(mgr), "drop": sorted(held)}.get(op)
+        # mostly a request the op fits (prefill: one still short of its prompt), else any id (often refused)
+        rid = rng.choice(fitting) if fitting and rng.random() < 0.85 else rng.randrange(6)
+        # a step's batch: often every prefilled resident request; now and then an offloaded one (refused when it
+        # is due) or one the cache alone has released (refused)
+        decodable = [r for r in sorted(mgr) if r in held and length(r) >= mgr[r]["prompt"]]
+        chosen = [r for r in decodable if (n < 64 or n >> r & 1) and (not held[r]["offloaded"] or n % 4 == 0)]
+        chosen += [r for r in sorted(mgr) if r not in held] if n % 8 == 0 else []
+        if op == "admit":
+            prompt = n % 7 + 1
+            if rid in held:
+                refused(lambda: cache.add_request(rid))
+            else:
+                cache.add_request(rid)
+                held[rid] = dict(content=torch.zeros(2, 2, 0, 2, 32, dtype=torch.bfloat16), offloaded=False)
+            if rid in mgr:
+                refused(lambda: manager.on_request_init(Request(rid, prompt)))
+            else:
+                manager.on_request_init(Request(rid, prompt))
+                mgr[rid] = dict(prompt=prompt, accounted=prompt, since=0, compressed=0)
+        if op == "prefill" or op == "admit" and n % 4:  # (most admissions prefill at once)
+            prompt = mgr[rid]["prompt"] if rid in mgr else n % 7 + 1
+            if rid in held and not held[rid]["offloaded"] and length(rid) < prompt:
+                append(rid, prompt - length(rid) if n % 8 else min(prompt - length(rid), n % prompt + 1))  # or a chunk
+            if rid in mgr and rid in held and length(rid) <= prompt:
+                manager.on_context_step_end([Request(rid, prompt)])
+                mgr[rid]["accounted"] = length(rid)
+            else:
+                refused(lambda: manager.on_context_step_end([Request(rid, prompt)]))
+        if op in ("step", "burst", "lie") and chosen:
+            for i, r in enumerate(chosen):
+                if r in held and not held[r]["offloaded"]:
+                    k = 1
+                    if op == "burst" and i == 0:  # to 1 .. beta + 2 tokens past what a round scores
+                        k = max(1, budget + 2 * beta - (length(r) - mgr[r]["prompt"]) + 1 + n % (beta + 2))
+                    append(r, k)
+            r = chosen[0]
+            if op == "burst" and n & 1 and r in held and not held[r]["offloaded"] \
+                    and triton.cdiv(length(r), T) <= cache.num_free_slots:
+                cache.offload(r)  # due, and offloaded: the step is refused until it is back
+                held[r]["offloaded"] = True
+            last_batch = [(r, length(r) - mgr[r]["accounted"] if r in held else 0) for r in chosen]
+            if op == "lie":  # a count other than what the cache gained (the same hook twice confirms 0 of 1)
+                r, c = last_batch[0]
+                last_batch[0] = (r, c + 1 if n & 1 or c == 0 else c - 1)
+            step(last_batch)
+        elif op == "again":
+            step(last_batch)
+        elif op == "bad_batch":
+            good = [(r, length(r) - mgr[r]["accounted"] if r in held else 0) for r in chosen] or [(rid, 0)]
+            bad = [good + good[:1], good + [(99, 1)], good + [([rid], 1)], good + [rid], good + [(rid, True)],
+                   good + [(rid, -1)], good + [(rid, 1.0)], dict(good), iter(good)][n % 9]
+            refused(lambda: manager.on_generation_step_end(bad))
+        elif op == "offload":
+            if rid in held and not held[rid]["offloaded"] and triton.cdiv(length(rid), T) <= cache.num_free_slots:
+                cache.offload(rid)
+                held[rid]["offloaded"] = True
+            else:
+                refused(lambda: cache.offload(rid))
+        elif op == "onboard":
+            if rid in held and held[rid]["offloaded"] and triton.cdiv(length(rid), T) <= cache.num_free_pages:
+                cache.onboard(rid)
+                held[rid]["offloaded"] = False
+            else:
+                refused(lambda: cache.onboard(rid))
+        elif op == "corrupt" and rid in held and held[rid]["offloaded"] and length(rid):
+            slot = rng.choice(cache._requests[rid].slots)  # a host slot overwritten: its global scale negative
+            saved = cache.host[slot].clone()
+            cache.host[slot, :4] = torch.tensor([-rng.random()]).view(torch.uint8)
+            refused(lambda: cache.onboard(rid))
+            cache.host[slot] = saved
+        elif op in ("finish", "drop"):  # drop: the cache releases the request before the manager hears of it
+            if op == "finish":
+                request = Request(rid, mgr[rid]["prompt"] if rid in mgr else 1)
+                if rid in mgr:
+                    manager.on_request_finish(request)
+                    del mgr[rid]
+                else:
+                    refused(lambda: manager.on_request_finish(request))
+            if rid in held:
+                cache.finish(rid)
+                del held[rid]
+            else:
+                refused(lambda: cache.finish(rid))
+        elif op == "begin":
+            batch = chosen + [rid] * (n >> 4 & 1) + [100] * (n >> 5 & 1)
+            if all(r in mgr for r in batch) and len(set(batch)) == len(batch):
+                before = _snapshot(manager, cache)
+                manager.on_generation_step_begin(batch)
+                assert _same(before, _snapshot(manager, cache))
+            else:
+                refused(lambda: manager.on_generation_step_begin(batch))
+        elif op == "bad_type":
+            refused([lambda: manager.on_request_finish(rid), lambda: manager.on_request_finish(0.5),
+                     lambda: manager.on_request_init(rid), lambda: manager.on_context_step_end(Request(rid, 1)),
+                     lambda: manager.on_context_step_end([rid]), lambda: manager.on_generation_step_begin(rid),
+                     lambda: manager.on_generation_step_begin([[rid]]), lambda: manager.logical_position([rid]),
+                     lambda: cache.add_request([rid]), lambda: cache.length({rid}),
+                     lambda: cache.shrink([rid, rid], [0, 0]), lambda: manager.on_context_step_end("ab")][n % 12])
+        cache.check_invariants()
+        for name, key in (("prompt_length", "prompt"), ("accounted_length", "accounted"), ("since_round", "since"),
+                          ("num_compressed_tokens", "compressed")):
+            assert getattr(manager, name) == {r: s[key] for r, s in mgr.items()}, name
+        assert manager.rounds == rounds
+        for r, h in held.items():
+            assert cache.length(r) == length(r) and cache.resident(r) == (not h["offloaded"])
+            if not h["offloaded"]:
+                assert torch.equal(cache.read(r), h["content"])
+            if r in mgr:
+                assert manager.logical_position(r) == length(r) + mgr[r]["compressed"]
