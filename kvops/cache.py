@@ -37,14 +37,32 @@ class PagedKVCache:
                         ("page_size", page_size), ("num_pages", num_pages)):
             check_int("PagedKVCache", name, v, 1)
         check_int("PagedKVCache", "host_slots", host_slots)
-        if torch.device(device).type == "meta":
+        if not isinstance(dtype, torch.dtype):
+            raise TypeError(f"PagedKVCache: dtype must be a torch.dtype, got {type(dtype).__name__} {dtype!r}")
+        if not dtype.is_floating_point:
+            raise ValueError(f"PagedKVCache: dtype must be a floating-point KV dtype (bf16, fp16, fp8), got {dtype}")
+        try:
+            device = torch.device(device)
+        except (RuntimeError, TypeError) as e:
+            raise ValueError(f"PagedKVCache: device must be a torch.device or a device string, got {device!r}") from e
+        if device.type == "meta":
             raise ValueError("PagedKVCache: device must be a real device, got meta")
+        if codec_specs is not None:
+            if not isinstance(codec_specs, (list, tuple)) or len(codec_specs) != num_layers:
+                raise ValueError(f"PagedKVCache: codec_specs must be a list of {num_layers} RowSpecs (one per layer), "
+                                 f"got {codec_specs!r}"[:300])
+            for i, spec in enumerate(codec_specs):
+                if not isinstance(spec, RowSpec):
+                    raise TypeError(f"PagedKVCache: codec_specs[{i}] must be a RowSpec, got {type(spec).__name__}")
         self.layout, self.page_size, self.num_kv_heads, self.head_dim = layout, page_size, num_kv_heads, head_dim
         shape = (num_pages, 2, num_kv_heads, page_size, head_dim) if layout == "HND" else \
             (num_pages, 2, page_size, num_kv_heads, head_dim)
         self.pools = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
         specs = list(codec_specs) if codec_specs is not None else [RowSpec.lossless(plane_dim=1)] * num_layers
-        self.codec = PageBlobCodec(self.pools, specs)
+        try:
+            self.codec = PageBlobCodec(self.pools, specs)
+        except ValueError as e:
+            raise ValueError(f"PagedKVCache: codec_specs do not fit the pools: {e}") from e
         self.host = self.codec.allocate(host_slots)
         self._free_pages = list(range(num_pages - 1, -1, -1))  # pop() hands out low pages first
         self._free_slots = list(range(host_slots - 1, -1, -1))
@@ -165,6 +183,12 @@ class PagedKVCache:
         need = max([len(r.pages) for r in reqs] + [1])
         if width is not None:
             check_int("PagedKVCache.page_table", "width", width, need)
+        if device is not None and not isinstance(device, torch.device):
+            try:
+                device = torch.device(device)
+            except (RuntimeError, TypeError) as e:
+                raise ValueError(f"PagedKVCache.page_table: device must be a torch.device or a device string, got "
+                                 f"{device!r}") from e
         table = torch.full((len(reqs), width or need), -1, dtype=torch.int32)
         for i, r in enumerate(reqs):
             table[i, :len(r.pages)] = torch.tensor(r.pages, dtype=torch.int32)
@@ -179,6 +203,7 @@ class PagedKVCache:
         when scored + tail differs from a request's length (tokens past it would be dropped). order: "fill" (the
         default) or "ordered" (kvops.compaction.build_compaction_params). No requests (empty rids and tensors):
         nothing moves, and the result is empty."""
+        check_bool("PagedKVCache.compact", "validate", validate)
         reqs = self._distinct("PagedKVCache.compact", rids)
         if any(r.slots is not None for r in reqs):
             raise ValueError("PagedKVCache.compact: offloaded requests cannot be compacted")
@@ -198,7 +223,8 @@ class PagedKVCache:
         caller knows the lengths (destination base + kept + tail), so nothing is read back from the device."""
         what = "PagedKVCache.shrink"
         reqs = self._distinct(what, rids)
-        new_lengths = list(new_lengths)
+        if not isinstance(new_lengths, (list, tuple)):
+            raise TypeError(f"{what}: new_lengths must be a list or tuple of ints, got {type(new_lengths).__name__}")
         if len(new_lengths) != len(reqs):
             raise ValueError(f"{what}: {len(new_lengths)} new lengths for {len(reqs)} requests")
         for i, (req, n) in enumerate(zip(reqs, new_lengths)):  # every entry first, then apply

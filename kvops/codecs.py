@@ -108,7 +108,11 @@ class ColdPageCodec:
 
     @staticmethod
     def _on(stream):
-        return torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext()
+        if stream is None:
+            return contextlib.nullcontext()
+        if not isinstance(stream, torch.cuda.Stream):  # torch.cuda.stream() would ignore anything else silently
+            raise TypeError(f"ColdPageCodec: stream must be None or a torch.cuda.Stream, got {type(stream).__name__}")
+        return torch.cuda.stream(stream)
 
     def encode(self, layer_group: int, dst_base: torch.Tensor, page_pairs: torch.Tensor, stream=None) -> None:
         """Encode pages into cold slots: page_pairs int32 [N, 2] of (slot in dst_base, page)."""
@@ -138,6 +142,8 @@ class LosslessColdPageCodec(ColdPageCodec):
 class NVFP4ColdPageCodec(ColdPageCodec):
     def __init__(self, config: NVFP4ColdPageConfig):
         super().__init__()
+        if not isinstance(config, NVFP4ColdPageConfig):
+            raise TypeError(f"NVFP4ColdPageCodec: config must be an NVFP4ColdPageConfig, got {type(config).__name__}")
         self.config = config
 
     def row_spec(self, group: LayerGroupPools) -> RowSpec:

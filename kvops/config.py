@@ -198,4 +198,10 @@ def config_from_dict(data: Mapping[str, Any]) -> KVCacheCompressionConfig:
 
 
 def config_from_json(text: str) -> KVCacheCompressionConfig:
-    return config_from_dict(json.loads(text))
+    if not isinstance(text, (str, bytes, bytearray)):
+        raise TypeError(f"config_from_json: text must be a JSON string, got {type(text).__name__}")
+    try:
+        data = json.loads(text)
+    except ValueError as e:
+        raise ValueError(f"config_from_json: not valid JSON: {e}") from e
+    return config_from_dict(data)

@@ -76,6 +76,8 @@ class TriAttentionManager(KVCacheCompressionManager):
     keeps each request's logical position, so RoPE positions stay right after eviction."""
 
     def __init__(self, config: TriAttentionConfig, kv_cache, model_config: Mapping[str, Any]):
+        if not isinstance(config, TriAttentionConfig):
+            raise TypeError(f"TriAttentionManager: config must be a TriAttentionConfig, got {type(config).__name__}")
         super().__init__(config, kv_cache, model_config)
         calibration = config.load_calibration(model_config)
         # A round scores at most budget + 2*beta decode tokens (a round is due after beta more, and a step may

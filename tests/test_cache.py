@@ -232,3 +232,29 @@ def test_compact_over_no_requests_does_nothing():
     empty = torch.zeros(0, dtype=torch.int32)
     out = cache.compact([], torch.zeros(0, 1, 4, dtype=torch.int32), empty, empty, empty, max_tail=0)
     assert out.dtype == torch.int32 and out.shape == (0,) and _same_state(before, _state(cache))
+
+
+def test_constructor_and_call_arguments_name_the_rule():
+    specs = [RowSpec.lossless(plane_dim=1)]
+    cases = [
+        (lambda: PagedKVCache(L, H, D, T, 4, dtype="bf16"), TypeError, "dtype must be a torch.dtype"),
+        (lambda: PagedKVCache(L, H, D, T, 4, dtype=torch.int64), ValueError, "floating-point"),
+        (lambda: PagedKVCache(L, H, D, T, 4, device="gpu0"), ValueError, "device must be"),
+        (lambda: PagedKVCache(L, H, D, T, 4, codec_specs=specs), ValueError, f"codec_specs must be a list of {L}"),
+        (lambda: PagedKVCache(L, H, D, T, 4, codec_specs=[specs[0], 1]), TypeError, "codec_specs\\[1\\] must be"),
+        (lambda: PagedKVCache(L, H, D, T, 4, codec_specs=[RowSpec.full(64)] * L), ValueError,
+         "codec_specs do not fit the pools"),
+    ]
+    for make, exc, match in cases:
+        with pytest.raises(exc, match=match):
+            make()
+    cache = PagedKVCache(L, H, D, T, num_pages=4)
+    cache.add_request("a")
+    cache.append("a", *_kv(9, "cpu"))
+    i32 = lambda *v: torch.tensor(v, dtype=torch.int32)  # noqa: E731
+    kept = torch.arange(2, dtype=torch.int32).view(1, 1, 2) + 4
+    _expect_unchanged(cache, lambda: cache.page_table(["a"], device="gpu0"), "device must be")
+    _expect_unchanged(cache, lambda: cache.shrink(["a"], 5), "new_lengths must be a list or tuple")
+    _expect_unchanged(cache, lambda: cache.compact(["a"], kept, i32(9), i32(0), i32(4), max_tail=0, validate="no"),
+                      "validate must be a bool")
+    assert cache.page_table(["a"], device="cpu").tolist() == [cache._requests["a"].pages]

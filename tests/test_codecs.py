@@ -102,3 +102,16 @@ def test_decode_can_validate_the_slots():
     assert all(torch.equal(a, b) for a, b in zip(groups[0].pools, before))
     codec.decode(0, blob, pairs)  # unvalidated: slot 1's planes left as they were, and counted
     assert int(codec.refused(0)) == 4 and torch.equal(groups[0].pools[0][4], before[0][3])
+
+
+def test_stream_and_config_types_are_checked():
+    codec, groups = LosslessColdPageCodec(), _groups("cpu")
+    assert codec.configure(groups)
+    blob = torch.zeros(2, codec.cold_page_bytes(0), dtype=torch.uint8)
+    pairs = torch.tensor([[0, 3]], dtype=torch.int32)
+    for call in (codec.encode, codec.decode):  # torch.cuda.stream() ignores anything but a stream
+        with pytest.raises(TypeError, match="stream must be None or a torch.cuda.Stream, got str"):
+            call(0, blob, pairs, stream="side")
+    assert not blob.any()
+    with pytest.raises(TypeError, match="config must be an NVFP4ColdPageConfig, got dict"):
+        NVFP4ColdPageCodec({"row_size": 64})

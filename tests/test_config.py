@@ -127,3 +127,7 @@ def test_list_values_and_bounds_name_the_field(calibration):
     assert TriAttentionConfig(budget=2**31 - 3, beta=1, calibration_path=calibration).budget == 2**31 - 3
     assert NVFP4ColdPageConfig(plane_dim=4).row_spec().plane_dim == 4
     assert NVFP4ColdPageConfig(global_scale=2).row_spec().global_scale == 2
+    with pytest.raises(ValueError, match="config_from_json: not valid JSON"):
+        config_from_json('{"algorithm": ')
+    with pytest.raises(TypeError, match="config_from_json: text must be a JSON string, got dict"):
+        config_from_json({"algorithm": "nvfp4_cold_page"})

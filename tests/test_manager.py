@@ -401,6 +401,8 @@ def test_model_head_dim_is_checked_against_the_cache_and_the_row_size(calibratio
             create_compression_manager(tri, cache, MODEL)
     with pytest.raises(TypeError, match="model_config must be a dict"):
         create_compression_manager(NVFP4ColdPageConfig(row_size=32), _cache(), [("head_dim", 32)])
+    with pytest.raises(TypeError, match="TriAttentionManager: config must be a TriAttentionConfig, got dict"):
+        TriAttentionManager({"budget": 8}, _cache(), MODEL)
 
 
 def test_a_round_over_no_requests_does_nothing(calibration):
