@@ -50,30 +50,61 @@ def _sequence(what: str, name: str, value) -> list:
     return list(value)
 
 
+def _request(what: str, name: str, request) -> Request:
+    """A Request whose fields are still valid (it is a mutable dataclass)."""
+    if not isinstance(request, Request):
+        raise TypeError(f"{what}: {name} must be a Request, got {type(request).__name__} {request!r}"[:300])
+    check_hashable(what, f"{name}.id", request.id)
+    check_int(what, f"{name}.prompt_length", request.prompt_length)
+    return request
+
+
+def _step_items(what: str, batch) -> list:
+    """A decode step's (request id, confirmed tokens) pairs: hashable ids, counts that are ints >= 0."""
+    batch = _sequence(what, "batch", batch)
+    for i, item in enumerate(batch):
+        if not isinstance(item, (tuple, list)) or len(item) != 2:
+            raise TypeError(f"{what}: batch[{i}] must be a (request id, confirmed tokens) pair, got {item!r}"[:300])
+        check_hashable(what, f"batch[{i}]", item[0])
+        check_int(what, f"batch[{i}] confirmed tokens", item[1])
+    return batch
+
+
 class KVCacheCompressionManager:
+    """The hooks an engine calls (module docstring). Here each checks its argument types and does nothing."""
+
     def __init__(self, config: KVCacheCompressionConfig, kv_cache, model_config: Mapping[str, Any]):
         self.config, self.kv_cache, self.model_config = config, kv_cache, model_config
 
+    def _what(self, hook: str) -> str:
+        return f"{type(self).__name__}.{hook}"
+
     def on_request_init(self, request: Request) -> None:
-        pass
+        _request(self._what("on_request_init"), "request", request)
 
     def on_context_step_end(self, requests: Sequence[Request]) -> None:
-        pass
+        what = self._what("on_context_step_end")
+        for i, request in enumerate(_sequence(what, "requests", requests)):
+            _request(what, f"requests[{i}]", request)
 
     def on_generation_step_begin(self, batch: Sequence[Any]) -> None:
-        pass
+        what = self._what("on_generation_step_begin")
+        for i, rid in enumerate(_sequence(what, "batch", batch)):
+            check_hashable(what, f"batch[{i}]", rid)
 
     def on_generation_step_end(self, batch: Sequence[tuple[Any, int]]) -> None:
-        pass
+        _step_items(self._what("on_generation_step_end"), batch)
 
     def on_request_finish(self, request: Request) -> None:
-        pass
+        _request(self._what("on_request_finish"), "request", request)
 
 
 class TriAttentionManager(KVCacheCompressionManager):
     """Every `beta` confirmed generated tokens, once a request's decode length exceeds `budget`, keeps its
     `budget` best decode tokens (kvops.triattention) and compacts the cache in place (kvops.compaction). It
-    keeps each request's logical position, so RoPE positions stay right after eviction."""
+    keeps each request's logical position, so RoPE positions stay right after eviction. Each decode step must
+    confirm exactly the tokens the cache gained since the request's last hook (its prompt at admission, or what it
+    held at its last context step); a refused step changes nothing, so the engine may call it again."""
 
     def __init__(self, config: TriAttentionConfig, kv_cache, model_config: Mapping[str, Any]):
         if not isinstance(config, TriAttentionConfig):
@@ -108,14 +139,6 @@ class TriAttentionManager(KVCacheCompressionManager):
         if rid not in self.prompt_length:
             raise ValueError(f"{what}: {name}: request {rid!r} was never admitted (on_request_init) or has finished")
 
-    def _request(self, what: str, name: str, request) -> Request:
-        """A Request whose fields are still valid (it is a mutable dataclass)."""
-        if not isinstance(request, Request):
-            raise TypeError(f"{what}: {name} must be a Request, got {type(request).__name__} {request!r}")
-        check_hashable(what, f"{name}.id", request.id)
-        check_int(what, f"{name}.prompt_length", request.prompt_length)
-        return request
-
     def _cache_length(self, what: str, rid) -> int:
         try:
             return self.kv_cache.length(rid)
@@ -125,7 +148,7 @@ class TriAttentionManager(KVCacheCompressionManager):
 
     def on_request_init(self, request: Request) -> None:
         what = "TriAttentionManager.on_request_init"
-        request = self._request(what, "request", request)
+        request = _request(what, "request", request)
         if request.id in self.prompt_length:
             raise ValueError(f"{what}: request {request.id!r} is already admitted")
         self.prompt_length[request.id] = request.prompt_length
@@ -139,7 +162,7 @@ class TriAttentionManager(KVCacheCompressionManager):
         what = "TriAttentionManager.on_context_step_end"
         requests = _sequence(what, "requests", requests)
         for i, request in enumerate(requests):  # every item first, then apply
-            request = self._request(what, f"requests[{i}]", request)
+            request = _request(what, f"requests[{i}]", request)
             self._admitted(what, f"requests[{i}]", request.id)
             if request.prompt_length != self.prompt_length[request.id]:
                 raise ValueError(f"{what}: requests[{i}] ({request.id!r}) has prompt_length {request.prompt_length}, "
@@ -165,7 +188,7 @@ class TriAttentionManager(KVCacheCompressionManager):
 
     def on_request_finish(self, request: Request) -> None:
         what = "TriAttentionManager.on_request_finish"
-        request = self._request(what, "request", request)
+        request = _request(what, "request", request)
         self._admitted(what, "request", request.id)
         for table in (self.prompt_length, self.since_round, self.num_compressed_tokens, self.accounted_length):
             del table[request.id]
@@ -180,12 +203,9 @@ class TriAttentionManager(KVCacheCompressionManager):
         after the step, and the requests due for a round (at most one round per step, however many tokens the
         step confirmed)."""
         what = "TriAttentionManager.on_generation_step_end"
-        batch = _sequence(what, "batch", batch)
-        for i, item in enumerate(batch):  # every item first, then apply
-            if not isinstance(item, (tuple, list)) or len(item) != 2:
-                raise TypeError(f"{what}: batch[{i}] must be a (request id, confirmed tokens) pair, got {item!r}")
-            self._admitted(what, f"batch[{i}]", item[0])
-            check_int(what, f"batch[{i}] confirmed tokens", item[1])
+        batch = _step_items(what, batch)  # every item first, then apply
+        for i, (rid, _) in enumerate(batch):
+            self._admitted(what, f"batch[{i}]", rid)
         if len({rid for rid, _ in batch}) != len(batch):
             raise ValueError(f"{what}: a request appears twice in the batch")
         lengths, since, due = {}, {}, []

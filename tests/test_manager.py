@@ -622,3 +622,27 @@ def test_random_hooks_and_churn_match_a_shadow_model(calibration, mode):
                 assert torch.equal(cache.read(r), h["content"])
             if r in mgr:
                 assert manager.logical_position(r) == length(r) + mgr[r]["compressed"]
+
+
+def test_the_default_hooks_check_their_argument_types():
+    """A manager that keeps no per-request state (NVFP4 cold pages) still refuses what no engine could mean."""
+    manager = create_compression_manager(NVFP4ColdPageConfig(row_size=32), _cache(), MODEL)
+    what = "NVFP4ColdPageManager.on_"
+    cases = [
+        (lambda: manager.on_request_init(("a", 3)), f"{what}request_init: request must be a Request"),
+        (lambda: manager.on_request_finish(0), f"{what}request_finish: request must be a Request, got int"),
+        (lambda: manager.on_context_step_end(Request("a", 3)), f"{what}context_step_end: requests must be a seq"),
+        (lambda: manager.on_context_step_end([3]), "requests\\[0\\] must be a Request"),
+        (lambda: manager.on_generation_step_begin("ab"), f"{what}generation_step_begin: batch must be a sequence"),
+        (lambda: manager.on_generation_step_begin([{"a"}]), "batch\\[0\\] must be hashable"),
+        (lambda: manager.on_generation_step_end([("a", 1), ("b",)]), "batch\\[1\\] must be a \\(request id"),
+        (lambda: manager.on_generation_step_end([("a", 0.5)]), "batch\\[0\\] confirmed tokens must be an int"),
+    ]
+    for fn, match in cases:
+        with pytest.raises(TypeError, match=match):
+            fn()
+    manager.on_request_init(Request("a", 3))
+    manager.on_context_step_end((Request("a", 3),))
+    manager.on_generation_step_begin(["a"])
+    manager.on_generation_step_end([("a", 1)])
+    manager.on_request_finish(Request("a", 3))
