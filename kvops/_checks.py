@@ -137,3 +137,12 @@ def check_disjoint(what: str, name: str, tensors: Sequence[torch.Tensor],
         for i, p in enumerate(tensors):
             if overlap(p, t):
                 raise ValueError(f"{what}: {other} shares memory with {name}[{i}]")
+
+
+def check_hashable(what: str, name: str, value) -> None:
+    """A value usable as a dict key (request ids key every table of a cache or a manager)."""
+    try:
+        hash(value)
+    except TypeError:
+        raise TypeError(f"{what}: {name} must be hashable (it keys the request tables), got "
+                        f"{type(value).__name__} {value!r}") from None

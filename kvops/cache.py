@@ -15,7 +15,7 @@ from typing import Sequence
 import torch
 import triton
 
-from ._checks import check_device, check_int
+from ._checks import check_bool, check_device, check_hashable, check_int
 from .compaction import build_compaction_params, compact
 from .nvfp4 import PageBlobCodec, RowSpec
 
@@ -37,14 +37,32 @@ class PagedKVCache:
                         ("page_size", page_size), ("num_pages", num_pages)):
             check_int("PagedKVCache", name, v, 1)
         check_int("PagedKVCache", "host_slots", host_slots)
-        if torch.device(device).type == "meta":
+        if not isinstance(dtype, torch.dtype):
+            raise TypeError(f"PagedKVCache: dtype must be a torch.dtype, got {type(dtype).__name__} {dtype!r}")
+        if not dtype.is_floating_point:
+            raise ValueError(f"PagedKVCache: dtype must be a floating-point KV dtype (bf16, fp16, fp8), got {dtype}")
+        try:
+            device = torch.device(device)
+        except (RuntimeError, TypeError) as e:
+            raise ValueError(f"PagedKVCache: device must be a torch.device or a device string, got {device!r}") from e
+        if device.type == "meta":
             raise ValueError("PagedKVCache: device must be a real device, got meta")
+        if codec_specs is not None:
+            if not isinstance(codec_specs, (list, tuple)) or len(codec_specs) != num_layers:
+                raise ValueError(f"PagedKVCache: codec_specs must be a list of {num_layers} RowSpecs (one per layer), "
+                                 f"got {codec_specs!r}"[:300])
+            for i, spec in enumerate(codec_specs):
+                if not isinstance(spec, RowSpec):
+                    raise TypeError(f"PagedKVCache: codec_specs[{i}] must be a RowSpec, got {type(spec).__name__}")
         self.layout, self.page_size, self.num_kv_heads, self.head_dim = layout, page_size, num_kv_heads, head_dim
         shape = (num_pages, 2, num_kv_heads, page_size, head_dim) if layout == "HND" else \
             (num_pages, 2, page_size, num_kv_heads, head_dim)
         self.pools = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
         specs = list(codec_specs) if codec_specs is not None else [RowSpec.lossless(plane_dim=1)] * num_layers
-        self.codec = PageBlobCodec(self.pools, specs)
+        try:
+            self.codec = PageBlobCodec(self.pools, specs)
+        except ValueError as e:
+            raise ValueError(f"PagedKVCache: codec_specs do not fit the pools: {e}") from e
         self.host = self.codec.allocate(host_slots)
         self._free_pages = list(range(num_pages - 1, -1, -1))  # pop() hands out low pages first
         self._free_slots = list(range(host_slots - 1, -1, -1))
@@ -82,12 +100,16 @@ class PagedKVCache:
                 f"request {rid!r}: length {r.length} needs {self._pages_for(r.length)} pages, it holds {held}"
 
     def _distinct(self, what: str, rids: Sequence) -> list[_Request]:
-        rids = list(rids)
+        if not isinstance(rids, (list, tuple)):
+            raise TypeError(f"{what}: rids must be a list or tuple of request ids, got {type(rids).__name__}")
+        for i, rid in enumerate(rids):
+            check_hashable(what, f"rids[{i}]", rid)
         if len(set(rids)) != len(rids):
-            raise ValueError(f"{what}: request ids must be distinct, got {rids}")
+            raise ValueError(f"{what}: request ids must be distinct, got {list(rids)}")
         return [self._get(r) for r in rids]
 
     def _get(self, rid) -> _Request:
+        check_hashable("PagedKVCache", "request id", rid)
         if rid not in self._requests:
             raise ValueError(f"PagedKVCache: unknown request {rid!r}")
         return self._requests[rid]
@@ -97,6 +119,8 @@ class PagedKVCache:
 
     # -- lifecycle ----------------------------------------------------------------------------------------
     def add_request(self, rid) -> None:
+        """A new request, holding no tokens; rid is any hashable id."""
+        check_hashable("PagedKVCache.add_request", "rid", rid)
         if rid in self._requests:
             raise ValueError(f"PagedKVCache: request {rid!r} already exists")
         self._requests[rid] = _Request()
@@ -152,10 +176,19 @@ class PagedKVCache:
                    ) -> torch.Tensor:
         """int32 [R, width] (default: the longest request's pages) on `device` (default: the pools'), -1 past
         each request's pages."""
+        if not isinstance(rids, (list, tuple)):
+            raise TypeError(f"PagedKVCache.page_table: rids must be a list or tuple of request ids, got "
+                            f"{type(rids).__name__}")
         reqs = [self._get(r) for r in rids]
         need = max([len(r.pages) for r in reqs] + [1])
         if width is not None:
             check_int("PagedKVCache.page_table", "width", width, need)
+        if device is not None and not isinstance(device, torch.device):
+            try:
+                device = torch.device(device)
+            except (RuntimeError, TypeError) as e:
+                raise ValueError(f"PagedKVCache.page_table: device must be a torch.device or a device string, got "
+                                 f"{device!r}") from e
         table = torch.full((len(reqs), width or need), -1, dtype=torch.int32)
         for i, r in enumerate(reqs):
             table[i, :len(r.pages)] = torch.tensor(r.pages, dtype=torch.int32)
@@ -168,7 +201,9 @@ class PagedKVCache:
         """Move each request's kept tokens down in place (kvops.compaction), then release the pages past the new
         lengths. Returns the new lengths. Validation (on by default here) raises before anything moves, also
         when scored + tail differs from a request's length (tokens past it would be dropped). order: "fill" (the
-        default) or "ordered" (kvops.compaction.build_compaction_params)."""
+        default) or "ordered" (kvops.compaction.build_compaction_params). No requests (empty rids and tensors):
+        nothing moves, and the result is empty."""
+        check_bool("PagedKVCache.compact", "validate", validate)
         reqs = self._distinct("PagedKVCache.compact", rids)
         if any(r.slots is not None for r in reqs):
             raise ValueError("PagedKVCache.compact: offloaded requests cannot be compacted")
@@ -188,7 +223,8 @@ class PagedKVCache:
         caller knows the lengths (destination base + kept + tail), so nothing is read back from the device."""
         what = "PagedKVCache.shrink"
         reqs = self._distinct(what, rids)
-        new_lengths = list(new_lengths)
+        if not isinstance(new_lengths, (list, tuple)):
+            raise TypeError(f"{what}: new_lengths must be a list or tuple of ints, got {type(new_lengths).__name__}")
         if len(new_lengths) != len(reqs):
             raise ValueError(f"{what}: {len(new_lengths)} new lengths for {len(reqs)} requests")
         for i, (req, n) in enumerate(zip(reqs, new_lengths)):  # every entry first, then apply
@@ -206,25 +242,34 @@ class PagedKVCache:
         """Encode the request's pages into host slots through the codec and free its GPU pages."""
         self._migrate(rid, to_host=True)
 
-    def onboard(self, rid) -> None:
-        """Allocate GPU pages, decode the request's host slots into them and free the slots."""
-        self._migrate(rid, to_host=False)
+    def onboard(self, rid, validate: bool = True) -> None:
+        """Allocate GPU pages, decode the request's host slots into them and free the slots. With validate (the
+        default), every slot's global scales are read first (a sync on the GPU): a slot never encoded or corrupt
+        raises ValueError with nothing written or changed. Without it, such a plane is left as the page held it
+        (another request's stale KV) and only ``codec.refused(device)`` counts it."""
+        check_bool("PagedKVCache.onboard", "validate", validate)
+        self._migrate(rid, to_host=False, validate=validate)
 
-    def _migrate(self, rid, to_host: bool) -> None:
+    def _migrate(self, rid, to_host: bool, validate: bool = False) -> None:
         req = self._get(rid)
         what = "offload" if to_host else "onboard"
         if (req.slots is None) != to_host:
             raise ValueError(f"PagedKVCache.{what}: request {rid!r} is {'already' if to_host else 'not'} offloaded")
         sources, source_free = (req.pages, self._free_pages) if to_host else (req.slots, self._free_slots)
         target_free, target = (self._free_slots, "host slots") if to_host else (self._free_pages, "pages")
-        if len(sources) > len(target_free):
-            raise ValueError(f"PagedKVCache.{what}: {len(sources)} {target} needed, {len(target_free)} free")
-        targets = [target_free.pop() for _ in sources]
+        n = len(sources)
+        if n > len(target_free):
+            raise ValueError(f"PagedKVCache.{what}: {n} {target} needed, {len(target_free)} free")
+        targets = target_free[::-1][:n]  # what pop() hands out, taken only once the copy went through
         if targets:  # pairs are (destination, source); later writes to freed pages queue behind the copy
             pairs = torch.tensor(list(zip(targets, sources)), dtype=torch.int32, device=self.device)
             if to_host:
                 self.codec.encode(self.pools, self.host, pairs)
             else:
-                self.codec.decode(self.host, self.pools, pairs)
+                try:
+                    self.codec.decode(self.host, self.pools, pairs, validate=validate)
+                except ValueError as e:
+                    raise ValueError(f"PagedKVCache.onboard: request {rid!r}: {e}") from e
+        del target_free[len(target_free) - n:]
         source_free += reversed(sources)
         req.pages, req.slots = ([], targets) if to_host else (targets, None)

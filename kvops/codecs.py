@@ -15,6 +15,7 @@ from typing import Sequence
 
 import torch
 
+from ._checks import check_bool, check_int
 from .config import NVFP4ColdPageConfig
 from .nvfp4 import PageBlobCodec, RowSpec
 
@@ -27,6 +28,19 @@ class LayerGroupPools:
     layer_group: int
     pools: tuple[torch.Tensor, ...]
     plane_dim: int | None = 1
+
+    def __post_init__(self):
+        what = "LayerGroupPools"
+        check_int(what, "layer_group", self.layer_group)
+        if not isinstance(self.pools, (list, tuple)) or not self.pools:
+            raise TypeError(f"{what}: pools must be a non-empty list or tuple of tensors, got "
+                            f"{type(self.pools).__name__} {self.pools!r}"[:300])
+        for i, pool in enumerate(self.pools):
+            if not isinstance(pool, torch.Tensor):
+                raise TypeError(f"{what}: pools[{i}] must be a tensor, got {type(pool).__name__}")
+        object.__setattr__(self, "pools", tuple(self.pools))
+        if self.plane_dim is not None:
+            check_int(what, "plane_dim", self.plane_dim, 1)
 
 
 class ColdPageCodec:
@@ -43,8 +57,19 @@ class ColdPageCodec:
         raise NotImplementedError
 
     def configure(self, groups: Sequence[LayerGroupPools]) -> bool:
-        """Plan every layer group; False (and nothing configured) when a group's layout cannot be expressed, with
-        the reason in ``configure_error``."""
+        """Plan every layer group, replacing the previous configuration; False (and the previous configuration
+        kept) when a group's layout cannot be expressed, with the reason in ``configure_error``. Caller errors
+        raise, changing nothing: TypeError for an item that is not a LayerGroupPools, ValueError for a layer group
+        id given twice."""
+        what = f"{type(self).__name__}.configure"
+        if not isinstance(groups, (list, tuple)):
+            raise TypeError(f"{what}: groups must be a list or tuple of LayerGroupPools, got {type(groups).__name__}")
+        for i, group in enumerate(groups):
+            if not isinstance(group, LayerGroupPools):
+                raise TypeError(f"{what}: groups[{i}] must be a LayerGroupPools, got {type(group).__name__}")
+        ids = [group.layer_group for group in groups]
+        if len(set(ids)) != len(ids):
+            raise ValueError(f"{what}: layer group ids must be distinct, got {ids}")
         codecs, signatures = {}, {}
         self.configure_error = None
         for group in groups:
@@ -63,6 +88,7 @@ class ColdPageCodec:
         return True
 
     def _codec(self, layer_group: int) -> PageBlobCodec:
+        check_int(type(self).__name__, "layer_group", layer_group)
         if layer_group not in self._codecs:
             raise ValueError(f"{type(self).__name__}: layer group {layer_group} is not configured")
         return self._codecs[layer_group]
@@ -82,19 +108,26 @@ class ColdPageCodec:
 
     @staticmethod
     def _on(stream):
-        return torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext()
+        if stream is None:
+            return contextlib.nullcontext()
+        if not isinstance(stream, torch.cuda.Stream):  # torch.cuda.stream() would ignore anything else silently
+            raise TypeError(f"ColdPageCodec: stream must be None or a torch.cuda.Stream, got {type(stream).__name__}")
+        return torch.cuda.stream(stream)
 
     def encode(self, layer_group: int, dst_base: torch.Tensor, page_pairs: torch.Tensor, stream=None) -> None:
         """Encode pages into cold slots: page_pairs int32 [N, 2] of (slot in dst_base, page)."""
         with self._on(stream):
             self._codec(layer_group).encode(self._pools[layer_group], dst_base, page_pairs)
 
-    def decode(self, layer_group: int, src_base: torch.Tensor, page_pairs: torch.Tensor, stream=None) -> None:
+    def decode(self, layer_group: int, src_base: torch.Tensor, page_pairs: torch.Tensor, stream=None,
+               validate: bool = False) -> None:
         """Decode cold slots into pages: page_pairs int32 [N, 2] of (page, slot in src_base). A plane whose slot
-        holds no valid global scale (never encoded) is left untouched and counted in ``refused(layer_group)``."""
+        holds no valid global scale (never encoded, or corrupt) is left untouched and counted in
+        ``refused(layer_group)``; with validate, every slot's scales are read first (a sync) and such a slot raises
+        ValueError before anything is written."""
+        check_bool(f"{type(self).__name__}.decode", "validate", validate)
         with self._on(stream):
-            self._codec(layer_group).decode(src_base, self._pools[layer_group], page_pairs)
-
+            self._codec(layer_group).decode(src_base, self._pools[layer_group], page_pairs, validate=validate)
 
     def refused(self, layer_group: int) -> torch.Tensor:
         """The group's decode refusal counter (``kvops.nvfp4.PageBlobCodec.refused``) on its pools' device."""
@@ -109,6 +142,8 @@ class LosslessColdPageCodec(ColdPageCodec):
 class NVFP4ColdPageCodec(ColdPageCodec):
     def __init__(self, config: NVFP4ColdPageConfig):
         super().__init__()
+        if not isinstance(config, NVFP4ColdPageConfig):
+            raise TypeError(f"NVFP4ColdPageCodec: config must be an NVFP4ColdPageConfig, got {type(config).__name__}")
         self.config = config
 
     def row_spec(self, group: LayerGroupPools) -> RowSpec:

@@ -16,9 +16,19 @@ from typing import Any, ClassVar, Mapping
 import torch
 
 from ._checks import check_bool, check_int
-from .nvfp4.layout import DEFAULT_SCALE, RowSpec, _check_spec
+from .nvfp4.layout import DEFAULT_SCALE, MAX_MIDDLE_DIMS, RowSpec, _check_spec
 from .triattention.calibration import SHIPPED, calibration_file
 from .compaction.compact import MODES, ORDERS
+
+# Cache positions are int32 in every kernel: a round scores up to budget + 2*beta decode tokens past the prompt.
+MAX_POSITIONS = 2**31 - 1
+
+
+def _check_choice(what: str, name: str, value, choices: tuple[str, ...]) -> None:
+    if not isinstance(value, str):
+        raise TypeError(f"{what}.{name}: must be a str, one of {choices}, got {type(value).__name__} {value!r}")
+    if value not in choices:
+        raise ValueError(f"{what}.{name}: {value!r} is not one of {choices}")
 
 
 @dataclass(frozen=True)
@@ -69,6 +79,14 @@ class NVFP4ColdPageConfig(KVCacheCompressionConfig):
         check_int(what, "residual_dim", self.residual_dim)
         if self.plane_dim is not None:
             check_int(what, "plane_dim", self.plane_dim, 1)
+            if self.plane_dim > MAX_MIDDLE_DIMS:
+                raise ValueError(f"{what}.plane_dim: the pool dim holding K/V lies between the page dim (0) and the "
+                                 f"row (last), and the codec takes at most {MAX_MIDDLE_DIMS} dims between them, so "
+                                 f"plane_dim must be in [1, {MAX_MIDDLE_DIMS}] (or None), got {self.plane_dim}")
+        g = self.global_scale
+        if isinstance(g, bool) or not isinstance(g, (str, int, float)):
+            raise TypeError(f"{what}.global_scale: must be a policy name (str) or a positive float, got "
+                            f"{type(g).__name__} {g!r}")
         self.row_spec()  # raises ValueError naming the field
 
     def row_spec(self) -> RowSpec:
@@ -119,13 +137,14 @@ class TriAttentionConfig(KVCacheCompressionConfig):
 
     def __post_init__(self):
         what = "TriAttentionConfig"
-        check_int(what, "budget", self.budget, 1)
-        check_int(what, "beta", self.beta, 1)
-        if self.eviction_mode not in MODES:
-            raise ValueError(f"TriAttentionConfig.eviction_mode: {self.eviction_mode!r} is not one of {MODES}")
+        check_int(what, "budget", self.budget, 1, MAX_POSITIONS)
+        check_int(what, "beta", self.beta, 1, MAX_POSITIONS)
+        if self.budget + 2 * self.beta > MAX_POSITIONS:
+            raise ValueError(f"{what}: budget + 2 * beta (the decode tokens a round scores) must be at most "
+                             f"{MAX_POSITIONS} (int32 cache positions), got {self.budget + 2 * self.beta}")
+        _check_choice(what, "eviction_mode", self.eviction_mode, MODES)
         check_bool(what, "normalize_scores", self.normalize_scores)
-        if self.compaction_order not in ORDERS:
-            raise ValueError(f"TriAttentionConfig.compaction_order: {self.compaction_order!r} is not one of {ORDERS}")
+        _check_choice(what, "compaction_order", self.compaction_order, ORDERS)
         if self.calibration_path is None:
             raise ValueError("TriAttentionConfig.calibration_path: a calibration file is required")
         if not isinstance(self.calibration_path, (str, os.PathLike)):
@@ -165,6 +184,9 @@ def config_from_dict(data: Mapping[str, Any]) -> KVCacheCompressionConfig:
     if not isinstance(data, Mapping) or "algorithm" not in data:
         raise ValueError("config_from_dict: expected a dict with an 'algorithm' field")
     algorithm = data["algorithm"]
+    if not isinstance(algorithm, str):
+        raise TypeError(f"config_from_dict: algorithm must be a str, one of {sorted(CONFIGS)}, got "
+                        f"{type(algorithm).__name__} {algorithm!r}")
     if algorithm not in CONFIGS:
         raise ValueError(f"config_from_dict: algorithm {algorithm!r} is not one of {sorted(CONFIGS)}")
     cls = CONFIGS[algorithm]
@@ -176,4 +198,10 @@ def config_from_dict(data: Mapping[str, Any]) -> KVCacheCompressionConfig:
 
 
 def config_from_json(text: str) -> KVCacheCompressionConfig:
-    return config_from_dict(json.loads(text))
+    if not isinstance(text, (str, bytes, bytearray)):
+        raise TypeError(f"config_from_json: text must be a JSON string, got {type(text).__name__}")
+    try:
+        data = json.loads(text)
+    except ValueError as e:
+        raise ValueError(f"config_from_json: not valid JSON: {e}") from e
+    return config_from_dict(data)

@@ -15,13 +15,14 @@ never leaving a half-updated state visible to the engine. Every hook is a no-op 
 
 from __future__ import annotations
 
+from collections.abc import Sequence as SequenceABC
 from dataclasses import dataclass
 from typing import Any, Mapping, Sequence
 
 import torch
 import triton
 
-from ._checks import check_int
+from ._checks import check_hashable, check_int
 from .compaction import build_compaction_params, compact
 from .config import KVCacheCompressionConfig, NVFP4ColdPageConfig, TriAttentionConfig
 from .triattention import TriAttentionSelector
@@ -31,41 +32,83 @@ SUPPORTED_ARCHS = ((9, 0), (10, 0))  # sm_90a and sm_100a are the archs kvops bu
 
 @dataclass
 class Request:
-    """What a manager needs to know of a request: its id and its prompt length (the prompt is never evicted)."""
+    """What a manager needs to know of a request: its id (hashable: it keys the manager's tables) and its prompt
+    length (the prompt is never evicted)."""
 
     id: Any
     prompt_length: int
 
     def __post_init__(self):
+        check_hashable("Request", "id", self.id)
         check_int("Request", "prompt_length", self.prompt_length)
 
 
+def _sequence(what: str, name: str, value) -> list:
+    """A list or tuple-like sequence (not a string) of hook items, as a list."""
+    if not isinstance(value, SequenceABC) or isinstance(value, (str, bytes)):
+        raise TypeError(f"{what}: {name} must be a sequence (list or tuple), got {type(value).__name__}")
+    return list(value)
+
+
+def _request(what: str, name: str, request) -> Request:
+    """A Request whose fields are still valid (it is a mutable dataclass)."""
+    if not isinstance(request, Request):
+        raise TypeError(f"{what}: {name} must be a Request, got {type(request).__name__} {request!r}"[:300])
+    check_hashable(what, f"{name}.id", request.id)
+    check_int(what, f"{name}.prompt_length", request.prompt_length)
+    return request
+
+
+def _step_items(what: str, batch) -> list:
+    """A decode step's (request id, confirmed tokens) pairs: hashable ids, counts that are ints >= 0."""
+    batch = _sequence(what, "batch", batch)
+    for i, item in enumerate(batch):
+        if not isinstance(item, (tuple, list)) or len(item) != 2:
+            raise TypeError(f"{what}: batch[{i}] must be a (request id, confirmed tokens) pair, got {item!r}"[:300])
+        check_hashable(what, f"batch[{i}]", item[0])
+        check_int(what, f"batch[{i}] confirmed tokens", item[1])
+    return batch
+
+
 class KVCacheCompressionManager:
+    """The hooks an engine calls (module docstring). Here each checks its argument types and does nothing."""
+
     def __init__(self, config: KVCacheCompressionConfig, kv_cache, model_config: Mapping[str, Any]):
         self.config, self.kv_cache, self.model_config = config, kv_cache, model_config
 
+    def _what(self, hook: str) -> str:
+        return f"{type(self).__name__}.{hook}"
+
     def on_request_init(self, request: Request) -> None:
-        pass
+        _request(self._what("on_request_init"), "request", request)
 
     def on_context_step_end(self, requests: Sequence[Request]) -> None:
-        pass
+        what = self._what("on_context_step_end")
+        for i, request in enumerate(_sequence(what, "requests", requests)):
+            _request(what, f"requests[{i}]", request)
 
     def on_generation_step_begin(self, batch: Sequence[Any]) -> None:
-        pass
+        what = self._what("on_generation_step_begin")
+        for i, rid in enumerate(_sequence(what, "batch", batch)):
+            check_hashable(what, f"batch[{i}]", rid)
 
     def on_generation_step_end(self, batch: Sequence[tuple[Any, int]]) -> None:
-        pass
+        _step_items(self._what("on_generation_step_end"), batch)
 
     def on_request_finish(self, request: Request) -> None:
-        pass
+        _request(self._what("on_request_finish"), "request", request)
 
 
 class TriAttentionManager(KVCacheCompressionManager):
     """Every `beta` confirmed generated tokens, once a request's decode length exceeds `budget`, keeps its
     `budget` best decode tokens (kvops.triattention) and compacts the cache in place (kvops.compaction). It
-    keeps each request's logical position, so RoPE positions stay right after eviction."""
+    keeps each request's logical position, so RoPE positions stay right after eviction. Each decode step must
+    confirm exactly the tokens the cache gained since the request's last hook (its prompt at admission, or what it
+    held at its last context step); a refused step changes nothing, so the engine may call it again."""
 
     def __init__(self, config: TriAttentionConfig, kv_cache, model_config: Mapping[str, Any]):
+        if not isinstance(config, TriAttentionConfig):
+            raise TypeError(f"TriAttentionManager: config must be a TriAttentionConfig, got {type(config).__name__}")
         super().__init__(config, kv_cache, model_config)
         calibration = config.load_calibration(model_config)
         # A round scores at most budget + 2*beta decode tokens (a round is due after beta more, and a step may
@@ -80,54 +123,122 @@ class TriAttentionManager(KVCacheCompressionManager):
         self.prompt_length: dict[Any, int] = {}
         self.since_round: dict[Any, int] = {}
         self.num_compressed_tokens: dict[Any, int] = {}
+        # The cache length each request's hooks have accounted for: its prompt at admission (or what the cache
+        # held at its last context step), plus every confirmed token, or what a round left. A decode step must
+        # confirm exactly what the cache gained since: a hook called twice, or a count past what was written,
+        # would otherwise shift every later round.
+        self.accounted_length: dict[Any, int] = {}
         self.rounds = 0
         # On the GPU, each round size is captured once and replayed (TriAttentionRound); set False to run every
         # round eagerly (e.g. under a debugger or an engine that captures its own graphs).
         self.cuda_graphs = True
         self._round: TriAttentionRound | None = None
 
+    def _admitted(self, what: str, name: str, rid) -> None:
+        check_hashable(what, name, rid)
+        if rid not in self.prompt_length:
+            raise ValueError(f"{what}: {name}: request {rid!r} was never admitted (on_request_init) or has finished")
+
+    def _cache_length(self, what: str, rid) -> int:
+        try:
+            return self.kv_cache.length(rid)
+        except (KeyError, ValueError) as e:
+            raise ValueError(f"{what}: request {rid!r} is admitted here but unknown to the cache (released there "
+                             f"before on_request_finish?): {e}") from e
+
     def on_request_init(self, request: Request) -> None:
-        if not isinstance(request, Request):
-            raise TypeError(f"TriAttentionManager.on_request_init: expected a Request, got {type(request).__name__}")
+        what = "TriAttentionManager.on_request_init"
+        request = _request(what, "request", request)
         if request.id in self.prompt_length:
-            raise ValueError(f"TriAttentionManager.on_request_init: request {request.id!r} is already admitted")
+            raise ValueError(f"{what}: request {request.id!r} is already admitted")
         self.prompt_length[request.id] = request.prompt_length
         self.since_round[request.id] = 0
         self.num_compressed_tokens[request.id] = 0
+        self.accounted_length[request.id] = request.prompt_length  # what the prefill will write
+
+    def on_context_step_end(self, requests: Sequence[Request]) -> None:
+        """After a prefill step: each request's cache holds (part of) its prompt, at most all of it; decode steps
+        confirm tokens from there."""
+        what = "TriAttentionManager.on_context_step_end"
+        requests = _sequence(what, "requests", requests)
+        for i, request in enumerate(requests):  # every item first, then apply
+            request = _request(what, f"requests[{i}]", request)
+            self._admitted(what, f"requests[{i}]", request.id)
+            if request.prompt_length != self.prompt_length[request.id]:
+                raise ValueError(f"{what}: requests[{i}] ({request.id!r}) has prompt_length {request.prompt_length}, "
+                                 f"it was admitted with {self.prompt_length[request.id]}")
+        if len({r.id for r in requests}) != len(requests):
+            raise ValueError(f"{what}: a request appears twice in requests")
+        lengths = [self._cache_length(what, r.id) for r in requests]
+        for request, length in zip(requests, lengths):
+            if length > request.prompt_length:
+                raise ValueError(f"{what}: request {request.id!r} holds {length} tokens after its context step, "
+                                 f"more than its prompt_length {request.prompt_length}")
+        for request, length in zip(requests, lengths):
+            self.accounted_length[request.id] = length
+
+    def on_generation_step_begin(self, batch: Sequence[Any]) -> None:
+        """Checks the batch (admitted, distinct request ids); a round only runs after a step."""
+        what = "TriAttentionManager.on_generation_step_begin"
+        batch = _sequence(what, "batch", batch)
+        for i, rid in enumerate(batch):
+            self._admitted(what, f"batch[{i}]", rid)
+        if len(set(batch)) != len(batch):
+            raise ValueError(f"{what}: a request appears twice in the batch")
 
     def on_request_finish(self, request: Request) -> None:
-        for table in (self.prompt_length, self.since_round, self.num_compressed_tokens):
-            table.pop(request.id, None)
+        what = "TriAttentionManager.on_request_finish"
+        request = _request(what, "request", request)
+        self._admitted(what, "request", request.id)
+        for table in (self.prompt_length, self.since_round, self.num_compressed_tokens, self.accounted_length):
+            del table[request.id]
 
     def logical_position(self, rid) -> int:
         """The next token's absolute position: the cache length plus every token evicted so far."""
+        self._admitted("TriAttentionManager.logical_position", "rid", rid)
         return self.kv_cache.length(rid) + self.num_compressed_tokens[rid]
 
-    def due(self, batch: Sequence[tuple[Any, int]]) -> list:
-        """Requests due for a round after this step: at most one round per step, however many tokens it
-        confirmed."""
+    def _plan(self, batch: Sequence[tuple[Any, int]]) -> tuple[dict, dict, list]:
+        """Checks a step's batch and returns, changing nothing: each request's cache length and since-round count
+        after the step, and the requests due for a round (at most one round per step, however many tokens the
+        step confirmed)."""
         what = "TriAttentionManager.on_generation_step_end"
-        batch = list(batch)
-        for i, item in enumerate(batch):  # every item first, then apply
-            if not isinstance(item, (tuple, list)) or len(item) != 2:
-                raise ValueError(f"{what}: batch[{i}] must be (request id, confirmed tokens), got {item!r}")
-            if item[0] not in self.prompt_length:
-                raise ValueError(f"{what}: request {item[0]!r} was never admitted (on_request_init) or has finished")
-            check_int(what, f"batch[{i}] confirmed tokens", item[1])
+        batch = _step_items(what, batch)  # every item first, then apply
+        for i, (rid, _) in enumerate(batch):
+            self._admitted(what, f"batch[{i}]", rid)
         if len({rid for rid, _ in batch}) != len(batch):
             raise ValueError(f"{what}: a request appears twice in the batch")
-        due = []
+        lengths, since, due = {}, {}, []
         for rid, confirmed in batch:
-            self.since_round[rid] += confirmed
-            decode = self.kv_cache.length(rid) - self.prompt_length[rid]
-            if decode > self.config.budget and self.since_round[rid] >= self.config.beta:
+            length = self._cache_length(what, rid)
+            grew = length - self.accounted_length[rid]
+            if confirmed != grew:
+                raise ValueError(f"{what}: request {rid!r} confirmed {confirmed} tokens, but its cache grew by {grew} "
+                                 f"since the last hook (length {length}, {self.accounted_length[rid]} accounted for); "
+                                 f"call it once per step, after the step's KV is written")
+            lengths[rid], since[rid] = length, self.since_round[rid] + confirmed
+            if length - self.prompt_length[rid] > self.config.budget and since[rid] >= self.config.beta:
                 due.append(rid)
-        return due
+        return lengths, since, due
+
+    def due(self, batch: Sequence[tuple[Any, int]]) -> list:
+        """Requests a round would cover after this step (`on_generation_step_end`'s batch); changes nothing."""
+        return self._plan(batch)[2]
 
     def on_generation_step_end(self, batch: Sequence[tuple[Any, int]]) -> None:
-        rids = self.due(batch)
-        if not rids:
-            return
+        lengths, since, rids = self._plan(batch)
+        new_lengths = self._run_round(rids) if rids else []  # refuses (raises) before anything moves
+        # committed only now: a refused step counts nothing, so the engine may call it again
+        for rid, n in zip(rids, new_lengths):
+            self.num_compressed_tokens[rid] += lengths[rid] - n
+            lengths[rid], since[rid] = n, 0
+        self.accounted_length.update(lengths)
+        self.since_round.update(since)
+        self.rounds += bool(rids)
+
+    def _run_round(self, rids: list) -> list[int]:
+        """One round over the due requests; returns their new lengths. Raises before anything moves when a
+        request is offloaded or holds more unscored tokens than the protected tail."""
         cache = self.kv_cache
         if not all(cache.resident(r) for r in rids):  # refuse before anything moves
             raise RuntimeError(f"TriAttentionManager: requests {[r for r in rids if not cache.resident(r)]} are "
@@ -148,20 +259,20 @@ class TriAttentionManager(KVCacheCompressionManager):
         # The kept decode tokens land after the prompt, then the tail: lengths known here, nothing read back.
         new_lengths = [p + self.config.budget + t for p, t in zip(prompts, tails)]
         cache.shrink(rids, new_lengths)
-        for rid, before, after in zip(rids, lengths, new_lengths):
-            self.num_compressed_tokens[rid] += before - after
-            self.since_round[rid] = 0
-        self.rounds += 1
+        return new_lengths
 
 
 class TriAttentionRound:
     """The device half of a TriAttention round, on buffers bound once: selection -> packing -> compaction for the
     first R of up to `max_requests` due requests, on the current stream, with no host sync. With `cuda_graphs`,
     the first round of each R runs eagerly (compiling the kernels) and is captured; later rounds of that R copy
-    their inputs into the bound buffers and replay. Capacities grow in powers of two (the manager rebinds)."""
+    their inputs into the bound buffers and replay. Capacities grow in powers of two (the manager rebinds). A
+    round over no requests does nothing."""
 
     def __init__(self, selector: TriAttentionSelector, cache, requests: int, width: int, max_tail: int,
                  cuda_graphs: bool, order: str = "fill"):
+        check_int("TriAttentionRound", "requests", requests, 1)  # capacities: at least one request, one page
+        check_int("TriAttentionRound", "width", width, 1)
         self.selector, self.requests = selector, 1 << (requests - 1).bit_length()
         self.width = 1 << (width - 1).bit_length()
         device = cache.device
@@ -184,6 +295,13 @@ class TriAttentionRound:
     def run(self, page_table: torch.Tensor, scored: Sequence[int], prompts: Sequence[int], tails: Sequence[int],
             positions: Sequence[int]) -> None:
         R = len(scored)
+        if not len(prompts) == len(tails) == len(positions) == R or R > self.requests or \
+                tuple(page_table.shape) != (R, self.width):
+            raise ValueError(f"TriAttentionRound.run: page_table [R, {self.width}] and R scored lengths, prompts, "
+                             f"tails and positions for R <= {self.requests} requests, got {tuple(page_table.shape)} "
+                             f"and {len(scored)}, {len(prompts)}, {len(tails)}, {len(positions)}")
+        if R == 0:
+            return
         self.page_table[:R].copy_(page_table, non_blocking=True)
         self.lengths[:, :R].copy_(torch.tensor([scored, prompts, tails, positions], dtype=torch.int32),
                                   non_blocking=True)
@@ -204,6 +322,23 @@ class NVFP4ColdPageManager(KVCacheCompressionManager):
     the cache's host tier (configure the cache with ``codec_specs=[config.row_spec()] * num_layers``)."""
 
 
+def _model_head_dim(model_config: Mapping[str, Any]) -> int | None:
+    """The model's head_dim: its "head_dim" field, else hidden_size // num_attention_heads (None if neither)."""
+    if model_config.get("head_dim") is not None:
+        return model_config["head_dim"]
+    hidden, heads = model_config.get("hidden_size"), model_config.get("num_attention_heads")
+    if isinstance(hidden, int) and isinstance(heads, int) and heads > 0:
+        return hidden // heads
+    return None
+
+
+def _model_row_size(model_config: Mapping[str, Any]) -> int | None:
+    """Elements of one cached KV row: the latent plus its RoPE part under latent attention (MLA), else head_dim."""
+    if model_config.get("kv_lora_rank") is not None:
+        return model_config["kv_lora_rank"] + model_config.get("qk_rope_head_dim", 0)
+    return _model_head_dim(model_config)
+
+
 MANAGERS = {TriAttentionConfig: TriAttentionManager, NVFP4ColdPageConfig: NVFP4ColdPageManager}
 
 
@@ -211,27 +346,40 @@ def create_compression_manager(config: KVCacheCompressionConfig, kv_cache, model
                                ) -> KVCacheCompressionManager:
     """The manager for `config` on `kv_cache`, after admission checks that raise a clear error: one method per
     instance, a method/cache combination the method supports, and kernels for the cache's GPU."""
+    what = "create_compression_manager"
     if isinstance(config, (list, tuple)):
-        raise ValueError(f"create_compression_manager: one method per manager instance, got {len(config)} configs")
+        raise ValueError(f"{what}: one method per manager instance, got {len(config)} configs")
     if type(config) not in MANAGERS:
-        raise ValueError(f"create_compression_manager: unsupported config {type(config).__name__}")
+        raise ValueError(f"{what}: unsupported config {type(config).__name__}")
+    if not isinstance(model_config, Mapping):
+        raise TypeError(f"{what}: model_config must be a dict, got {type(model_config).__name__}")
+    needs = ("device",) + (("length", "resident", "page_table", "shrink", "views", "page_size")
+                           if isinstance(config, TriAttentionConfig) else ())
+    missing = [name for name in needs if not hasattr(kv_cache, name)]
+    if missing:
+        raise TypeError(f"{what}: kv_cache must be a paged KV cache (kvops.cache.PagedKVCache or one with its "
+                        f"interface); a {type(kv_cache).__name__} has no {', '.join(missing)}")
     if getattr(kv_cache, "block_reuse", False) and not config.supports_block_reuse():
-        raise ValueError(f"create_compression_manager: {config.algorithm} does not support a cache with block "
+        raise ValueError(f"{what}: {config.algorithm} does not support a cache with block "
                          "reuse (prefix sharing): it rewrites pages in place")
     if getattr(kv_cache, "speculative_decoding", False) and not config.supports_speculative_decoding():
-        raise ValueError(f"create_compression_manager: {config.algorithm} does not support speculative decoding")
-    if not isinstance(model_config, Mapping):
-        raise TypeError(f"create_compression_manager: model_config must be a dict, got {type(model_config).__name__}")
-    if isinstance(config, TriAttentionConfig):  # the cache must hold the model the calibration describes
-        pools, heads = getattr(kv_cache, "pools", None), getattr(kv_cache, "num_kv_heads", None)
-        layers = model_config.get("num_hidden_layers")
-        kv_heads = model_config.get("num_key_value_heads") or model_config.get("num_attention_heads")
-        if pools is not None and layers is not None and len(pools) != layers:
-            raise ValueError(f"create_compression_manager: the cache has {len(pools)} layers, the model "
-                             f"{layers} (num_hidden_layers)")
-        if heads is not None and kv_heads is not None and heads != kv_heads:
-            raise ValueError(f"create_compression_manager: the cache has {heads} KV heads, the model {kv_heads} "
-                             f"(num_key_value_heads)")
+        raise ValueError(f"{what}: {config.algorithm} does not support speculative decoding")
+    # the cache must hold the model's KV (and the calibration, TriAttention's, describes that model)
+    pools, heads = getattr(kv_cache, "pools", None), getattr(kv_cache, "num_kv_heads", None)
+    layers = model_config.get("num_hidden_layers")
+    kv_heads = model_config.get("num_key_value_heads") or model_config.get("num_attention_heads")
+    if pools is not None and layers is not None and len(pools) != layers:
+        raise ValueError(f"{what}: the cache has {len(pools)} layers, the model {layers} (num_hidden_layers)")
+    if heads is not None and kv_heads is not None and heads != kv_heads:
+        raise ValueError(f"{what}: the cache has {heads} KV heads, the model {kv_heads} (num_key_value_heads)")
+    row, cache_row = _model_row_size(model_config), getattr(kv_cache, "head_dim", None)
+    where = "(head_dim, else hidden_size // num_attention_heads; kv_lora_rank + qk_rope_head_dim for latent attention)"
+    if cache_row is not None and row is not None and cache_row != row:
+        raise ValueError(f"{what}: the cache's head_dim is {cache_row}, the model's KV rows hold {row} elements "
+                         f"{where}")
+    if isinstance(config, NVFP4ColdPageConfig) and row is not None and config.row_size != row:
+        raise ValueError(f"{what}: NVFP4ColdPageConfig.row_size is {config.row_size}, the model's KV rows hold {row} "
+                         f"elements {where}")
     device = torch.device(kv_cache.device)
     if device.type == "cuda":
         arch = torch.cuda.get_device_capability(device)

@@ -183,3 +183,78 @@ def test_check_invariants_catches_a_length_its_pages_cannot_hold():
     cache._requests["a"].length = 18  # 2 pages hold 16
     with pytest.raises(AssertionError, match="needs 3 pages, it holds 2"):
         cache.check_invariants()
+
+
+# issue 30: bad input, second pass
+
+def _state(cache):
+    return (list(cache._free_pages), list(cache._free_slots),
+            {r: (q.length, list(q.pages), q.slots and list(q.slots)) for r, q in cache._requests.items()},
+            [p.view(torch.uint8).clone() for p in cache.pools], cache.host.clone())
+
+
+def _same_state(a, b):
+    return a[:3] == b[:3] and all(torch.equal(x, y) for x, y in zip(a[3], b[3])) and torch.equal(a[4], b[4])
+
+
+@pytest.mark.parametrize("nvfp4", [False, True])
+def test_onboard_refuses_a_corrupt_slot_with_nothing_changed(nvfp4):
+    """A host slot never encoded (or overwritten) would leave its pages holding what they held before (another
+    request's KV), counted only by the codec: onboard validates the slots' global scales first and raises, with
+    pages, slots and pools as they were."""
+    specs = [RowSpec.full(D, plane_dim=1)] * L if nvfp4 else None
+    cache = PagedKVCache(L, H, D, T, num_pages=6, host_slots=6, codec_specs=specs)
+    for rid, n in (("a", 20), ("b", 15)):
+        cache.add_request(rid)
+        cache.append(rid, *_kv(n, "cpu"))
+    cache.offload("a")
+    cache.finish("b")  # b's KV stays in the freed pages a would get
+    slot = cache._requests["a"].slots[1]
+    cache.host[slot, :16] = torch.randint(0, 256, (16,), dtype=torch.uint8)
+    cache.host[slot, :4] = torch.tensor([-1.5]).view(torch.uint8)  # pools[0] plane 0's global scale: negative
+    before = _state(cache)
+    with pytest.raises(ValueError, match=f"onboard: request 'a': .*slot {slot} holds global scale"):
+        cache.onboard("a")
+    assert _same_state(before, _state(cache))
+    cache.check_invariants()
+    with pytest.raises(TypeError, match="validate must be a bool"):
+        cache.onboard("a", validate=1)
+    cache.onboard("a", validate=False)  # the engine's choice: no sync, the codec counts the refused planes
+    assert int(cache.codec.refused("cpu")) >= 1
+    cache.check_invariants()
+
+
+def test_compact_over_no_requests_does_nothing():
+    cache = PagedKVCache(L, H, D, T, num_pages=4)
+    cache.add_request("a")
+    cache.append("a", *_kv(9, "cpu"))
+    before = _state(cache)
+    empty = torch.zeros(0, dtype=torch.int32)
+    out = cache.compact([], torch.zeros(0, 1, 4, dtype=torch.int32), empty, empty, empty, max_tail=0)
+    assert out.dtype == torch.int32 and out.shape == (0,) and _same_state(before, _state(cache))
+
+
+def test_constructor_and_call_arguments_name_the_rule():
+    specs = [RowSpec.lossless(plane_dim=1)]
+    cases = [
+        (lambda: PagedKVCache(L, H, D, T, 4, dtype="bf16"), TypeError, "dtype must be a torch.dtype"),
+        (lambda: PagedKVCache(L, H, D, T, 4, dtype=torch.int64), ValueError, "floating-point"),
+        (lambda: PagedKVCache(L, H, D, T, 4, device="gpu0"), ValueError, "device must be"),
+        (lambda: PagedKVCache(L, H, D, T, 4, codec_specs=specs), ValueError, f"codec_specs must be a list of {L}"),
+        (lambda: PagedKVCache(L, H, D, T, 4, codec_specs=[specs[0], 1]), TypeError, "codec_specs\\[1\\] must be"),
+        (lambda: PagedKVCache(L, H, D, T, 4, codec_specs=[RowSpec.full(64)] * L), ValueError,
+         "codec_specs do not fit the pools"),
+    ]
+    for make, exc, match in cases:
+        with pytest.raises(exc, match=match):
+            make()
+    cache = PagedKVCache(L, H, D, T, num_pages=4)
+    cache.add_request("a")
+    cache.append("a", *_kv(9, "cpu"))
+    i32 = lambda *v: torch.tensor(v, dtype=torch.int32)  # noqa: E731
+    kept = torch.arange(2, dtype=torch.int32).view(1, 1, 2) + 4
+    _expect_unchanged(cache, lambda: cache.page_table(["a"], device="gpu0"), "device must be")
+    _expect_unchanged(cache, lambda: cache.shrink(["a"], 5), "new_lengths must be a list or tuple")
+    _expect_unchanged(cache, lambda: cache.compact(["a"], kept, i32(9), i32(0), i32(4), max_tail=0, validate="no"),
+                      "validate must be a bool")
+    assert cache.page_table(["a"], device="cpu").tolist() == [cache._requests["a"].pages]

@@ -54,3 +54,64 @@ def test_nvfp4_matches_the_codec_it_wraps(device):
     codec.encode(2, a, pairs)
     direct.encode(groups[2].pools, b, pairs)
     assert torch.equal(a, b)
+
+
+# issue 30: bad input, second pass
+
+def test_configure_refuses_caller_errors_and_keeps_the_previous_configuration():
+    codec, groups = LosslessColdPageCodec(), _groups("cpu")
+    assert codec.configure(groups[:1])
+    size = codec.cold_page_bytes(0)
+    twice = [groups[0], LayerGroupPools(0, groups[2].pools, plane_dim=None)]  # the second would replace the first
+    with pytest.raises(ValueError, match="layer group ids must be distinct, got \\[0, 0\\]"):
+        codec.configure(twice)
+    with pytest.raises(TypeError, match="pools\\[1\\] must be a tensor, got list"):
+        LayerGroupPools(1, (groups[1].pools[0], [1.0]))
+    with pytest.raises(TypeError, match="pools must be a non-empty list or tuple"):
+        LayerGroupPools(1, groups[1].pools[0])
+    with pytest.raises(TypeError, match="layer_group must be an int"):
+        LayerGroupPools("1", groups[1].pools)
+    with pytest.raises(TypeError, match="groups\\[1\\] must be a LayerGroupPools"):
+        codec.configure([groups[1], groups[1].pools])
+    with pytest.raises(TypeError, match="groups must be a list or tuple"):
+        codec.configure(groups[1])
+    nvfp4 = NVFP4ColdPageCodec(NVFP4ColdPageConfig(row_size=576))
+    assert nvfp4.configure(groups[2:])
+    mla_size = nvfp4.cold_page_bytes(2)
+    assert not nvfp4.configure(groups[1:])  # 576-wide NVFP4 rows do not fit group 1's 64: refused whole
+    assert nvfp4.configure_error.startswith("layer group 1")
+    assert nvfp4.cold_page_bytes(2) == mla_size and nvfp4.batching_layer_group_id(2) == 2  # still the first plan
+    with pytest.raises(ValueError, match="layer group 1 is not configured"):
+        nvfp4.cold_page_bytes(1)
+    assert codec.cold_page_bytes(0) == size and codec.batching_layer_group_id(0) == 0
+    with pytest.raises(ValueError, match="layer group 1 is not configured"):
+        codec.cold_page_bytes(1)
+    with pytest.raises(TypeError, match="layer_group must be an int"):
+        codec.cold_page_bytes([0])
+
+
+def test_decode_can_validate_the_slots():
+    codec, groups = LosslessColdPageCodec(), _groups("cpu")
+    assert codec.configure(groups)
+    blob = torch.zeros(2, codec.cold_page_bytes(0), dtype=torch.uint8)
+    codec.encode(0, blob, torch.tensor([[0, 3]], dtype=torch.int32))
+    before = [p.clone() for p in groups[0].pools]
+    pairs = torch.tensor([[4, 0], [5, 1]], dtype=torch.int32)  # slot 1 was never encoded
+    with pytest.raises(ValueError, match="slot 1 holds global scale 0"):
+        codec.decode(0, blob, pairs, validate=True)
+    assert all(torch.equal(a, b) for a, b in zip(groups[0].pools, before))
+    codec.decode(0, blob, pairs)  # unvalidated: slot 1's planes left as they were, and counted
+    assert int(codec.refused(0)) == 4 and torch.equal(groups[0].pools[0][4], before[0][3])
+
+
+def test_stream_and_config_types_are_checked():
+    codec, groups = LosslessColdPageCodec(), _groups("cpu")
+    assert codec.configure(groups)
+    blob = torch.zeros(2, codec.cold_page_bytes(0), dtype=torch.uint8)
+    pairs = torch.tensor([[0, 3]], dtype=torch.int32)
+    for call in (codec.encode, codec.decode):  # torch.cuda.stream() ignores anything but a stream
+        with pytest.raises(TypeError, match="stream must be None or a torch.cuda.Stream, got str"):
+            call(0, blob, pairs, stream="side")
+    assert not blob.any()
+    with pytest.raises(TypeError, match="config must be an NVFP4ColdPageConfig, got dict"):
+        NVFP4ColdPageCodec({"row_size": 64})

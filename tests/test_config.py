@@ -91,3 +91,43 @@ def test_paths_and_nhd_planes_are_accepted(tmp_path, calibration):
     assert tri.calibration_path == calibration and config_from_json(tri.to_json()) == tri
     nhd = NVFP4ColdPageConfig(plane_dim=2)  # [page, token, plane, head, dim]
     assert nhd.row_spec().plane_dim == 2 and config_from_json(nhd.to_json()) == nhd
+
+
+# issue 30: bad input, second pass
+
+def test_list_values_and_bounds_name_the_field(calibration):
+    cases = [
+        (lambda: TriAttentionConfig(budget=[1], calibration_path=calibration), TypeError, "budget must be an int"),
+        (lambda: TriAttentionConfig(beta=[4], calibration_path=calibration), TypeError, "beta must be an int"),
+        (lambda: TriAttentionConfig(eviction_mode=["union"], calibration_path=calibration), TypeError,
+         "eviction_mode: must be a str"),
+        (lambda: TriAttentionConfig(compaction_order=["fill"], calibration_path=calibration), TypeError,
+         "compaction_order: must be a str"),
+        (lambda: TriAttentionConfig(calibration_path=[calibration]), TypeError, "calibration_path: must be a path"),
+        (lambda: TriAttentionConfig(normalize_scores=[True], calibration_path=calibration), TypeError,
+         "normalize_scores must be a bool"),
+        (lambda: NVFP4ColdPageConfig(global_scale=[1.0]), TypeError, "global_scale: must be a policy name"),
+        (lambda: NVFP4ColdPageConfig(global_scale={"per_page"}), TypeError, "global_scale"),
+        (lambda: NVFP4ColdPageConfig(row_size=[128]), TypeError, "row_size must be an int"),
+        (lambda: NVFP4ColdPageConfig(plane_dim=[1]), TypeError, "plane_dim must be an int"),
+        (lambda: NVFP4ColdPageConfig(residual_dim=[16]), TypeError, "residual_dim must be an int"),
+        (lambda: config_from_dict({"algorithm": ["triattention"]}), TypeError, "algorithm must be a str"),
+        # int32 cache positions bound what a round scores: budget + 2 * beta
+        (lambda: TriAttentionConfig(budget=10**12, calibration_path=calibration), ValueError,
+         "budget must be in \\[1, 2147483647\\]"),
+        (lambda: TriAttentionConfig(budget=2**31 - 2, beta=1, calibration_path=calibration), ValueError,
+         "budget \\+ 2 \\* beta .* at most 2147483647"),
+        # the codec takes at most 4 dims between page and row: the plane dim is one of them
+        (lambda: NVFP4ColdPageConfig(plane_dim=5), ValueError,
+         "plane_dim: .* plane_dim must be in \\[1, 4\\] \\(or None\\), got 5"),
+    ]
+    for make, exc, match in cases:
+        with pytest.raises(exc, match=match):
+            make()
+    assert TriAttentionConfig(budget=2**31 - 3, beta=1, calibration_path=calibration).budget == 2**31 - 3
+    assert NVFP4ColdPageConfig(plane_dim=4).row_spec().plane_dim == 4
+    assert NVFP4ColdPageConfig(global_scale=2).row_spec().global_scale == 2
+    with pytest.raises(ValueError, match="config_from_json: not valid JSON"):
+        config_from_json('{"algorithm": ')
+    with pytest.raises(TypeError, match="config_from_json: text must be a JSON string, got dict"):
+        config_from_json({"algorithm": "nvfp4_cold_page"})

@@ -1,12 +1,16 @@
 """Managers on the reference cache: admission, due rounds, logical positions, and the round's effect."""
 
+import random
+
 import pytest
 import torch
+import triton
 
 from kvops.cache import PagedKVCache
 from kvops.config import NVFP4ColdPageConfig, TriAttentionConfig
 from kvops.manager import (KVCacheCompressionManager, NVFP4ColdPageManager, Request, TriAttentionManager,
-                           create_compression_manager)
+                           TriAttentionRound, create_compression_manager)
+from kvops.compaction import MODES
 from kvops.compaction.reference import fill_order
 from kvops.triattention.reference import select_reference
 
@@ -110,7 +114,7 @@ def test_admission(calibration):
     with pytest.raises(ValueError, match="the cache has 2 KV heads, the model 4"):
         create_compression_manager(tri, cache, {**MODEL, "num_key_value_heads": 4})
     with pytest.raises(ValueError, match="the model needs"):  # the calibration's geometry
-        create_compression_manager(tri, cache, {**MODEL, "head_dim": 64})
+        create_compression_manager(tri, PagedKVCache(2, 2, 64, 8, num_pages=4), {**MODEL, "head_dim": 64})
     base = KVCacheCompressionManager(tri, cache, MODEL)  # every hook is a no-op
     for hook in (base.on_request_init, base.on_request_finish):
         hook(Request("x", 1))
@@ -222,3 +226,423 @@ def test_hooks_refuse_bad_requests_before_changing_anything(calibration):
     with pytest.raises(TypeError, match="confirmed tokens"):
         manager.on_generation_step_end([("a", 1.5)])
     assert manager.since_round == before
+
+
+# issue 30: bad input, second pass
+
+def _snapshot(manager, cache):
+    """Every piece of manager and cache state, pools as bytes: what a refused call must leave as it was."""
+    return ({name: dict(getattr(manager, name, {})) for name in
+             ("prompt_length", "since_round", "num_compressed_tokens", "accounted_length")}, manager.rounds,
+            list(cache._free_pages), list(cache._free_slots),
+            {r: (q.length, list(q.pages), q.slots and list(q.slots)) for r, q in cache._requests.items()},
+            [p.view(torch.uint8).clone() for p in cache.pools], cache.host.clone())
+
+
+def _same(a, b):
+    return a[:5] == b[:5] and all(torch.equal(x, y) for x, y in zip(a[5], b[5])) and torch.equal(a[6], b[6])
+
+
+def _refused(manager, cache, fn, exc, match):
+    before = _snapshot(manager, cache)
+    with pytest.raises(exc, match=match):
+        fn()
+    assert _same(before, _snapshot(manager, cache))
+    cache.check_invariants()
+
+
+def _admit(manager, cache, rid, prompt, decode=0):
+    cache.add_request(rid)
+    manager.on_request_init(Request(rid, prompt))
+    cache.append(rid, *_kv(prompt))
+    manager.on_context_step_end([Request(rid, prompt)])
+    for _ in range(decode):
+        cache.append(rid, *_kv(1))
+        manager.on_generation_step_end([(rid, 1)])
+
+
+def test_refused_steps_count_no_confirmed_tokens(calibration):
+    """A step refused for a due request that is offloaded, one that confirms too many tokens past a due round,
+    or one naming a request the cache has released counts nothing; the step goes through once it can."""
+    cache = _cache()
+    manager = create_compression_manager(TriAttentionConfig(budget=12, beta=5, calibration_path=calibration), cache,
+                                         MODEL)
+    _admit(manager, cache, "a", 3, decode=8)
+    _admit(manager, cache, "b", 5, decode=2)
+    cache.append("a", *_kv(5))  # 13 decode tokens: due
+    cache.offload("a")
+    _refused(manager, cache, lambda: manager.on_generation_step_end([("b", 0), ("a", 5)]), RuntimeError,
+             "offloaded")
+    cache.onboard("a")
+    cache.append("a", *_kv(15))  # 28 decode tokens: 6 past the 22 a round scores, more than beta
+    _refused(manager, cache, lambda: manager.on_generation_step_end([("a", 20)]), RuntimeError, "more than beta")
+    cache.shrink(["a"], [3 + 13])  # back to the 13 decode tokens of the due step
+    cache.add_request("gone")
+    manager.on_request_init(Request("gone", 2))
+    cache.append("gone", *_kv(2))
+    cache.finish("gone")  # released by the cache only
+    cache.append("b", *_kv(1))
+    _refused(manager, cache, lambda: manager.on_generation_step_end([("b", 1), ("gone", 0)]), ValueError,
+             "'gone' is admitted here but unknown to the cache")
+    assert manager.since_round == {"a": 8, "b": 2, "gone": 0}
+    manager.on_generation_step_end([("a", 5), ("b", 1)])  # the step, counted once: a round
+    assert manager.rounds == 1 and cache.length("a") == 3 + 12 and manager.since_round == {"a": 0, "b": 3, "gone": 0}
+    assert manager.logical_position("a") == 3 + 13
+    cache.check_invariants()
+
+
+def test_confirmed_tokens_must_be_what_the_cache_gained(calibration):
+    """A hook called twice for one step, or a count other than the tokens written since the last hook, would
+    shift every later round (beta halved, rounds before budget): refused, naming the request."""
+    cache = _cache()
+    manager = create_compression_manager(TriAttentionConfig(budget=12, beta=5, calibration_path=calibration), cache,
+                                         MODEL)
+    _admit(manager, cache, "a", 7, decode=3)
+    _admit(manager, cache, "b", 4)
+    cache.append("a", *_kv(1))
+    cache.append("b", *_kv(2))
+    manager.on_generation_step_end([("a", 1), ("b", 2)])
+    step = lambda batch: (lambda: manager.on_generation_step_end(batch))  # noqa: E731
+    _refused(manager, cache, step([("a", 1), ("b", 2)]), ValueError, "request 'a' confirmed 1 tokens, but its cache "
+             "grew by 0")  # the same hook twice
+    cache.append("a", *_kv(1))
+    _refused(manager, cache, step([("a", 2)]), ValueError, "'a' confirmed 2 tokens, but its cache grew by 1")
+    cache.append("a", *_kv(1))
+    _refused(manager, cache, step([("a", 1)]), ValueError, "'a' confirmed 1 tokens, but its cache grew by 2")
+    manager.on_generation_step_end([("a", 2)])
+    assert manager.since_round == {"a": 6, "b": 2} and manager.accounted_length == {"a": 13, "b": 6}
+    # the prefill: the context step may see part of the prompt (chunked), never more than all of it
+    cache.add_request("c")
+    manager.on_request_init(Request("c", 6))
+    cache.append("c", *_kv(4))
+    manager.on_context_step_end([Request("c", 6)])
+    cache.append("c", *_kv(3))
+    _refused(manager, cache, step([("c", 1)]), ValueError, "'c' confirmed 1 tokens, but its cache grew by 3")
+    _refused(manager, cache, lambda: manager.on_context_step_end([Request("c", 6)]), ValueError,
+             "holds 7 tokens after its context step, more than its prompt_length 6")
+    _refused(manager, cache, lambda: manager.on_context_step_end([Request("c", 5)]), ValueError,
+             "admitted with 6")
+    cache.shrink(["c"], [6])
+    manager.on_context_step_end([Request("c", 6)])
+    cache.append("c", *_kv(1))
+    manager.on_generation_step_end([("c", 1)])
+    assert manager.since_round["c"] == 1
+
+
+def test_hooks_name_bad_argument_types(calibration):
+    cache = _cache()
+    manager = create_compression_manager(TriAttentionConfig(budget=12, beta=5, calibration_path=calibration), cache,
+                                         MODEL)
+    _admit(manager, cache, "a", 4, decode=1)
+    cases = [
+        (lambda: manager.on_request_finish(0), TypeError, "on_request_finish: request must be a Request, got int"),
+        (lambda: manager.on_request_finish("a"), TypeError, "request must be a Request"),
+        (lambda: manager.on_request_finish(Request("zzz", 1)), ValueError, "'zzz' .* never admitted"),
+        (lambda: manager.on_request_init(("a", 4)), TypeError, "on_request_init: request must be a Request"),
+        (lambda: manager.on_context_step_end(Request("a", 4)), TypeError, "requests must be a sequence"),
+        (lambda: manager.on_context_step_end("a"), TypeError, "requests must be a sequence"),
+        (lambda: manager.on_context_step_end(["a"]), TypeError, "requests\\[0\\] must be a Request"),
+        (lambda: manager.on_context_step_end([Request("a", 4)] * 2), ValueError, "twice"),
+        (lambda: manager.on_generation_step_begin(3), TypeError, "batch must be a sequence"),
+        (lambda: manager.on_generation_step_begin(["a", ["a"]]), TypeError, "batch\\[1\\] must be hashable"),
+        (lambda: manager.on_generation_step_begin(["a", "zzz"]), ValueError, "batch\\[1\\]: request 'zzz' was never"),
+        (lambda: manager.on_generation_step_begin(["a", "a"]), ValueError, "twice"),
+        (lambda: manager.on_generation_step_end(None), TypeError, "batch must be a sequence"),
+        (lambda: manager.on_generation_step_end(["a"]), TypeError, "batch\\[0\\] must be a \\(request id"),
+        (lambda: manager.on_generation_step_end([(["a"], 1)]), TypeError, "batch\\[0\\] must be hashable"),
+        (lambda: manager.on_generation_step_end([("a", -1)]), ValueError, "confirmed tokens must be >= 0"),
+        (lambda: manager.on_generation_step_end([("a", True)]), TypeError, "confirmed tokens"),
+        (lambda: manager.logical_position(["a"]), TypeError, "rid must be hashable"),
+        (lambda: manager.logical_position("zzz"), ValueError, "never admitted"),
+    ]
+    for fn, exc, match in cases:
+        _refused(manager, cache, fn, exc, match)
+    request = Request("b", 3)
+    request.id = ["b"]  # a mutable dataclass: checked again at each hook
+    _refused(manager, cache, lambda: manager.on_request_init(request), TypeError, "request.id must be hashable")
+    manager.on_generation_step_begin(("a",))
+    manager.on_request_finish(Request("a", 4))
+    assert manager.prompt_length == {} and manager.accounted_length == {}
+
+
+def test_unhashable_request_ids_are_refused_by_name(calibration):
+    with pytest.raises(TypeError, match="Request: id must be hashable"):
+        Request([1], 3)
+    cache = _cache()
+    _refused_cache = lambda fn, match: _refused(manager, cache, fn, TypeError, match)  # noqa: E731
+    manager = create_compression_manager(TriAttentionConfig(calibration_path=calibration), cache, MODEL)
+    cache.add_request((1, 2))  # any hashable id
+    _refused_cache(lambda: cache.add_request([1]), "add_request: rid must be hashable")
+    _refused_cache(lambda: cache.add_request((1, [2])), "rid must be hashable")
+    for method in (cache.length, cache.resident, cache.read, cache.finish, cache.offload, cache.onboard):
+        _refused_cache(lambda: method([1]), "request id must be hashable")
+    _refused_cache(lambda: cache.shrink([(1, 2), [1]], [0, 0]), "rids\\[1\\] must be hashable")
+    _refused_cache(lambda: cache.shrink({(1, 2)}, [0]), "rids must be a list or tuple")
+    _refused_cache(lambda: cache.page_table("ab"), "rids must be a list or tuple")
+
+
+def test_model_head_dim_is_checked_against_the_cache_and_the_row_size(calibration):
+    tri = TriAttentionConfig(calibration_path=calibration)
+    wide = PagedKVCache(2, 2, 64, 8, num_pages=4)
+    for config in (tri, NVFP4ColdPageConfig(row_size=64)):
+        with pytest.raises(ValueError, match="the cache's head_dim is 64, the model's KV rows hold 32"):
+            create_compression_manager(config, wide, MODEL)
+    with pytest.raises(ValueError, match="row_size is 128, the model's KV rows hold 32"):
+        create_compression_manager(NVFP4ColdPageConfig(row_size=128), _cache(), MODEL)
+    no_head_dim = {k: v for k, v in MODEL.items() if k != "head_dim"}
+    with pytest.raises(ValueError, match="head_dim is 32, the model's KV rows hold 16"):  # 64 // 4 heads
+        create_compression_manager(NVFP4ColdPageConfig(row_size=32), _cache(), {**no_head_dim, "hidden_size": 64})
+    create_compression_manager(NVFP4ColdPageConfig(row_size=32), _cache(), {**no_head_dim, "hidden_size": 128})
+    mla = dict(num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=1, kv_lora_rank=512,
+               qk_rope_head_dim=64, head_dim=192)
+    create_compression_manager(NVFP4ColdPageConfig(row_size=576), PagedKVCache(2, 1, 576, 8, num_pages=2), mla)
+    for cache in (None, object()):
+        with pytest.raises(TypeError, match="kv_cache must be a paged KV cache"):
+            create_compression_manager(tri, cache, MODEL)
+    with pytest.raises(TypeError, match="model_config must be a dict"):
+        create_compression_manager(NVFP4ColdPageConfig(row_size=32), _cache(), [("head_dim", 32)])
+    with pytest.raises(TypeError, match="TriAttentionManager: config must be a TriAttentionConfig, got dict"):
+        TriAttentionManager({"budget": 8}, _cache(), MODEL)
+
+
+def test_a_round_over_no_requests_does_nothing(calibration):
+    """TriAttentionRound.run with R = 0 launches nothing (the selector cannot size an empty score matrix); the
+    round's capacities and inputs are checked before anything is copied."""
+    cache = _cache()
+    manager = create_compression_manager(TriAttentionConfig(budget=12, beta=5, calibration_path=calibration), cache,
+                                         MODEL)
+    _admit(manager, cache, "a", 5, decode=4)
+    for requests, width, match in ((0, 2, "requests must be >= 1"), (1, 0, "width must be >= 1")):
+        with pytest.raises(ValueError, match=match):
+            TriAttentionRound(manager.selector, cache, requests, width, 5, False)
+    round_ = TriAttentionRound(manager.selector, cache, 2, 3, 5, False)
+    before = _snapshot(manager, cache)
+    round_.run(torch.zeros(0, 4, dtype=torch.int32), [], [], [], [])
+    table = cache.page_table(["a"], 4)
+    for args in ((table, [9], [5], [0], [9, 9]), (table[:, :2], [9], [5], [0], [9]),
+                 (cache.page_table(["a"] * 3, 4), [9] * 3, [5] * 3, [0] * 3, [9] * 3)):
+        with pytest.raises(ValueError, match="TriAttentionRound.run: page_table"):
+            round_.run(*args)
+    assert _same(before, _snapshot(manager, cache))
+
+
+def _round_kept(old, new, prompt, budget, tail):
+    """A round's effect on one request's [L, 2, n, H, D] contents: the prompt stays; per (layer, KV head) the
+    budget + tail decode rows it holds after are distinct rows of the decode tokens it held before (scored or
+    tail), the tail among them (fill order may move tail tokens into holes)."""
+    n = old.shape[2]
+    assert new.shape[2] == prompt + budget + tail and torch.equal(new[:, :, :prompt], old[:, :, :prompt])
+    row = lambda x, layer, head, i: tuple(x[layer, :, i, head].view(torch.int16).reshape(-1).tolist())  # noqa: E731
+    for layer in range(old.shape[0]):
+        for head in range(old.shape[3]):
+            kept = [row(new, layer, head, i) for i in range(prompt, new.shape[2])]
+            before = {row(old, layer, head, i) for i in range(prompt, n)}
+            assert len(set(kept)) == len(kept) and set(kept) <= before
+            assert {row(old, layer, head, i) for i in range(n - tail, n)} <= set(kept)
+
+
+HOOK_OPS = {"admit": 4, "prefill": 4, "step": 16, "lie": 2, "burst": 1, "again": 1, "bad_batch": 1, "offload": 2,
+            "onboard": 3, "corrupt": 1, "finish": 1, "drop": 0.5, "begin": 1, "bad_type": 1}
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_random_hooks_and_churn_match_a_shadow_model(calibration, mode):
+    """Admissions, (chunked) prefills, decode steps with rounds, offload/onboard, finishes (also by the cache
+    alone), and calls that must be refused (bad batches, a hook called twice, counts other than what was written,
+    due requests offloaded or too far past a round, onboards of a corrupt host slot, unknown or unhashable ids,
+    wrong types), against a shadow of the hook contract: every accepted call leaves the manager's tables, the
+    cache's lengths, residency and contents and the logical positions as the shadow says; every refused call
+    leaves all of it, pools and host bytes included, as it was. The ops are drawn from the test's torch seed
+    (KVOPS_TEST_SEED reproduces a run)."""
+    rng = random.Random(int(torch.randint(2**31, ())))
+    order = rng.choice(["fill", "ordered"])
+    budget, beta, T = 3, 2, 4
+    cache = PagedKVCache(2, 2, 32, T, num_pages=32, host_slots=16)
+    config = TriAttentionConfig(budget=budget, beta=beta, eviction_mode=mode, calibration_path=calibration,
+                                compaction_order=order)
+    manager = create_compression_manager(config, cache, MODEL)
+    mgr: dict[int, dict] = {}   # rid -> prompt, accounted, since, compressed: the manager's view
+    held: dict[int, dict] = {}  # rid -> content [L, 2, n, H, D], offloaded: the cache's view
+    rounds, last_batch = 0, []
+    length = lambda r: held[r]["content"].shape[2]  # noqa: E731
+
+    def refused(fn):
+        before = _snapshot(manager, cache)
+        with pytest.raises((ValueError, TypeError, RuntimeError)):
+            fn()
+        assert _same(before, _snapshot(manager, cache))
+
+    def append(r, n):
+        k, v = _kv(n)
+        if triton.cdiv(length(r) + n, T) - triton.cdiv(length(r), T) > cache.num_free_pages:
+            return refused(lambda: cache.append(r, k, v))
+        cache.append(r, k, v)
+        held[r]["content"] = torch.cat([held[r]["content"], torch.stack([k, v])[None].expand(2, -1, -1, -1, -1)], 2)
+
+    def step(batch):
+        nonlocal rounds
+        ok = all(r in held and c == length(r) - mgr[r]["accounted"] for r, c in batch)
+        due = [r for r, c in batch if ok and length(r) - mgr[r]["prompt"] > budget
+               and mgr[r]["since"] + c >= beta]
+        tails = {r: max(0, length(r) - mgr[r]["prompt"] - (budget + 2 * beta)) for r in due}
+        if not ok or any(held[r]["offloaded"] for r in due) or any(t > beta for t in tails.values()):
+            refused(lambda: manager.on_generation_step_end(batch))
+            for r in due:  # the engine drops what a step wrote too far past a due round
+                if tails[r] > beta and not held[r]["offloaded"]:
+                    cache.shrink([r], [mgr[r]["accounted"]])
+                    held[r]["content"] = held[r]["content"][:, :, :mgr[r]["accounted"]]
+            return
+        old = {r: held[r]["content"] for r in due}
+        manager.on_generation_step_end(batch)
+        for r, c in batch:
+            mgr[r]["since"] += c
+            mgr[r]["accounted"] = length(r)
+        for r in due:
+            prompt, n = mgr[r]["prompt"], length(r)
+            held[r]["content"] = cache.read(r)
+            _round_kept(old[r], held[r]["content"], prompt, budget, tails[r])
+            mgr[r].update(since=0, accounted=length(r), compressed=mgr[r]["compressed"] + n - length(r))
+        rounds += bool(due)
+
+    for _ in range(160):
+        op = rng.choices(list(HOOK_OPS), weights=list(HOOK_OPS.values()))[0]
+        n = rng.randrange(128)
+        fitting = {"admit": [r for r in range(6) if r not in mgr and r not in held],
+                   "prefill": [r for r in sorted(mgr) if r in held and length(r) < mgr[r]["prompt"]],
+                   "offload": [r for r in sorted(held) if not held[r]["offloaded"]],
+                   "onboard": [r for r in sorted(held) if held[r]["offloaded"]],
+                   "corrupt": [r for r in sorted(held) if held[r]["offloaded"] and length(r)],
+                   "finish": sorted(mgr), "drop": sorted(held)}.get(op)
+        # mostly a request the op fits (prefill: one still short of its prompt), else any id (often refused)
+        rid = rng.choice(fitting) if fitting and rng.random() < 0.85 else rng.randrange(6)
+        # a step's batch: often every prefilled resident request; now and then an offloaded one (refused when it
+        # is due) or one the cache alone has released (refused)
+        decodable = [r for r in sorted(mgr) if r in held and length(r) >= mgr[r]["prompt"]]
+        chosen = [r for r in decodable if (n < 64 or n >> r & 1) and (not held[r]["offloaded"] or n % 4 == 0)]
+        chosen += [r for r in sorted(mgr) if r not in held] if n % 8 == 0 else []
+        if op == "admit":
+            prompt = n % 7 + 1
+            if rid in held:
+                refused(lambda: cache.add_request(rid))
+            else:
+                cache.add_request(rid)
+                held[rid] = dict(content=torch.zeros(2, 2, 0, 2, 32, dtype=torch.bfloat16), offloaded=False)
+            if rid in mgr:
+                refused(lambda: manager.on_request_init(Request(rid, prompt)))
+            else:
+                manager.on_request_init(Request(rid, prompt))
+                mgr[rid] = dict(prompt=prompt, accounted=prompt, since=0, compressed=0)
+        if op == "prefill" or op == "admit" and n % 4:  # (most admissions prefill at once)
+            prompt = mgr[rid]["prompt"] if rid in mgr else n % 7 + 1
+            if rid in held and not held[rid]["offloaded"] and length(rid) < prompt:
+                append(rid, prompt - length(rid) if n % 8 else min(prompt - length(rid), n % prompt + 1))  # or a chunk
+            if rid in mgr and rid in held and length(rid) <= prompt:
+                manager.on_context_step_end([Request(rid, prompt)])
+                mgr[rid]["accounted"] = length(rid)
+            else:
+                refused(lambda: manager.on_context_step_end([Request(rid, prompt)]))
+        if op in ("step", "burst", "lie") and chosen:
+            for i, r in enumerate(chosen):
+                if r in held and not held[r]["offloaded"]:
+                    k = 1
+                    if op == "burst" and i == 0:  # to 1 .. beta + 2 tokens past what a round scores
+                        k = max(1, budget + 2 * beta - (length(r) - mgr[r]["prompt"]) + 1 + n % (beta + 2))
+                    append(r, k)
+            r = chosen[0]
+            if op == "burst" and n & 1 and r in held and not held[r]["offloaded"] \
+                    and triton.cdiv(length(r), T) <= cache.num_free_slots:
+                cache.offload(r)  # due, and offloaded: the step is refused until it is back
+                held[r]["offloaded"] = True
+            last_batch = [(r, length(r) - mgr[r]["accounted"] if r in held else 0) for r in chosen]
+            if op == "lie":  # a count other than what the cache gained (the same hook twice confirms 0 of 1)
+                r, c = last_batch[0]
+                last_batch[0] = (r, c + 1 if n & 1 or c == 0 else c - 1)
+            step(last_batch)
+        elif op == "again":
+            step(last_batch)
+        elif op == "bad_batch":
+            good = [(r, length(r) - mgr[r]["accounted"] if r in held else 0) for r in chosen] or [(rid, 0)]
+            bad = [good + good[:1], good + [(99, 1)], good + [([rid], 1)], good + [rid], good + [(rid, True)],
+                   good + [(rid, -1)], good + [(rid, 1.0)], dict(good), iter(good)][n % 9]
+            refused(lambda: manager.on_generation_step_end(bad))
+        elif op == "offload":
+            if rid in held and not held[rid]["offloaded"] and triton.cdiv(length(rid), T) <= cache.num_free_slots:
+                cache.offload(rid)
+                held[rid]["offloaded"] = True
+            else:
+                refused(lambda: cache.offload(rid))
+        elif op == "onboard":
+            if rid in held and held[rid]["offloaded"] and triton.cdiv(length(rid), T) <= cache.num_free_pages:
+                cache.onboard(rid)
+                held[rid]["offloaded"] = False
+            else:
+                refused(lambda: cache.onboard(rid))
+        elif op == "corrupt" and rid in held and held[rid]["offloaded"] and length(rid):
+            slot = rng.choice(cache._requests[rid].slots)  # a host slot overwritten: its global scale negative
+            saved = cache.host[slot].clone()
+            cache.host[slot, :4] = torch.tensor([-rng.random()]).view(torch.uint8)
+            refused(lambda: cache.onboard(rid))
+            cache.host[slot] = saved
+        elif op in ("finish", "drop"):  # drop: the cache releases the request before the manager hears of it
+            if op == "finish":
+                request = Request(rid, mgr[rid]["prompt"] if rid in mgr else 1)
+                if rid in mgr:
+                    manager.on_request_finish(request)
+                    del mgr[rid]
+                else:
+                    refused(lambda: manager.on_request_finish(request))
+            if rid in held:
+                cache.finish(rid)
+                del held[rid]
+            else:
+                refused(lambda: cache.finish(rid))
+        elif op == "begin":
+            batch = chosen + [rid] * (n >> 4 & 1) + [100] * (n >> 5 & 1)
+            if all(r in mgr for r in batch) and len(set(batch)) == len(batch):
+                before = _snapshot(manager, cache)
+                manager.on_generation_step_begin(batch)
+                assert _same(before, _snapshot(manager, cache))
+            else:
+                refused(lambda: manager.on_generation_step_begin(batch))
+        elif op == "bad_type":
+            refused([lambda: manager.on_request_finish(rid), lambda: manager.on_request_finish(0.5),
+                     lambda: manager.on_request_init(rid), lambda: manager.on_context_step_end(Request(rid, 1)),
+                     lambda: manager.on_context_step_end([rid]), lambda: manager.on_generation_step_begin(rid),
+                     lambda: manager.on_generation_step_begin([[rid]]), lambda: manager.logical_position([rid]),
+                     lambda: cache.add_request([rid]), lambda: cache.length({rid}),
+                     lambda: cache.shrink([rid, rid], [0, 0]), lambda: manager.on_context_step_end("ab")][n % 12])
+        cache.check_invariants()
+        for name, key in (("prompt_length", "prompt"), ("accounted_length", "accounted"), ("since_round", "since"),
+                          ("num_compressed_tokens", "compressed")):
+            assert getattr(manager, name) == {r: s[key] for r, s in mgr.items()}, name
+        assert manager.rounds == rounds
+        for r, h in held.items():
+            assert cache.length(r) == length(r) and cache.resident(r) == (not h["offloaded"])
+            if not h["offloaded"]:
+                assert torch.equal(cache.read(r), h["content"])
+            if r in mgr:
+                assert manager.logical_position(r) == length(r) + mgr[r]["compressed"]
+
+
+def test_the_default_hooks_check_their_argument_types():
+    """A manager that keeps no per-request state (NVFP4 cold pages) still refuses what no engine could mean."""
+    manager = create_compression_manager(NVFP4ColdPageConfig(row_size=32), _cache(), MODEL)
+    what = "NVFP4ColdPageManager.on_"
+    cases = [
+        (lambda: manager.on_request_init(("a", 3)), f"{what}request_init: request must be a Request"),
+        (lambda: manager.on_request_finish(0), f"{what}request_finish: request must be a Request, got int"),
+        (lambda: manager.on_context_step_end(Request("a", 3)), f"{what}context_step_end: requests must be a seq"),
+        (lambda: manager.on_context_step_end([3]), "requests\\[0\\] must be a Request"),
+        (lambda: manager.on_generation_step_begin("ab"), f"{what}generation_step_begin: batch must be a sequence"),
+        (lambda: manager.on_generation_step_begin([{"a"}]), "batch\\[0\\] must be hashable"),
+        (lambda: manager.on_generation_step_end([("a", 1), ("b",)]), "batch\\[1\\] must be a \\(request id"),
+        (lambda: manager.on_generation_step_end([("a", 0.5)]), "batch\\[0\\] confirmed tokens must be an int"),
+    ]
+    for fn, match in cases:
+        with pytest.raises(TypeError, match=match):
+            fn()
+    manager.on_request_init(Request("a", 3))
+    manager.on_context_step_end((Request("a", 3),))
+    manager.on_generation_step_begin(["a"])
+    manager.on_generation_step_end([("a", 1)])
+    manager.on_request_finish(Request("a", 3))
