@@ -16,12 +16,14 @@ ranks below -inf; -0.0 equals +0.0; a row shorter than k is padded with -1.
 
 from __future__ import annotations
 
+import os
+
 import torch
 import triton
 import triton.language as tl
 
 from . import _cute
-from ._checks import check_device, check_int, check_int32, check_no_meta_mix, overlap
+from ._checks import check_bool, check_device, check_int, check_int32, check_no_meta_mix, overlap
 from ._dispatch import call, triton_launcher
 
 MAX_K = 2**31 - 1  # indices are int32
@@ -185,7 +187,7 @@ def _topk_fake(scores, lengths, offsets, k, out):
 
 
 def topk(scores: torch.Tensor, lengths: torch.Tensor, k: int, out: torch.Tensor | None = None,
-         offsets: torch.Tensor | None = None) -> torch.Tensor:
+         offsets: torch.Tensor | None = None, validate: bool = False) -> torch.Tensor:
     """Per row, the ascending indices of the k largest of ``scores[row, :lengths[row]]``.
 
     Parameters
@@ -202,7 +204,12 @@ def topk(scores: torch.Tensor, lengths: torch.Tensor, k: int, out: torch.Tensor 
         inputs.
     offsets : torch.Tensor, optional
         int32 ``[rows]`` on the same device, added to every index a row keeps (not to the -1 padding): e.g. the
-        cache position of the row's first scored token. Index + offset must fit in int32.
+        cache position of the row's first scored token. Each must lie in [0, 2**31 - N], so that a kept index
+        (< N) plus its offset is a position that fits int32 and never -1. Host offsets are checked on every call;
+        device offsets are read on the device, like lengths, and trusted (a check would be a sync) unless
+        `validate` or ``KVOPS_DEBUG=1``; outside the range they give indices that wrap or read as padding.
+    validate : bool
+        Read device offsets back and check their range (a sync); raises ValueError naming the row.
 
     Returns
     -------
@@ -224,6 +231,9 @@ def topk(scores: torch.Tensor, lengths: torch.Tensor, k: int, out: torch.Tensor 
             raise ValueError(f"{what}: offsets must be int32 [{scores.shape[0]}] (one per row), got "
                              f"{tuple(offsets.shape)}")
     check_int(what, "k", k, 0, MAX_K)
+    check_bool(what, "validate", validate)
+    if offsets is not None and (offsets.device.type == "cpu" or validate or os.environ.get("KVOPS_DEBUG") == "1"):
+        _check_offsets(what, offsets, scores.shape[1])
     shape = (scores.shape[0], k)
     if out is None:
         out = torch.empty(shape, dtype=torch.int32, device=device)
@@ -236,6 +246,20 @@ def topk(scores: torch.Tensor, lengths: torch.Tensor, k: int, out: torch.Tensor 
     if k and scores.shape[0]:
         call(_topk_op, _topk_cuda, scores, lengths, offsets, k, out)
     return out
+
+
+def _check_offsets(what: str, offsets: torch.Tensor, N: int) -> None:
+    """Every offset in [0, 2**31 - N]: an index below N plus it fits int32 and is never -1 (reads it back: host
+    offsets cost no sync; device ones only under validate). Eager only: a traced call has no values."""
+    if torch.compiler.is_compiling() or offsets.numel() == 0:
+        return
+    limit = MAX_K - max(N - 1, 0)
+    host = offsets.cpu()
+    bad = (host < 0) | (host > limit)
+    if bool(bad.any()):
+        row = int(bad.nonzero()[0])
+        raise ValueError(f"{what}: offsets[{row}] = {int(host[row])} is outside [0, {limit}]: a kept index "
+                         f"(< N = {N}) plus its offset must fit int32 and never be -1 (the padding)")
 
 
 def topk_reference(scores: torch.Tensor, lengths: torch.Tensor, k: int) -> torch.Tensor:

@@ -264,6 +264,12 @@ def test_pack_triton_interpreter_matches_torch():
         "_pack_torch(*args, b, nb)\n"
         "assert torch.equal(a, b) and torch.equal(na, nb), 'triton and torch packs differ on refused tails'\n"
         "assert (a[1:] == -1).all() and na.tolist() == [5 + 37, 950 + 601, 990], na\n"
+        "# a base above scored - K, and a length before the round past int32 (saturated)\n"
+        "args = (kept, i(900, 950, 2**31 - 2), i(0, 9, 3), i(5, 2**31 - 40, 2**31 - 40))\n"
+        "pack_move_sources(*args, a, na)\n"
+        "_pack_torch(*args, b, nb)\n"
+        "assert torch.equal(a, b) and torch.equal(na, nb), 'triton and torch packs differ on refused bases'\n"
+        "assert (a[1:] == -1).all() and na.tolist() == [5 + 37, 950 + 9, 2**31 - 1], na\n"
         "# decisions that keep the contract: kept[m] >= base + m, below the scored length\n"
         "kept = torch.stack([torch.randperm(898)[:37].sort().values for _ in range(12)]).view(3, 4, 37).int() + 7\n"
         "args = (kept, i(905, 950, 990), i(0, 9, 3), i(5, 6, 7))\n"
@@ -634,3 +640,149 @@ def test_interleaved_layer_views_of_one_pool_are_not_aliases():
     for got, want in zip(views, expect):
         sel = mask[:, None, None, :, None].expand_as(want)
         assert torch.equal(got.view(torch.uint8)[sel], want[sel])
+
+
+# ---- issue 30: bad input, second pass ----------------------------------------------------------------------
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_pools_with_internal_overlap_are_refused(device):
+    """A stride-0 expanded pool (every page one memory) would be moved through its shared memory; torch refuses
+    such in-place writes too. Refused at bind time and by compact_layers_, naming the pool, nothing moved."""
+    pools, table, kept, scored, tail, base = _small(device)
+    args = (table, kept, scored, tail, base)
+    shape = pools[0].shape
+    pages = [poison_(torch.empty(1, *shape[1:], dtype=pools[0].dtype, device=device)) for _ in pools]
+    shared = [p.expand(shape) for p in pages]  # every layer its own memory, every page of a layer the same
+    before = [bytes_of(p).clone() for p in pages]
+    with pytest.raises(ValueError, match=r"build_compaction_params: pools\[0\] has elements that share memory"):
+        build_compaction_params(shared, *args, max_tail=5)
+    params = build_compaction_params(pools, *args, max_tail=5)
+    pack_move_sources(kept, scored, tail, base, params.sources, params.new_lengths)
+    with pytest.raises(ValueError, match=r"compact_layers_: pools\[0\] has elements that share memory"):
+        compact_layers_(shared, table, params.sources, params.new_lengths, base, params.layer_row_base,
+                        params.head_row_stride)
+    with pytest.raises(ValueError, match=r"compaction_compact_layers_: pools\[0\] has elements that share memory"):
+        torch.ops.kvops.compaction_compact_layers_(shared, table, params.sources, params.new_lengths, base,
+                                                   list(params.layer_row_base), list(params.head_row_stride))
+    heads = [p[:, :, :1].expand(p.shape) for p in pools]  # stride 0 on the head dim
+    with pytest.raises(ValueError, match=r"pools\[0\] has elements that share memory"):
+        build_compaction_params(heads, *args, max_tail=5)
+    assert _unchanged(pages, before)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("order", ["ordered", "fill"])
+def test_a_base_past_the_scored_tokens_leaves_the_request_as_it_was(device, order):
+    """Without validation, a destination base outside [0, scored - K] (where base + K + tail could overflow
+    int32 into a negative length) or a length scored + tail past int32 leaves its request as it is, like a bad
+    tail: nothing of it moves and it gets its length before the round (saturated to int32)."""
+    T, K = 16, 6
+    P, table, kept, scored, tail, base = _batch(3, T, K, 1, device, max_tail=2)
+    pools = _pools("hnd", 2, P, 2, T, 64, torch.bfloat16, device)
+    params = build_compaction_params(pools, table, kept, scored, tail, base, max_tail=2, order=order)
+    keep = [0, 2]
+    expect, expect_len = compact_reference(pools, table[keep], kept[keep], scored[keep], tail[keep], base[keep],
+                                           order=order)
+    before = [p.clone() for p in pools]
+    pages1 = table[1][table[1] >= 0].long()
+    mask = _defined_mask(table[keep], expect_len, P, T).to(device)
+    for bad_base in (2**31 - 3, -5, int(scored[1]) - K + 1):
+        for p, b in zip(pools, before):
+            p.copy_(b)
+        base[1] = bad_base
+        with pytest.raises(ValueError, match="request 1"):
+            compact(params, 3, validate=True)
+        new_lengths = compact(params, 3)
+        assert new_lengths.tolist() == [int(expect_len[0]), int(scored[1] + tail[1]), int(expect_len[1])]
+        assert (params.sources[1] == -1).all()
+        for got, want, old in zip(pools, expect, before):
+            sel = mask[:, None, None, :, None].expand_as(want)
+            assert torch.equal(got.view(torch.uint8)[sel], want[sel])
+            assert torch.equal(bytes_of(got[pages1]), bytes_of(old[pages1]))
+    scored[1], base[1], tail[1] = 2**31 - 2, 2**31 - 2 - K, 2  # scored + tail does not fit int32
+    assert compact(params, 3).tolist()[1] == 2**31 - 1
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_pack_refuses_outputs_that_alias_its_inputs(device):
+    """Ordered lists written over kept (or new lengths over the lengths) would read what they just wrote."""
+    R, rows, K, max_tail = 2, 2, 5, 3
+    kept = torch.randint(0, 50, (R, rows, K + max_tail), dtype=torch.int32, device=device).sort(-1).values
+    scored, tail, base = (torch.tensor(v, dtype=torch.int32, device=device) for v in ([60, 70], [1, 3], [2, 4]))
+    sources = torch.full((R, rows, K + max_tail), 7, dtype=torch.int32, device=device)
+    new_lengths = torch.zeros(R, dtype=torch.int32, device=device)
+    for order_moves in (None, torch.empty_like(sources)):
+        saved = kept.clone()
+        with pytest.raises(ValueError, match="pack_move_sources: sources shares memory with kept"):
+            pack_move_sources(kept[:, :, :K], scored, tail, base, kept, new_lengths, order_moves)
+        assert torch.equal(kept, saved)
+        with pytest.raises(ValueError, match="pack_move_sources: new_lengths shares memory with tail_lengths"):
+            pack_move_sources(kept[:, :, :K], scored, tail, base, sources, tail, order_moves)
+        assert tail.tolist() == [1, 3]
+    buf = torch.empty(sources.numel(), dtype=torch.int32, device=device)
+    moves, buf_scored = buf.view(sources.shape), buf[:R]
+    buf_scored.copy_(scored)
+    with pytest.raises(ValueError, match="pack_move_sources: moves shares memory with scored_lengths"):
+        pack_move_sources(kept[:, :, :K], buf_scored, tail, base, sources, new_lengths, moves)
+
+
+def test_stream_rows_checks_its_arguments():
+    with pytest.raises(ValueError, match=r"stream_rows: layer_windows needs one non-negative int per layer \(2\)"):
+        stream_rows(1, 2, 3, [0])
+    with pytest.raises(ValueError, match="layer_windows"):
+        stream_rows(1, 2, 3, [0, 4, 8])
+    with pytest.raises(ValueError, match="layer_windows"):
+        stream_rows(1, 2, 3, [0, -1])
+    with pytest.raises(TypeError, match="stream_rows: layers must be an int"):
+        stream_rows(1, 2.0, 3)
+    with pytest.raises(ValueError, match="stream_rows: heads must be >= 1"):
+        stream_rows(1, 2, 0)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_check_decisions_refuses_more_requests_than_bound(device):
+    pools, table, kept, scored, tail, base = _small(device)
+    params = build_compaction_params(pools, table, kept, scored, tail, base, max_tail=5)
+    from kvops.compaction import check_decisions
+    check_decisions(params, 3)
+    with pytest.raises(ValueError, match=r"check_decisions: request_count must be in \[0, 3\], got 4"):
+        check_decisions(params, 4)
+    with pytest.raises(TypeError, match="check_decisions: request_count must be an int"):
+        check_decisions(params, 2.0)
+    with pytest.raises(TypeError, match="check_decisions: params must be a CompactionParams"):
+        check_decisions(None, 2)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_pools_with_an_empty_dim_are_refused(device):
+    """No heads, no tokens per page or no head_dim: nothing could move (a page of no tokens holds no position),
+    so a bind would silently do nothing. Refused, naming the dim."""
+    pools, table, kept, scored, tail, base = _small(device)
+    for k, name in ((2, "head"), (3, "token"), (4, "dim")):
+        empty = [p.narrow(k, 0, 0) for p in pools]
+        with pytest.raises(ValueError, match=rf"build_compaction_params: pools\[0\] .*: dim {k} \({name}\) is empty"):
+            build_compaction_params(empty, table, kept, scored, tail, base, max_tail=5)
+    with pytest.raises(ValueError, match="max_tail must be in"):
+        build_compaction_params(pools, table, kept, scored, tail, base, max_tail=2**31 - kept.shape[2])
+    with pytest.raises(ValueError, match="decision_row: head must be in"):
+        decision_row(3, 2, 3, 0, 3)
+    with pytest.raises(ValueError, match="compact_layers_: layer_row_base needs one int per layer"):
+        compact_layers_(pools, table[:0], kept[:0], scored[:0], base[:0], [0], [0, 0, 0])
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_argument_types_are_named(device):
+    pools, table, kept, scored, tail, base = _small(device)
+    params = build_compaction_params(pools, table, kept, scored, tail, base, max_tail=5)
+    before = [bytes_of(p).clone() for p in pools]
+    with pytest.raises(TypeError, match="compact: validate must be a bool"):
+        compact(params, 3, validate="no")
+    with pytest.raises(TypeError, match="compact: params must be a CompactionParams"):
+        compact(None)
+    assert _unchanged(pools, before)
+    with pytest.raises(TypeError, match="decision_rows: layers must be an int"):
+        decision_rows("union", "2", 2)
+    with pytest.raises(ValueError, match="order must be one of"):
+        build_compaction_params(pools, table, kept, scored, tail, base, max_tail=5, order=["fill"])
+    with pytest.raises(ValueError, match="layer_windows needs one non-negative int per layer"):
+        build_compaction_params(pools, table, kept, scored, tail, base, max_tail=5, layer_windows=[False, True, False])

@@ -516,3 +516,124 @@ def test_bad_tensors_are_rejected():
     p, s = torch.ops.kvops.nvfp4_quantize(pool.reshape(-1, 64), None)
     with pytest.raises(ValueError, match="multiple of 8"):
         torch.ops.kvops.nvfp4_dequantize(p[:, :4], s[:, :1], None, torch.bfloat16)
+
+
+# ---- issue 30: bad input, second pass ----------------------------------------------------------------------
+
+@pytest.mark.parametrize("shape, spec, dim", [
+    ((4, 2, 0, 16, 64), RowSpec.full(64, plane_dim=1), 2),   # no heads: a zero-sized row dim of the radix walk
+    ((4, 2, 2, 0, 64), RowSpec.full(64, plane_dim=1), 3),    # no tokens
+    ((4, 0, 2, 16, 64), RowSpec.full(64, plane_dim=1), 1),   # no planes
+    ((4, 2, 2, 16, 0), RowSpec.lossless(plane_dim=1), 4),    # rows of no elements
+    ((4, 0, 64), RowSpec.lossless(), 1),
+])
+def test_empty_pool_dims_are_refused_at_construction(shape, spec, dim):
+    """A pool with an empty dim other than the page dim has no rows to store (it used to reach a division by
+    zero in the kernel plan and kill the process)."""
+    pool = torch.empty(shape, dtype=torch.bfloat16)
+    with pytest.raises(ValueError, match=rf"pools\[1\] \(shape .*\): dim {dim} is empty"):
+        PageBlobCodec([_kv((4, 16, 64), torch.bfloat16), pool], [RowSpec.full(64), spec])
+
+
+def test_the_op_refuses_empty_dims_too():
+    """The op's own host check (a plan from another codec): a clear error instead of a division by zero."""
+    pool = _kv((4, 2, 2, 16, 64), torch.bfloat16, "cpu", None)
+    codec = PageBlobCodec([pool], [RowSpec.full(64, plane_dim=1)])
+    cold = codec.allocate(2)
+    for k in (2, 3):
+        empty = pool.narrow(k, 0, 0)
+        with pytest.raises(ValueError, match=rf"nvfp4_encode_pages_: pools\[0\] dim {k} is empty"):
+            torch.ops.kvops.nvfp4_encode_pages_([empty], cold, torch.tensor([[0, 1]], dtype=torch.int32),
+                                                codec.plan)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_a_pool_of_no_pages_is_a_no_op(device):
+    pool = torch.empty(0, 2, 2, 16, 64, dtype=torch.bfloat16, device=device)
+    codec = PageBlobCodec([pool], [RowSpec.full(64, plane_dim=1)])
+    cold = poison_(codec.allocate(2, device=device))
+    saved = cold.clone()
+    none = torch.empty(0, 2, dtype=torch.int32, device=device)
+    codec.encode([pool], cold, none)
+    codec.decode(cold, [pool], none)
+    assert torch.equal(cold, saved)
+    with pytest.raises(ValueError, match="page 0 is out of range"):
+        codec.encode([pool], cold, torch.tensor([[0, 0]], dtype=torch.int32))
+
+
+def test_plan_layout_refuses_bad_shapes_and_dtypes():
+    from kvops.nvfp4 import plan_layout
+    with pytest.raises(ValueError, match=r"pools\[0\] \(shape \(4, -2, 16, 64\).*dim 1 is negative"):
+        plan_layout([((4, -2, 16, 64), torch.bfloat16)], [RowSpec.lossless()])
+    with pytest.raises(TypeError, match=r"pools\[0\].*shape must be a sequence of ints"):
+        plan_layout([((4, 2.0, 64), torch.bfloat16)], [RowSpec.lossless()])
+    with pytest.raises(TypeError, match=r"pools\[0\].*dtype must be a torch.dtype"):
+        plan_layout([((4, 2, 64), "bfloat16")], [RowSpec.lossless()])
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_written_tensors_with_internal_overlap_are_refused(device):
+    """Decode writes the pools and encode writes cold_pages: a stride-0 expanded one would be written through
+    its shared memory (torch refuses such in-place writes too). Refused, naming it, with nothing written."""
+    pools, specs = _geometries(torch.bfloat16, device, "per_page_pow2")["split_kv"]
+    codec = PageBlobCodec(pools, specs)
+    cold = poison_(codec.allocate(4, device=device))
+    pairs = torch.tensor([[0, 1], [2, 3]], dtype=torch.int32, device=device)
+    codec.encode(pools, cold, pairs)
+    one_page = poison_(torch.empty(1, *pools[1].shape[1:], dtype=pools[1].dtype, device=device))
+    saved_page = one_page.clone()
+    shared = one_page.expand(pools[1].shape)  # every page the same memory
+    with pytest.raises(ValueError, match=r"PageBlobCodec.decode: pools\[1\] has elements that share memory"):
+        codec.decode(cold, [pools[0].clone(), shared], pairs.flip(1))
+    assert torch.equal(bytes_of(one_page), bytes_of(saved_page))
+    slot = poison_(torch.empty(1, codec.cold_page_bytes, dtype=torch.uint8, device=device))
+    saved = slot.clone()
+    with pytest.raises(ValueError, match="PageBlobCodec.encode: cold_pages has elements that share memory"):
+        codec.encode(pools, slot.expand(4, -1), pairs)
+    assert torch.equal(slot, saved)
+    with pytest.raises(ValueError, match=r"nvfp4_decode_pages_: pools\[1\] has elements that share memory"):
+        torch.ops.kvops.nvfp4_decode_pages_(cold, [pools[0].clone(), shared], pairs.flip(1), codec.plan)
+    with pytest.raises(ValueError, match="nvfp4_encode_pages_: cold_pages has elements that share memory"):
+        torch.ops.kvops.nvfp4_encode_pages_(pools, slot.expand(4, -1), pairs, codec.plan)
+    assert torch.equal(slot, saved) and torch.equal(bytes_of(one_page), bytes_of(saved_page))
+    codec.encode([pools[0], shared], cold, pairs)  # encode only reads the pools
+
+
+def test_allocate_checks_num_slots():
+    codec = PageBlobCodec([torch.empty(4, 16, 64, dtype=torch.bfloat16)], [RowSpec.full(64)])
+    with pytest.raises(ValueError, match="PageBlobCodec.allocate: num_slots must be >= 0, got -1"):
+        codec.allocate(-1)
+    for bad in (2.5, True, "3", None):
+        with pytest.raises(TypeError, match="PageBlobCodec.allocate: num_slots must be an int"):
+            codec.allocate(bad)
+    with pytest.raises(TypeError, match="pin_memory must be a bool"):
+        codec.allocate(2, pin_memory="yes")
+    assert codec.allocate(0).shape == (0, codec.cold_page_bytes)
+
+
+def test_spec_and_call_argument_types_are_named():
+    pool = _kv((4, 2, 16, 64), torch.bfloat16, "cpu", None)
+    for spec, match in [(RowSpec("ab", plane_dim=1), "quantized_range must be a"),
+                        (RowSpec.full("64", plane_dim=1), "quantized_range must be a"),
+                        (RowSpec.full(64, residual_range="ab", plane_dim=1), "residual_range must be a"),
+                        (RowSpec.full(64, plane_dim=1.0), "plane_dim must be an int"),
+                        (RowSpec.full(64, plane_dim=True), "plane_dim must be an int")]:
+        with pytest.raises(TypeError, match=rf"pools\[0\] .*{match}"):
+            PageBlobCodec([pool], [spec])
+    with pytest.raises(TypeError, match="rope_range must be a"):
+        RowSpec.for_rope(64, "ab")
+    with pytest.raises(TypeError, match=r"PageBlobCodec: pools\[0\] must be a tensor"):
+        PageBlobCodec(["pool"], [RowSpec.lossless()])
+    codec = PageBlobCodec([pool], [RowSpec.full(64, plane_dim=1)])
+    cold = poison_(codec.allocate(2))
+    saved = cold.clone()
+    pairs = torch.tensor([[0, 1]], dtype=torch.int32)
+    with pytest.raises(TypeError, match="PageBlobCodec.encode: validate must be a bool"):
+        codec.encode([pool], cold, pairs, validate="yes")
+    assert torch.equal(cold, saved)
+    with pytest.raises(TypeError, match="PageBlobCodec.decode: validate must be a bool"):
+        codec.decode(cold, [pool.clone()], pairs, validate=1)
+    with pytest.raises(ValueError, match="PageBlobCodec.refused: device 'nodevice' is not a device"):
+        codec.refused("nodevice")
+    with pytest.raises(TypeError, match="PageBlobCodec.allocate: device must be"):
+        codec.allocate(2, device=2.5)

@@ -1,5 +1,7 @@
 """kvops.topk against the reference (value order, lowest index on ties, NaN last, ascending output)."""
 
+import os
+
 import pytest
 import torch
 
@@ -44,7 +46,7 @@ def test_matches_reference_tie_heavy(device, N, k, with_offsets):
     lengths = torch.randint(0, N + 1, (rows,), dtype=torch.int32)
     lengths[0], lengths[1] = 0, min(1, N)
     lengths = lengths.to(device)
-    offsets = torch.randint(-50, 5000, (rows,), dtype=torch.int32, device=device) if with_offsets else None
+    offsets = torch.randint(0, 5000, (rows,), dtype=torch.int32, device=device) if with_offsets else None
     out = poison_(torch.empty(rows, k, dtype=torch.int32, device=device))
     topk(scores, lengths, k, out, offsets)
     assert torch.equal(out.cpu(), _shifted(topk_reference(scores.cpu(), lengths.cpu(), k), offsets))
@@ -249,3 +251,40 @@ def test_short_rows_native_bad_arguments(device):
         _short_rows_native(s, n, n[:3], 10, out)
     with pytest.raises(ValueError, match="out overlaps offsets"):
         _short_rows_native(s, n, out.view(-1)[:4], 10, out)
+
+
+# ---- issue 30: bad input, second pass ----------------------------------------------------------------------
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_offsets_out_of_range_are_refused_where_checked(device):
+    """An offset below 0 can turn a kept index into -1 (the padding value), and index + offset past int32 wraps:
+    offsets must lie in [0, 2**31 - N]. Host offsets are always checked; device offsets (read on the device, like
+    lengths) only with validate=True or KVOPS_DEBUG=1, which read them back."""
+    N = 40
+    scores = torch.randn(3, N, device=device)
+    lengths = torch.randint(1, N + 1, (3,), dtype=torch.int32, device=device)
+    good = torch.randint(0, 1000, (3,), dtype=torch.int32, device=device)
+    good[2] = 2**31 - N  # the largest: index N - 1 lands on int32 max
+    want = _shifted(topk_reference(scores.cpu(), lengths.cpu(), 5), good)
+    assert torch.equal(topk(scores, lengths, 5, offsets=good, validate=True).cpu(), want)
+    for row, value, match in [(1, -1, r"topk: offsets\[1\] = -1 is outside \[0, 2147483608\]"),
+                              (2, 2**31 - N + 1, r"topk: offsets\[2\] = 2147483609 is outside")]:
+        bad = good.clone()
+        bad[row] = value
+        out = torch.full((3, 5), 7, dtype=torch.int32, device=device)
+        with pytest.raises(ValueError, match=match):
+            topk(scores, lengths, 5, out, bad, validate=True)
+        assert (out == 7).all()
+        if device == "cpu":
+            with pytest.raises(ValueError, match=match):
+                topk(scores, lengths, 5, out, bad)
+        else:
+            topk(scores, lengths, 5, out, bad)  # trusted without validate: no sync
+            os.environ["KVOPS_DEBUG"] = "1"
+            try:
+                with pytest.raises(ValueError, match=match):
+                    topk(scores, lengths, 5, out, bad)
+            finally:
+                del os.environ["KVOPS_DEBUG"]
+    with pytest.raises(TypeError, match="topk: validate must be a bool"):
+        topk(scores, lengths, 5, offsets=good, validate=1)

@@ -177,3 +177,25 @@ def test_absent_pages_rank_last_or_raise_with_validate(device):
     assert torch.equal(kept.cpu(), ref)
     assert not set(range(24, 32)) & set(kept[0].flatten().tolist()) and 50 not in kept[0, 0].tolist()
     assert not set(range(32, 40)) & set(kept[1].flatten().tolist())
+
+
+# ---- issue 30: bad input, second pass ----------------------------------------------------------------------
+
+def test_pools_must_have_the_calibrations_geometry():
+    """Pools of another model (a KV-head count that still divides the query heads, another head_dim, another
+    layer count) would score query head h against the wrong KV head: refused, naming the counts."""
+    cal = synthetic_calibration()  # 3 layers, 8 query / 2 KV heads, head_dim 32
+    pools, table, N, P = paged_pools(cal, [3], [20], 8, "cpu")
+    selector = TriAttentionSelector(cal, 8)
+    one_head = [p[:, :, :1].contiguous() for p in pools]
+    with pytest.raises(ValueError, match="k_pools have 1 KV heads; the calibration has 2"):
+        selector.select(one_head, table, N, P, N.long())
+    four_heads = [p.repeat(1, 1, 2, 1, 1) for p in pools]
+    with pytest.raises(ValueError, match="k_pools have 4 KV heads; the calibration has 2"):
+        selector.select(four_heads, table, N, P, N.long())
+    wide = [torch.nn.functional.pad(p, (0, 16)) for p in pools]
+    with pytest.raises(ValueError, match="k_pools have head_dim 48; the calibration has 32"):
+        selector.select(wide, table, N, P, N.long())
+    with pytest.raises(ValueError, match="k_pools must be a list of 3 per-layer pools, got 4"):
+        selector.select(pools + pools[:1], table, N, P, N.long())
+    selector.select(pools, table, N, P, N.long())

@@ -65,11 +65,18 @@ struct MovePlan {
 struct FillRow {
   const int32_t* kept;  // the decision row; unused for the window row
   int32_t K, scored, tail, base, n;  // n = K + tail: the list's length
-  bool refused;                      // a tail the lists cannot hold: lists of -1, the length before the round
+  // Lists of -1 and the length before the round (scored + tail, saturated to [0, INT32_MAX]) for a tail the
+  // lists cannot hold, a base outside [0, scored - K] (no decision fits there; base + n could overflow) or a
+  // length before the round past int32.
+  bool refused;
 
   // U: the kept positions, then the tail's (ascending when the decision keeps the contract).
   KVOPS_HD int32_t U(int32_t i) const { return i < K ? kept[i] : scored + (i - K); }
-  KVOPS_HD int32_t new_length() const { return refused ? scored + (tail > 0 ? tail : 0) : base + n; }
+  KVOPS_HD int32_t new_length() const {
+    if (!refused) return base + n;  // <= scored + tail <= INT32_MAX
+    const int64_t before = int64_t(scored) + (tail > 0 ? tail : 0);
+    return int32_t(before < 0 ? 0 : before > INT32_MAX ? INT32_MAX : before);
+  }
   // The window row stays in order: the latest K scored tokens, then the tail; all move or none does.
   KVOPS_HD int32_t window_source(int32_t m) const { return m < n ? scored - K + m : -1; }
   KVOPS_HD int32_t window_move(int32_t m) const { return m < n && scored - K != base ? m : -1; }
@@ -89,8 +96,9 @@ struct FillPlan {
     f.scored = scored_lengths[r];
     f.tail = tail_lengths[r];
     f.base = destination_bases[r];
-    f.n = K + f.tail;
-    f.refused = f.tail < 0 || f.tail > capacity - K;
+    f.n = int32_t(int64_t(K) + f.tail);  // wraps only for a refused tail, whose n is never read
+    f.refused = f.tail < 0 || f.tail > capacity - K || f.base < 0 || int64_t(f.base) + K > f.scored ||
+                int64_t(f.scored) + f.tail > INT32_MAX;
     return f;
   }
 };

@@ -2,6 +2,8 @@
 #include "codec.h"
 #include "nvfp4.h"
 
+#include <ATen/MemoryOverlap.h>
+
 #include <cstring>
 #include <unordered_set>
 
@@ -89,6 +91,9 @@ std::vector<PoolDesc> make_pool_descs(const std::vector<at::Tensor>& pools, at::
     TORCH_CHECK_VALUE(t.dim() >= 2, what, ": pools[", p, "] must have a page dim and a row dim, got shape ",
                       t.sizes());
     const int nd = int(t.dim());
+    for (int k = 1; k < nd; ++k)  // the row walk divides by these sizes
+      TORCH_CHECK_VALUE(t.size(k) > 0, what, ": pools[", p, "] dim ", k, " is empty (shape ", t.sizes(),
+                        "); every dim but the page dim needs at least one element");
     TORCH_CHECK_VALUE(t.stride(nd - 1) == 1, what, ": pools[", p, "] rows (last dim) must be contiguous");
     PoolDesc d{};
     d.esize = int32_t(t.element_size());
@@ -237,6 +242,15 @@ std::vector<PoolDesc> check_codec_call(at::TensorList pools, const at::Tensor& c
   check_cold_pages(cold_pages, what);
   std::vector<at::Tensor> pv(pools.begin(), pools.end());
   auto descs = make_pool_descs(pv, plan, cold_pages.size(1), what);
+  // What the kernel writes must not hold one element twice (an expand()); torch refuses such in-place writes too.
+  if (encode) {
+    TORCH_CHECK_VALUE(at::has_internal_overlap(cold_pages) != at::MemOverlap::Yes, what,
+                      ": cold_pages has elements that share memory (strides ", cold_pages.strides(), ")");
+  } else {
+    for (size_t p = 0; p < pv.size(); ++p)
+      TORCH_CHECK_VALUE(at::has_internal_overlap(pv[p]) != at::MemOverlap::Yes, what, ": pools[", p,
+                        "] has elements that share memory (strides ", pv[p].strides(), ")");
+  }
   int64_t pages = descs[0].num_pages;  // a page index must exist in every pool
   for (auto& d : descs) pages = std::min<int64_t>(pages, d.num_pages);
   if (refused)

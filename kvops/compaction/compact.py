@@ -14,7 +14,8 @@ from typing import Sequence
 
 import torch
 
-from .._checks import check_device, check_disjoint, check_int, check_int32, check_no_meta_mix
+from .._checks import (check_bool, check_device, check_disjoint, check_int, check_int32, check_no_internal_overlap,
+                       check_no_meta_mix)
 from .._dispatch import call
 from .pack import _pack_launch, _pack_op
 
@@ -25,14 +26,34 @@ def compact_layers_(pools: Sequence[torch.Tensor], page_table: torch.Tensor, sou
     """For every layer l, plane and head h of request r: position destination_bases[r] + m receives
     source m of list row ``layer_row_base[l] + head_row_stride[l] * h``, m < new_lengths[r] - base. With `moves`
     (the shape of sources) only the indices m listed in the row's moves (ascending, -1 after the last) are
-    walked; the others must already be in place."""
+    walked; the others must already be in place. The pools are moved in place: no two of their elements may
+    share memory."""
     what = "compact_layers_"
+    if not isinstance(pools, (list, tuple)):
+        raise TypeError(f"{what}: pools must be a list of per-layer tensors, got {type(pools).__name__}")
     device = check_device(what, pools=list(pools))
+    _check_pools(what, pools)
+    for name, values in (("layer_row_base", layer_row_base), ("head_row_stride", head_row_stride)):
+        if not isinstance(values, (list, tuple)) or len(values) != len(pools) or \
+                not all(isinstance(v, int) and not isinstance(v, bool) for v in values):
+            raise ValueError(f"{what}: {name} needs one int per layer ({len(pools)}), got {values!r}")
     check_int32(what, device, page_table=(page_table, 2), sources=(sources, 3), new_lengths=(new_lengths, 1),
                 destination_bases=(destination_bases, 1), **({} if moves is None else {"moves": (moves, 3)}))
     check_disjoint(what, "pools", list(pools))
     torch.ops.kvops.compaction_compact_layers_(list(pools), page_table, sources, new_lengths, destination_bases,
                                                list(layer_row_base), list(head_row_stride), moves)
+
+
+def _check_pools(what: str, pools: Sequence[torch.Tensor]) -> None:
+    """What the op's own checks leave to Python: no empty head, token or dim dim in a 5-D pool (nothing to move:
+    a page of no tokens would hold no position), and no element held twice (a pool is moved in place)."""
+    for i, p in enumerate(pools):
+        if p.dim() == 5:
+            for k, name in ((2, "head"), (3, "token"), (4, "dim")):
+                if p.shape[k] == 0:
+                    raise ValueError(f"{what}: pools[{i}] (shape {tuple(p.shape)}): dim {k} ({name}) is empty; "
+                                     f"heads, tokens per page and head_dim need at least one element")
+        check_no_internal_overlap(what, f"pools[{i}]", p)
 
 
 @torch.library.register_fake("kvops::compaction_compact_layers_")
@@ -73,14 +94,20 @@ MODES = ("union", "per_head", "per_layer_perhead")  # decision layouts: a keep s
 
 def decision_rows(mode: str, layers: int, heads: int) -> int:
     """Rows per request of a decision in `mode`: 1, `heads` or `layers * heads`."""
-    if mode not in MODES:
+    if not isinstance(mode, str) or mode not in MODES:
         raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
+    check_int("decision_rows", "layers", layers, 1)
+    check_int("decision_rows", "heads", heads, 1)
     return {"union": 1, "per_head": heads, "per_layer_perhead": layers * heads}[mode]
 
 
 def decision_row(rows: int, layers: int, heads: int, layer: int, head: int) -> int:
     """The row of a decision with `rows` rows per request that (layer, KV head) keeps: row 0 (union), row `head`
     (per KV head) or row ``layer * heads + head`` (per layer and KV head)."""
+    for name, value in (("rows", rows), ("layers", layers), ("heads", heads)):
+        check_int("decision_row", name, value, 1)
+    check_int("decision_row", "layer", layer, 0, layers - 1)
+    check_int("decision_row", "head", head, 0, heads - 1)
     if rows not in (1, heads, layers * heads):
         raise ValueError(f"kept has {rows} rows per request; expected 1 (union), {heads} (one per KV head) or "
                          f"{layers * heads} (one per layer and KV head)")
@@ -91,10 +118,17 @@ def stream_rows(rows: int, layers: int, heads: int, layer_windows: Sequence[int]
                 ) -> tuple[tuple[int, ...], tuple[int, ...]]:
     """(layer_row_base, head_row_stride) for a decision with `rows` rows per request (``decision_row``): layer l,
     head h reads list row ``layer_row_base[l] + head_row_stride[l] * h``. Window layers read the extra window row
-    (index `rows`) for every head."""
+    (index `rows`) for every head. layer_windows: one non-negative int per layer (0 = full attention), or None."""
+    what = "stream_rows"
+    for name, value in (("rows", rows), ("layers", layers), ("heads", heads)):
+        check_int(what, name, value, 1)
+    windows = [0] * layers if layer_windows is None else layer_windows
+    if not isinstance(windows, (list, tuple)) or len(windows) != layers or \
+            not all(isinstance(w, int) and not isinstance(w, bool) and w >= 0 for w in windows):
+        raise ValueError(f"{what}: layer_windows needs one non-negative int per layer ({layers}), got "
+                         f"{layer_windows!r}")
     base = [decision_row(rows, layers, heads, layer, 0) for layer in range(layers)]
     stride = decision_row(rows, layers, heads, 0, 1) - base[0] if heads > 1 else 0
-    windows = list(layer_windows or [0] * layers)
     return (tuple(rows if w > 0 else b for b, w in zip(base, windows)),
             tuple(0 if w > 0 else stride for w in windows))
 
@@ -109,8 +143,8 @@ def build_compaction_params(pools: Sequence[torch.Tensor], page_table: torch.Ten
     ----------
     pools : list of torch.Tensor
         Per-layer 5-D views ``[page, plane (K=0, V=1), head, token, dim]``, bf16, fp16 or fp8, one geometry for
-        every layer, no two sharing memory (HND as is, NHD ``.transpose(2, 3)``, vLLM ``[2, P, T, H, D]``
-        ``.permute(1, 0, 3, 2, 4)``).
+        every layer, no two sharing memory and none holding an element twice (an ``expand``), since they are
+        moved in place (HND as is, NHD ``.transpose(2, 3)``, vLLM ``[2, P, T, H, D]`` ``.permute(1, 0, 3, 2, 4)``).
     page_table : torch.Tensor
         int32 ``[R_max, max_pages]``, shared by the layers.
     kept : torch.Tensor
@@ -143,13 +177,14 @@ def build_compaction_params(pools: Sequence[torch.Tensor], page_table: torch.Ten
     if not all(p.dim() == 5 for p in pools):
         raise ValueError(f"{what}: pools must be 5-D [page, plane, head, token, dim] views, got shapes "
                          f"{sorted({tuple(p.shape) for p in pools})[:4]}")
+    _check_pools(what, pools)
     check_int32(what, device, page_table=(page_table, 2), kept=(kept, 3), scored_lengths=(scored_lengths, 1),
                 tail_lengths=(tail_lengths, 1), destination_bases=(destination_bases, 1))
     if kept.stride(2) != 1 and kept.shape[2] > 1:
         raise ValueError(f"{what}: kept needs a contiguous last dim (the pack reads its rows), got strides "
                          f"{kept.stride()}")
-    check_int(what, "max_tail", max_tail)
-    if order not in ORDERS:
+    check_int(what, "max_tail", max_tail, 0, 2**31 - 1 - kept.shape[2])  # a list index fits int32
+    if not isinstance(order, str) or order not in ORDERS:
         raise ValueError(f"{what}: order must be one of {ORDERS}, got {order!r}")
     check_disjoint(what, "pools", pools)
     L, H = len(pools), pools[0].shape[2]
@@ -158,8 +193,9 @@ def build_compaction_params(pools: Sequence[torch.Tensor], page_table: torch.Ten
                     ("destination_bases", destination_bases)):
         if t.shape[0] != R:
             raise ValueError(f"{what}: {name} has {t.shape[0]} rows, kept has {R} requests")
-    windows = [0] * L if layer_windows is None else list(layer_windows)
-    if len(windows) != L or not all(isinstance(w, int) and 0 <= w for w in windows):
+    windows = [0] * L if layer_windows is None else layer_windows
+    if not isinstance(windows, (list, tuple)) or len(windows) != L or \
+            not all(isinstance(w, int) and not isinstance(w, bool) and 0 <= w for w in windows):
         raise ValueError(f"{what}: layer_windows needs one non-negative int per layer ({L}), got {layer_windows!r}")
     if any(w > K for w in windows):
         raise ValueError(f"{what}: layer_windows {max(windows)} exceeds the kept count K={K}; a window layer keeps "
@@ -200,14 +236,20 @@ def compact(params: CompactionParams, request_count: int | None = None, *, valid
 
     Notes
     -----
-    A request whose tail lies outside [0, max_tail] is left as it is: nothing of it moves and its new length is
-    scored + tail (its length before the call), so no token is dropped without the caller seeing it in the
-    returned length. Without validation the kernels trust the rest: a decision that is not ascending or that
-    overtakes (kept[m] < base + m) moves the wrong bytes, and a page-table entry shared by two requests (or two
-    columns) is overwritten by one move while another reads it. Entries outside the pool are skipped.
+    A request whose tail lies outside [0, max_tail], whose destination base lies outside [0, scored - K] (no decision
+    fits above it; base + K + tail could overflow int32) or whose scored + tail does not fit int32 is left as it is:
+    nothing of it moves and its new length is scored + tail (its length before the call, saturated to [0, 2**31 - 1]),
+    so no token is dropped without the caller seeing it in the returned length. Without validation the kernels trust the
+    rest: a decision that is not ascending or that overtakes (kept[m] < base + m) moves the wrong bytes, and a
+    page-table entry shared by two requests (or two columns) is overwritten by one move while another reads it. Entries
+    outside the pool are skipped.
     """
+    if not isinstance(params, CompactionParams):
+        raise TypeError(f"compact: params must be a CompactionParams (build_compaction_params), got "
+                        f"{type(params).__name__}")
     R = params.kept.shape[0] if request_count is None else \
         check_int("compact", "request_count", request_count, 0, params.kept.shape[0])
+    check_bool("compact", "validate", validate)
     if validate or os.environ.get("KVOPS_DEBUG") == "1":
         check_decisions(params, R)
     moves = None if params.moves is None else params.moves[:R]
@@ -220,8 +262,14 @@ def compact(params: CompactionParams, request_count: int | None = None, *, valid
     return params.new_lengths[:R]
 
 
-def check_decisions(params: CompactionParams, R: int) -> None:
-    """The contract of compact(), checked on the device and raised on the host (one sync per check)."""
+def check_decisions(params: CompactionParams, request_count: int) -> None:
+    """The contract of compact() for the first `request_count` bound requests, checked on the device and raised on
+    the host (one sync per check)."""
+    what = "check_decisions"
+    if not isinstance(params, CompactionParams):
+        raise TypeError(f"{what}: params must be a CompactionParams (build_compaction_params), got "
+                        f"{type(params).__name__}")
+    R = check_int(what, "request_count", request_count, 0, params.kept.shape[0])
     kept = params.kept[:R].long()
     scored, tail = params.scored_lengths[:R].long(), params.tail_lengths[:R].long()
     base, table = params.destination_bases[:R].long(), params.page_table[:R].long()

@@ -21,9 +21,11 @@ actually moves (source != destination: the free slots of a decision row), then -
 those instead of the whole list, so a round that evicts beta of K + beta tokens touches about beta per row.
 
 ``new_lengths[r] = destination_bases[r] + n_r``. A request whose tail does not fit (outside
-[0, capacity - K]) gets lists of -1 (nothing moves) and ``new_lengths[r] = scored_length + tail``, its
-length before the round. Padding (rather than ragged offsets) keeps every
-shape static for CUDA graphs and means a bad tail can never push a list into another request's.
+[0, capacity - K]), whose destination base lies outside [0, scored_length - K] (no decision fits above it, and
+base + n_r could overflow int32), or whose scored_length + tail does not fit int32 gets lists of -1 (nothing
+moves) and ``new_lengths[r] = scored_length + tail``, its length before the round (saturated to [0, 2**31 - 1]).
+Padding (rather than ragged offsets) keeps every shape static for CUDA graphs and means a bad tail can never
+push a list into another request's.
 """
 
 from __future__ import annotations
@@ -34,10 +36,11 @@ import torch
 import triton
 import triton.language as tl
 
-from .._checks import check_disjoint, check_int32, check_no_meta_mix
+from .._checks import check_disjoint, check_int32, check_no_meta_mix, overlap
 from .._dispatch import call, python_op, triton_launcher
 
 _BLOCK = 512
+INT32_MAX = 2**31 - 1
 
 
 @triton.jit
@@ -49,7 +52,12 @@ def _pack_kernel(kept, kept_stride_r, kept_stride_row, scored_lengths, tail_leng
     m = tl.program_id(2) * BLOCK + tl.arange(0, BLOCK)
     scored = tl.load(scored_lengths + r)
     tail = tl.load(tail_lengths + r)
-    refused = (tail < 0) | (tail > capacity - K)  # a tail the lists cannot hold: the request stays as it is
+    base = tl.load(destination_bases + r)
+    before = scored.to(tl.int64) + tl.maximum(tail, 0)  # the length before the round
+    # the request stays as it is: a tail the lists cannot hold, a base no decision fits above (base + K + tail
+    # could overflow), or a length past int32
+    refused = (tail < 0) | (tail > capacity - K) | (base < 0) | (base.to(tl.int64) + K > scored) | \
+        (before > 2147483647)
     in_kept = m < K
     if row < rows:
         head = tl.load(kept + r.to(tl.int64) * kept_stride_r + row * kept_stride_row + m, mask=in_kept, other=-1)
@@ -59,8 +67,8 @@ def _pack_kernel(kept, kept_stride_r, kept_stride_row, scored_lengths, tail_leng
     src = tl.where(refused, -1, src)
     tl.store(sources + (r.to(tl.int64) * list_rows + row) * capacity + m, src, mask=m < capacity)
     if (row == 0) & (tl.program_id(2) == 0):
-        length = tl.where(refused, scored + tl.maximum(tail, 0), tl.load(destination_bases + r) + K + tail)
-        tl.store(new_lengths + r, length)
+        length = tl.where(refused, tl.minimum(tl.maximum(before, 0), 2147483647), base.to(tl.int64) + K + tail)
+        tl.store(new_lengths + r, length.to(tl.int32))
 
 
 def _fill_torch(kept, scored_lengths, tail_lengths, destination_bases, capacity):
@@ -99,10 +107,11 @@ def _pack_torch(kept, scored_lengths, tail_lengths, destination_bases, sources, 
     sources[:, :, K:] = tail_part[:, None, :]
     if moves is not None:
         sources[:, :rows] = _fill_torch(kept, scored_lengths, tail_lengths, destination_bases, sources.shape[2])
-    refused = (tail_lengths < 0) | (tail_lengths > sources.shape[2] - K)
+    scored, tail, base = scored_lengths.long(), tail_lengths.long(), destination_bases.long()  # no overflow
+    before = scored + tail.clamp(min=0)
+    refused = (tail < 0) | (tail > sources.shape[2] - K) | (base < 0) | (base + K > scored) | (before > INT32_MAX)
     sources.masked_fill_(refused[:, None, None], -1)
-    new_lengths.copy_(torch.where(refused, scored_lengths + tail_lengths.clamp(min=0),
-                                  destination_bases + K + tail_lengths))
+    new_lengths.copy_(torch.where(refused, before.clamp(0, INT32_MAX), base + K + tail))
     if moves is not None:
         moves.copy_(_moves_torch(sources, destination_bases, new_lengths))
 
@@ -143,6 +152,7 @@ def pack_move_sources(kept: torch.Tensor, scored_lengths: torch.Tensor, tail_len
     list_rows is rows (no window row) or rows + 1; capacity >= K (capacity - K is the tail room).
     moves: int32, the shape of sources. When given, the decision rows' lists are in fill order (module docstring;
     the window row stays in order) and moves receives the indices that move.
+    The outputs (sources, new_lengths, moves) share no memory with each other or with the inputs.
     """
     what = "pack_move_sources"
     check_int32(what, kept=(kept, 3), scored_lengths=(scored_lengths, 1), tail_lengths=(tail_lengths, 1),
@@ -162,4 +172,12 @@ def pack_move_sources(kept: torch.Tensor, scored_lengths: torch.Tensor, tail_len
         raise ValueError(f"{what}: moves must be contiguous with the shape of sources {tuple(sources.shape)}, got "
                          f"{tuple(moves.shape)}")
     check_disjoint(what, "outputs", [sources, new_lengths] + ([] if moves is None else [moves]))
+    if not torch.compiler.is_compiling():  # an output over an input: the kernel would read what it just wrote
+        inputs = (("kept", kept), ("scored_lengths", scored_lengths), ("tail_lengths", tail_lengths),
+                  ("destination_bases", destination_bases))
+        for out_name, out in (("sources", sources), ("new_lengths", new_lengths), ("moves", moves)):
+            for in_name, t in inputs:
+                if out is not None and overlap(out, t):
+                    raise ValueError(f"{what}: {out_name} shares memory with {in_name}; the outputs must not "
+                                     f"alias the inputs")
     call(_pack_op, _pack_launch, kept, scored_lengths, tail_lengths, destination_bases, sources, new_lengths, moves)

@@ -7,7 +7,8 @@ from typing import Sequence
 
 import torch
 
-from .._checks import check_device, check_device_or_host, check_disjoint
+from .._checks import (check_bool, check_device, check_device_or_host, check_disjoint, check_int,
+                       check_no_internal_overlap)
 from .layout import PoolLayout, RowSpec, plan_layout
 
 
@@ -17,12 +18,21 @@ class PageBlobCodec:
     ``ColdPageCodec`` interface configures one per layer group.
 
     pools: the hot pools (or anything with .shape and .dtype): dim 0 is the page index, the last dim
-        is the row (contiguous); any dims between. specs: one RowSpec per pool.
+        is the row (contiguous); any dims between; every dim but the page dim non-empty (refused here
+        otherwise). specs: one RowSpec per pool.
     The layout is fixed at construction (see kvops.nvfp4.layout for the blob format). Calls take the
     pools again, which must keep those shapes and dtypes; strides are read per call.
     """
 
     def __init__(self, pools: Sequence, specs: Sequence[RowSpec]):
+        what = "PageBlobCodec"
+        if not isinstance(pools, (list, tuple)) or not isinstance(specs, (list, tuple)):
+            raise TypeError(f"{what}: pools and specs must be lists, got {type(pools).__name__} and "
+                            f"{type(specs).__name__}")
+        for i, p in enumerate(pools):
+            if not (hasattr(p, "shape") and hasattr(p, "dtype")):
+                raise TypeError(f"{what}: pools[{i}] must be a tensor (or have .shape and .dtype), got "
+                                f"{type(p).__name__}")
         self.specs = list(specs)
         self.layouts: list[PoolLayout]
         self.layouts, self.cold_page_bytes = plan_layout([(tuple(p.shape), p.dtype) for p in pools], self.specs)
@@ -34,7 +44,7 @@ class PageBlobCodec:
         their blob's global scale was not positive and finite (a slot never encoded, or corrupt). decode adds to
         it on the device, without a sync; read it with ``int(...)``, reset it with ``.zero_()``. Call this once
         before capturing decodes in a CUDA graph (it allocates the counter the first time)."""
-        device = torch.device(device)
+        device = _device("PageBlobCodec.refused", device)
         if device.type == "cuda" and device.index is None:
             device = torch.device("cuda", torch.cuda.current_device())
         if device not in self._refused:
@@ -47,14 +57,18 @@ class PageBlobCodec:
         return sum(math.prod(lay.shape[1:]) * lay.dtype.itemsize for lay in self.layouts)
 
     def allocate(self, num_slots: int, device: torch.device | str = "cpu", pin_memory: bool | None = None) -> torch.Tensor:
-        """Zeroed cold pages [num_slots, cold_page_bytes]; host memory is pinned when CUDA is available."""
-        device = torch.device(device)
+        """Zeroed cold pages [num_slots, cold_page_bytes]; host memory is pinned when CUDA is available (or as
+        `pin_memory` says)."""
+        check_int("PageBlobCodec.allocate", "num_slots", num_slots)
+        if pin_memory is not None:
+            check_bool("PageBlobCodec.allocate", "pin_memory", pin_memory)
+        device = _device("PageBlobCodec.allocate", device)
         if pin_memory is None:
             pin_memory = device.type == "cpu" and torch.cuda.is_available()
         return torch.zeros(num_slots, self.cold_page_bytes, dtype=torch.uint8, device=device, pin_memory=pin_memory)
 
     def _check(self, what: str, pools: Sequence[torch.Tensor], cold_pages: torch.Tensor,
-               page_pairs: torch.Tensor) -> None:
+               page_pairs: torch.Tensor, encode: bool) -> None:
         if not isinstance(pools, (list, tuple)) or len(pools) != len(self.layouts):
             raise ValueError(f"{what}: pools must be a list of {len(self.layouts)} pools, got "
                              f"{len(pools) if isinstance(pools, (list, tuple)) else type(pools).__name__}")
@@ -67,6 +81,12 @@ class PageBlobCodec:
         if cold_pages.dim() != 2 or cold_pages.shape[1] != self.cold_page_bytes:
             raise ValueError(f"{what}: cold_pages must be [num_slots, {self.cold_page_bytes}], got "
                              f"{tuple(cold_pages.shape)}")
+        # what the kernel writes: an expanded (stride-0) one would be written through its shared memory
+        if encode:
+            check_no_internal_overlap(what, "cold_pages", cold_pages)
+        else:
+            for i, p in enumerate(pools):
+                check_no_internal_overlap(what, f"pools[{i}]", p)
         check_disjoint(what, "pools", pools, [("cold_pages", cold_pages)])
 
     def encode(self, pools: Sequence[torch.Tensor], cold_pages: torch.Tensor, page_pairs: torch.Tensor,
@@ -79,8 +99,8 @@ class PageBlobCodec:
             The pools the codec was configured with (same shapes and dtypes; strides are read per call), on one
             device, sharing no memory with each other or with cold_pages.
         cold_pages : torch.Tensor
-            uint8 ``[slots, cold_page_bytes]`` on the pools' device or in pinned host memory (written in place by
-            the kernel).
+            uint8 ``[slots, cold_page_bytes]`` on the pools' device or in pinned host memory, written in place by
+            the kernel (so no two of its elements may share memory, as after an ``expand``).
         page_pairs : torch.Tensor
             int32 ``[n, 2]`` of (slot, page), on the device or pinned host.
         validate : bool
@@ -90,7 +110,8 @@ class PageBlobCodec:
         -----
         Enqueued on the current stream; no host sync, no allocation.
         """
-        self._check("PageBlobCodec.encode", pools, cold_pages, page_pairs)
+        self._check("PageBlobCodec.encode", pools, cold_pages, page_pairs, encode=True)
+        check_bool("PageBlobCodec.encode", "validate", validate)
         torch.ops.kvops.nvfp4_encode_pages_(list(pools), cold_pages, page_pairs, self.plan, validate)
 
     def decode(self, cold_pages: torch.Tensor, pools: Sequence[torch.Tensor], page_pairs: torch.Tensor,
@@ -102,7 +123,7 @@ class PageBlobCodec:
         cold_pages : torch.Tensor
             uint8 ``[slots, cold_page_bytes]`` written by ``encode``, on the pools' device or pinned host.
         pools : list of torch.Tensor
-            As for ``encode``; written in place.
+            As for ``encode``; written in place (so no two elements of a pool may share memory).
         page_pairs : torch.Tensor
             int32 ``[n, 2]`` of (page, slot), on the device or pinned host.
         validate : bool
@@ -115,6 +136,20 @@ class PageBlobCodec:
         finite: a zeroed slot that was never encoded, or corruption) is left untouched and counted in
         ``refused(device)``.
         """
-        self._check("PageBlobCodec.decode", pools, cold_pages, page_pairs)
+        self._check("PageBlobCodec.decode", pools, cold_pages, page_pairs, encode=False)
+        check_bool("PageBlobCodec.decode", "validate", validate)
         torch.ops.kvops.nvfp4_decode_pages_(cold_pages, list(pools), page_pairs, self.plan, validate,
                                            self.refused(pools[0].device))
+
+
+def _device(what: str, device) -> torch.device:
+    """`device` (a torch.device, its name or a CUDA index) as a torch.device, or an error naming it."""
+    if isinstance(device, torch.device):
+        return device
+    if isinstance(device, bool) or not isinstance(device, (str, int)):
+        raise TypeError(f"{what}: device must be a torch.device, a str or an int, got {type(device).__name__} "
+                        f"{device!r}")
+    try:
+        return torch.device(device)
+    except RuntimeError as e:
+        raise ValueError(f"{what}: device {device!r} is not a device ({e})") from None

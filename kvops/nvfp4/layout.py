@@ -17,6 +17,7 @@ Rows of a plane are the pool's middle dims other than the plane dim, in row-majo
 
 from __future__ import annotations
 
+import operator
 import struct
 from dataclasses import dataclass
 
@@ -69,6 +70,12 @@ class RowSpec:
         """A row with RoPE dims at rope_range: quantize them, keep them lossless (skip), or 2FP4 (residual)."""
         if skip_rope_quantization and rope_residual:
             raise ValueError("rope policy: skip_rope_quantization and rope_residual exclude each other")
+        if isinstance(row_size, bool) or not isinstance(row_size, int):
+            raise TypeError(f"rope policy: row_size must be an int, got {row_size!r}")
+        if rope_range is not None and (not isinstance(rope_range, (tuple, list)) or len(rope_range) != 2 or not all(
+                isinstance(v, int) and not isinstance(v, bool) for v in rope_range)):
+            raise TypeError(f"rope policy: rope_range must be a (start, length) pair of ints or None, got "
+                            f"{rope_range!r}")
         if not rope_range or rope_range[1] == 0:
             return cls((0, row_size), **kw)
         start, length = rope_range
@@ -120,15 +127,34 @@ class PoolLayout:
 
 
 def _check_spec(i: int, shape: tuple[int, ...], dtype: torch.dtype, spec: RowSpec) -> None:
-    def bad(msg):
-        raise ValueError(f"pools[{i}] (shape {tuple(shape)}, {dtype}): {msg}")
+    def bad(msg, error=ValueError):
+        raise error(f"pools[{i}] (shape {tuple(shape)}, {dtype}): {msg}")
 
     if not isinstance(spec, RowSpec):
-        bad(f"spec must be a RowSpec, got {type(spec).__name__}")
+        bad(f"spec must be a RowSpec, got {type(spec).__name__}", TypeError)
+    if not isinstance(dtype, torch.dtype):
+        bad(f"dtype must be a torch.dtype, got {type(dtype).__name__}", TypeError)
     if len(shape) < 2:
         bad("a pool needs a page dim (0) and a row dim (last)")
     if len(shape) - 2 > MAX_MIDDLE_DIMS:
         bad(f"at most {MAX_MIDDLE_DIMS} dims between page and row are supported")
+    for k, n in enumerate(shape):
+        if n < 0:
+            bad(f"dim {k} is negative")
+        if n == 0 and k > 0:  # no pages is a pool with nothing to move yet; an empty row dim has no rows
+            bad(f"dim {k} is empty; every dim but the page dim (0) needs at least one element")
+
+    def int_pair(name, value):
+        ok = isinstance(value, (tuple, list)) and len(value) == 2 and \
+            all(isinstance(v, int) and not isinstance(v, bool) for v in value)
+        if not ok:
+            bad(f"{name} must be a (start, length) pair of ints, got {value!r}", TypeError)
+
+    int_pair("quantized_range", spec.quantized_range)
+    if spec.residual_range is not None:
+        int_pair("residual_range", spec.residual_range)
+    if spec.plane_dim is not None and (isinstance(spec.plane_dim, bool) or not isinstance(spec.plane_dim, int)):
+        bad(f"plane_dim must be an int or None, got {spec.plane_dim!r}", TypeError)
     row = shape[-1]
     esize = dtype.itemsize
     if (row * esize) % 16:
@@ -158,15 +184,31 @@ def _check_spec(i: int, shape: tuple[int, ...], dtype: torch.dtype, spec: RowSpe
         bad(f"global_scale {g!r} is not a positive finite float32")
 
 
+def _shape_and_dtype(i: int, pool) -> tuple[tuple[int, ...], torch.dtype]:
+    """plan_layout's pools[i] as (a tuple of Python ints, dtype): refused unless a (sequence of ints, dtype) pair."""
+    if not isinstance(pool, (list, tuple)) or len(pool) != 2:
+        raise TypeError(f"plan_layout: pools[{i}] must be a (shape, dtype) pair, got {pool!r}")
+    shape, dtype = pool
+    try:
+        if isinstance(shape, (str, bytes)) or any(isinstance(n, bool) for n in shape):
+            raise TypeError
+        return tuple(operator.index(n) for n in shape), dtype
+    except TypeError:
+        raise TypeError(f"pools[{i}] (shape {shape!r}, {dtype}): shape must be a sequence of ints") from None
+
+
 def plan_layout(pools: list[tuple[tuple[int, ...], torch.dtype]], specs: list[RowSpec]) -> tuple[list[PoolLayout], int]:
     """Lays out one blob for pools given as (shape, dtype); returns the pool layouts and the blob size."""
+    if not isinstance(pools, (list, tuple)) or not isinstance(specs, (list, tuple)):
+        raise TypeError(f"plan_layout: pools and specs must be lists, got {type(pools).__name__} and "
+                        f"{type(specs).__name__}")
     if len(pools) == 0:
         raise ValueError("at least one pool is needed")
     if len(specs) != len(pools):
         raise ValueError(f"{len(specs)} row specs for {len(pools)} pools")
     layouts, offset = [], 0
-    for i, ((shape, dtype), spec) in enumerate(zip(pools, specs)):
-        shape = tuple(int(s) for s in shape)
+    for i, (pool, spec) in enumerate(zip(pools, specs)):
+        shape, dtype = _shape_and_dtype(i, pool)
         _check_spec(i, shape, dtype, spec)
         planes = shape[spec.plane_dim] if spec.plane_dim else 1
         rows = 1

@@ -91,7 +91,8 @@ class TriAttentionSelector:
         Parameters
         ----------
         k_pools : list of torch.Tensor
-            Per-layer 5-D views ``[page, plane, kv_head, token, dim]`` (plane 0 is K), bf16, fp16 or fp8 (e4m3fn, e5m2).
+            Per-layer 5-D views ``[page, plane, kv_head, token, dim]`` (plane 0 is K), bf16, fp16 or fp8 (e4m3fn, e5m2),
+            with the calibration's layer count, KV-head count and head_dim.
         page_table : torch.Tensor
             int32 ``[R, pages]``: request r's cache position p lives in page ``page_table[r, p // page_size]``.
         cache_lengths, prompt_lengths : torch.Tensor
@@ -115,6 +116,14 @@ class TriAttentionSelector:
         cal = self.calibration
         device = check_round_inputs(what, k_pools, page_table, cache_lengths, prompt_lengths, cal.num_layers,
                                     cal.num_query_heads, cal.num_freqs)
+        # query head h reads KV head h // group: pools of another model would score against the wrong heads
+        heads, head_dim = k_pools[0].shape[2], k_pools[0].shape[4]
+        if heads != cal.num_kv_heads:
+            raise ValueError(f"{what}: k_pools have {heads} KV heads; the calibration has {cal.num_kv_heads} (for "
+                             f"{cal.num_query_heads} query heads); pools and calibration must describe one model")
+        if head_dim != cal.head_dim:
+            raise ValueError(f"{what}: k_pools have head_dim {head_dim}; the calibration has {cal.head_dim}; "
+                             f"pools and calibration must describe one model")
         check_device(what, device, round_starts=round_starts)
         if round_starts.shape[:1] != page_table.shape[:1]:
             raise ValueError(f"{what}: round_starts must be [{page_table.shape[0]}] (one per page-table row), got "
@@ -131,7 +140,8 @@ class TriAttentionSelector:
         count = (cache_lengths - prompt_lengths).clamp_(0, max_decode)  # int32, one per request
         per_row = torch.stack((count, prompt_lengths)).view(2, R, 1).expand(2, R, self.rows).contiguous()
         # decode index i is cache position prompt + i: the top-k adds the row's prompt length as it writes
-        picked = topk(scores.view(R * self.rows, -1), per_row[0].view(-1), self.budget, offsets=per_row[1].view(-1))
+        picked = topk(scores.view(R * self.rows, -1), per_row[0].view(-1), self.budget, offsets=per_row[1].view(-1),
+                      validate=validate)
         return picked.view(R, self.rows, self.budget)
 
 
