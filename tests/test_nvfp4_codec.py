@@ -412,6 +412,27 @@ def test_decode_refuses_scales_encode_never_writes(device, bad):
 
 
 @pytest.mark.parametrize("device", DEVICES)
+def test_validate_reads_each_listed_slots_scales_from_wider_rows(device):
+    """validate=True gathers only the global scales of the listed slots, at slot * row stride: cold pages that are
+    the leading columns of wider rows, a corrupt scale in a later pool's plane of a later slot, named exactly; an
+    unlisted corrupt slot does not matter."""
+    pools, specs = _geometries(torch.bfloat16, device, "per_page_pow2")["vllm_view_and_side"]
+    codec = PageBlobCodec(pools, specs)
+    wide = torch.zeros(4, codec.cold_page_bytes + 48, dtype=torch.uint8, device=device)
+    cold = wide[:, :codec.cold_page_bytes]
+    codec.encode(pools, cold, torch.tensor([[0, 1], [1, 2], [2, 3], [3, 0]], dtype=torch.int32, device=device))
+    cold[3].zero_()  # never read below: slot 3 is not listed
+    outs = [p.clone() for p in pools]
+    codec.decode(cold, outs, torch.tensor([[0, 2], [1, 1]], dtype=torch.int32, device=device), validate=True)
+    scale = cold[1, codec.layouts[1].section_offset:][:4].view(torch.float32)  # the side pool's only plane
+    scale[0] = -1.0
+    saved = [o.clone() for o in outs]
+    with pytest.raises(ValueError, match=r"page_pairs\[1\] slot 1 holds global scale -1 for pools\[1\] plane 0"):
+        codec.decode(cold, outs, torch.tensor([[0, 2], [1, 1]], dtype=torch.int32, device=device), validate=True)
+    assert all(torch.equal(bytes_of(a), bytes_of(b)) for a, b in zip(outs, saved))
+
+
+@pytest.mark.parametrize("device", DEVICES)
 def test_quantize_refuses_meta_mixed_with_real(device):
     x = torch.randn(4, 32, device=device)
     with pytest.raises(ValueError, match="meta"):

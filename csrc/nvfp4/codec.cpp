@@ -218,20 +218,34 @@ namespace {
 void check_global_scales(const std::vector<PoolDesc>& descs, const at::Tensor& cold_pages, const at::Tensor& page_pairs,
                          const char* what) {
   if (page_pairs.size(0) == 0) return;
-  const at::Tensor slots = page_pairs.select(1, 1).to(cold_pages.device(), at::kLong);
-  const at::Tensor blobs = cold_pages.index_select(0, slots).cpu();  // validate: syncs by design
-  const uint8_t* b = blobs.data_ptr<uint8_t>();
-  const at::Tensor host_pairs = page_pairs.cpu();
-  for (int64_t i = 0; i < blobs.size(0); ++i)
+  const at::Tensor host_pairs = page_pairs.cpu();  // validate: syncs by design
+  const int32_t* pairs = host_pairs.data_ptr<int32_t>();
+  // Only the 4-byte global scales of each listed slot reach the host, never whole blobs: one gather of
+  // slot * row stride + scale offset over the rows' bytes (contiguous rows, check_cold_pages).
+  std::vector<int64_t> offsets;
+  for (const PoolDesc& d : descs)
+    for (int plane = 0; plane < d.planes; ++plane)
+      for (int b = 0; b < 4; ++b) offsets.push_back(d.section_offset + 4 * plane + b);
+  const int64_t n = page_pairs.size(0), per_slot = int64_t(offsets.size());
+  std::vector<int64_t> index(n * per_slot);
+  const int64_t row = cold_pages.stride(0);
+  for (int64_t i = 0; i < n; ++i)
+    for (int64_t j = 0; j < per_slot; ++j) index[i * per_slot + j] = pairs[2 * i + 1] * row + offsets[j];
+  const at::Tensor flat = cold_pages.as_strided({(cold_pages.size(0) - 1) * row + cold_pages.size(1)}, {1});
+  const at::Tensor bytes =
+      flat.index_select(0, at::tensor(index, at::kLong).to(cold_pages.device())).cpu().contiguous();
+  const uint8_t* b = bytes.data_ptr<uint8_t>();
+  for (int64_t i = 0; i < n; ++i) {
+    int64_t j = 0;
     for (size_t p = 0; p < descs.size(); ++p)
-      for (int plane = 0; plane < descs[p].planes; ++plane) {
+      for (int plane = 0; plane < descs[p].planes; ++plane, j += 4) {
         float g;
-        std::memcpy(&g, b + i * blobs.stride(0) + descs[p].section_offset + 4 * plane, 4);
-        TORCH_CHECK_VALUE(valid_global_scale(g), what, ": page_pairs[", i, "] slot ",
-                          host_pairs.data_ptr<int32_t>()[2 * i + 1], " holds global scale ", g, " for pools[", p,
-                          "] plane ", plane, "; encode writes only positive finite scales, so the slot was never "
-                          "encoded or is corrupt");
+        std::memcpy(&g, b + i * per_slot + j, 4);
+        TORCH_CHECK_VALUE(valid_global_scale(g), what, ": page_pairs[", i, "] slot ", pairs[2 * i + 1],
+                          " holds global scale ", g, " for pools[", p, "] plane ", plane,
+                          "; encode writes only positive finite scales, so the slot was never encoded or is corrupt");
       }
+  }
 }
 }  // namespace
 
