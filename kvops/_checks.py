@@ -146,29 +146,3 @@ def check_hashable(what: str, name: str, value) -> None:
     except TypeError:
         raise TypeError(f"{what}: {name} must be hashable (it keys the request tables), got "
                         f"{type(value).__name__} {value!r}") from None
-
-
-def internal_overlap(t: torch.Tensor) -> bool:
-    """Whether two elements of t share memory: a stride-0 dim (an ``expand``) or dims whose strides interleave.
-    torch's own test first (what its in-place ops refuse); for the layouts it calls too hard, exact for nested
-    ones (an element d_k steps along dim k meets another iff the inner dims can span d_k * stride_k), and a
-    layout with many candidate steps is taken to overlap."""
-    status = torch._debug_has_internal_overlap(t)  # 0: none, 1: yes, 2: too hard to tell
-    if status != 2:
-        return status == 1
-    dims = sorted(((s, n) for s, n in zip(t.stride(), t.shape) if n > 1), reverse=True)
-    for k, (stride, size) in enumerate(dims):
-        rest = dims[k + 1:]
-        reach = sum((n - 1) * s for s, n in rest)
-        if any(_offsets_meet(j * stride, rest) for j in range(1, min(size - 1, reach // stride) + 1)):
-            return True
-    return False
-
-
-def check_no_internal_overlap(what: str, name: str, t: torch.Tensor) -> None:
-    """`t` is written in place, so each of its elements needs memory of its own (torch refuses such writes too).
-    Eager only: traced (fake) tensors are checked by the ops when they run."""
-    if not torch.compiler.is_compiling() and internal_overlap(t):
-        raise ValueError(f"{what}: {name} has elements that share memory (shape {tuple(t.shape)}, strides "
-                         f"{t.stride()}: e.g. an expand()); it is written in place, so every element needs its "
-                         f"own memory (pass a .contiguous() copy, or the tensor it views)")

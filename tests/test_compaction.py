@@ -654,11 +654,11 @@ def test_pools_with_internal_overlap_are_refused(device):
     pages = [poison_(torch.empty(1, *shape[1:], dtype=pools[0].dtype, device=device)) for _ in pools]
     shared = [p.expand(shape) for p in pages]  # every layer its own memory, every page of a layer the same
     before = [bytes_of(p).clone() for p in pages]
-    with pytest.raises(ValueError, match=r"build_compaction_params: pools\[0\] has elements that share memory"):
+    with pytest.raises(ValueError, match=r"compaction_compact_layers_: pools\[0\] has elements that share memory"):
         build_compaction_params(shared, *args, max_tail=5)
     params = build_compaction_params(pools, *args, max_tail=5)
     pack_move_sources(kept, scored, tail, base, params.sources, params.new_lengths)
-    with pytest.raises(ValueError, match=r"compact_layers_: pools\[0\] has elements that share memory"):
+    with pytest.raises(ValueError, match=r"compaction_compact_layers_: pools\[0\] has elements that share memory"):
         compact_layers_(shared, table, params.sources, params.new_lengths, base, params.layer_row_base,
                         params.head_row_stride)
     with pytest.raises(ValueError, match=r"compaction_compact_layers_: pools\[0\] has elements that share memory"):

@@ -604,12 +604,12 @@ def test_written_tensors_with_internal_overlap_are_refused(device):
     one_page = poison_(torch.empty(1, *pools[1].shape[1:], dtype=pools[1].dtype, device=device))
     saved_page = one_page.clone()
     shared = one_page.expand(pools[1].shape)  # every page the same memory
-    with pytest.raises(ValueError, match=r"PageBlobCodec.decode: pools\[1\] has elements that share memory"):
+    with pytest.raises(ValueError, match=r"nvfp4_decode_pages_: pools\[1\] has elements that share memory"):
         codec.decode(cold, [pools[0].clone(), shared], pairs.flip(1))
     assert torch.equal(bytes_of(one_page), bytes_of(saved_page))
     slot = poison_(torch.empty(1, codec.cold_page_bytes, dtype=torch.uint8, device=device))
     saved = slot.clone()
-    with pytest.raises(ValueError, match="PageBlobCodec.encode: cold_pages has elements that share memory"):
+    with pytest.raises(ValueError, match="nvfp4_encode_pages_: cold_pages has elements that share memory"):
         codec.encode(pools, slot.expand(4, -1), pairs)
     assert torch.equal(slot, saved)
     with pytest.raises(ValueError, match=r"nvfp4_decode_pages_: pools\[1\] has elements that share memory"):
@@ -618,6 +618,14 @@ def test_written_tensors_with_internal_overlap_are_refused(device):
         torch.ops.kvops.nvfp4_encode_pages_(pools, slot.expand(4, -1), pairs, codec.plan)
     assert torch.equal(slot, saved) and torch.equal(bytes_of(one_page), bytes_of(saved_page))
     codec.encode([pools[0], shared], cold, pairs)  # encode only reads the pools
+    # interleaved strides: each token row starts half a row after the last, so neighbours share elements
+    D = pools[1].shape[-1]
+    base = poison_(torch.empty(pools[1].numel(), dtype=pools[1].dtype, device=device))
+    stride = list(pools[1].stride())
+    stride[-2] = D // 2
+    interleaved = base.as_strided(pools[1].shape, stride)
+    with pytest.raises(ValueError, match=r"nvfp4_decode_pages_: pools\[1\] has elements that share memory"):
+        codec.decode(cold, [pools[0].clone(), interleaved], pairs.flip(1))
 
 
 def test_allocate_checks_num_slots():

@@ -1,6 +1,7 @@
 // Host-side checks of kvops::compaction_compact_layers_ and kvops::compaction_fill_lists_, shared by the CPU and
 // CUDA backends.
 #include "compaction.h"
+#include "../host_checks.h"
 
 #include <ATen/MemoryOverlap.h>
 
@@ -111,8 +112,7 @@ MovePlan check_compact_args(at::TensorList pools, const at::Tensor& page_table, 
                       p0.strides(), " on ", p0.device(), "); every layer must share one geometry");
     TORCH_CHECK_VALUE(reinterpret_cast<uintptr_t>(p.data_ptr()) % 16 == 0, kOp, ": pools[", l,
                       "] data is not 16-byte aligned");
-    TORCH_CHECK_VALUE(at::has_internal_overlap(p) != at::MemOverlap::Yes, kOp, ": pools[", l,
-                      "] has elements that share memory (strides ", p.strides(), "); it is moved in place");
+    check_own_memory(p, kOp, "pools[" + std::to_string(l) + "]");
   }
   const at::Device device = p0.device();
   check_index(page_table, "page_table", 2, device);

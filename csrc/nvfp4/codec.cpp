@@ -2,7 +2,7 @@
 #include "codec.h"
 #include "nvfp4.h"
 
-#include <ATen/MemoryOverlap.h>
+#include "../host_checks.h"
 
 #include <cstring>
 #include <unordered_set>
@@ -258,12 +258,9 @@ std::vector<PoolDesc> check_codec_call(at::TensorList pools, const at::Tensor& c
   auto descs = make_pool_descs(pv, plan, cold_pages.size(1), what);
   // What the kernel writes must not hold one element twice (an expand()); torch refuses such in-place writes too.
   if (encode) {
-    TORCH_CHECK_VALUE(at::has_internal_overlap(cold_pages) != at::MemOverlap::Yes, what,
-                      ": cold_pages has elements that share memory (strides ", cold_pages.strides(), ")");
+    check_own_memory(cold_pages, what, "cold_pages");
   } else {
-    for (size_t p = 0; p < pv.size(); ++p)
-      TORCH_CHECK_VALUE(at::has_internal_overlap(pv[p]) != at::MemOverlap::Yes, what, ": pools[", p,
-                        "] has elements that share memory (strides ", pv[p].strides(), ")");
+    for (size_t p = 0; p < pv.size(); ++p) check_own_memory(pv[p], what, "pools[" + std::to_string(p) + "]");
   }
   int64_t pages = descs[0].num_pages;  // a page index must exist in every pool
   for (auto& d : descs) pages = std::min<int64_t>(pages, d.num_pages);

@@ -14,8 +14,7 @@ from typing import Sequence
 
 import torch
 
-from .._checks import (check_bool, check_device, check_disjoint, check_int, check_int32, check_no_internal_overlap,
-                       check_no_meta_mix)
+from .._checks import check_bool, check_device, check_disjoint, check_int, check_int32, check_no_meta_mix
 from .._dispatch import call
 from .pack import _pack_launch, _pack_op
 
@@ -46,14 +45,13 @@ def compact_layers_(pools: Sequence[torch.Tensor], page_table: torch.Tensor, sou
 
 def _check_pools(what: str, pools: Sequence[torch.Tensor]) -> None:
     """What the op's own checks leave to Python: no empty head, token or dim dim in a 5-D pool (nothing to move:
-    a page of no tokens would hold no position), and no element held twice (a pool is moved in place)."""
+    a page of no tokens would hold no position). The op refuses pools whose elements share memory."""
     for i, p in enumerate(pools):
         if p.dim() == 5:
             for k, name in ((2, "head"), (3, "token"), (4, "dim")):
                 if p.shape[k] == 0:
                     raise ValueError(f"{what}: pools[{i}] (shape {tuple(p.shape)}): dim {k} ({name}) is empty; "
                                      f"heads, tokens per page and head_dim need at least one element")
-        check_no_internal_overlap(what, f"pools[{i}]", p)
 
 
 @torch.library.register_fake("kvops::compaction_compact_layers_")

@@ -7,8 +7,7 @@ from typing import Sequence
 
 import torch
 
-from .._checks import (check_bool, check_device, check_device_or_host, check_disjoint, check_int,
-                       check_no_internal_overlap)
+from .._checks import check_bool, check_device, check_device_or_host, check_disjoint, check_int
 from .layout import PoolLayout, RowSpec, plan_layout
 
 
@@ -68,7 +67,7 @@ class PageBlobCodec:
         return torch.zeros(num_slots, self.cold_page_bytes, dtype=torch.uint8, device=device, pin_memory=pin_memory)
 
     def _check(self, what: str, pools: Sequence[torch.Tensor], cold_pages: torch.Tensor,
-               page_pairs: torch.Tensor, encode: bool) -> None:
+               page_pairs: torch.Tensor) -> None:
         if not isinstance(pools, (list, tuple)) or len(pools) != len(self.layouts):
             raise ValueError(f"{what}: pools must be a list of {len(self.layouts)} pools, got "
                              f"{len(pools) if isinstance(pools, (list, tuple)) else type(pools).__name__}")
@@ -81,12 +80,6 @@ class PageBlobCodec:
         if cold_pages.dim() != 2 or cold_pages.shape[1] != self.cold_page_bytes:
             raise ValueError(f"{what}: cold_pages must be [num_slots, {self.cold_page_bytes}], got "
                              f"{tuple(cold_pages.shape)}")
-        # what the kernel writes: an expanded (stride-0) one would be written through its shared memory
-        if encode:
-            check_no_internal_overlap(what, "cold_pages", cold_pages)
-        else:
-            for i, p in enumerate(pools):
-                check_no_internal_overlap(what, f"pools[{i}]", p)
         check_disjoint(what, "pools", pools, [("cold_pages", cold_pages)])
 
     def encode(self, pools: Sequence[torch.Tensor], cold_pages: torch.Tensor, page_pairs: torch.Tensor,
@@ -110,7 +103,7 @@ class PageBlobCodec:
         -----
         Enqueued on the current stream; no host sync, no allocation.
         """
-        self._check("PageBlobCodec.encode", pools, cold_pages, page_pairs, encode=True)
+        self._check("PageBlobCodec.encode", pools, cold_pages, page_pairs)
         check_bool("PageBlobCodec.encode", "validate", validate)
         torch.ops.kvops.nvfp4_encode_pages_(list(pools), cold_pages, page_pairs, self.plan, validate)
 
@@ -136,7 +129,7 @@ class PageBlobCodec:
         finite: a zeroed slot that was never encoded, or corruption) is left untouched and counted in
         ``refused(device)``.
         """
-        self._check("PageBlobCodec.decode", pools, cold_pages, page_pairs, encode=False)
+        self._check("PageBlobCodec.decode", pools, cold_pages, page_pairs)
         check_bool("PageBlobCodec.decode", "validate", validate)
         torch.ops.kvops.nvfp4_decode_pages_(cold_pages, list(pools), page_pairs, self.plan, validate,
                                            self.refused(pools[0].device))
