@@ -199,3 +199,14 @@ def test_pools_must_have_the_calibrations_geometry():
     with pytest.raises(ValueError, match="k_pools must be a list of 3 per-layer pools, got 4"):
         selector.select(pools + pools[:1], table, N, P, N.long())
     selector.select(pools, table, N, P, N.long())
+
+
+@pytest.mark.parametrize("mode", ["union", "per_layer_perhead"])
+@pytest.mark.parametrize("device", DEVICES)
+def test_a_round_over_no_requests_keeps_nothing(mode, device):
+    """R = 0 (an engine's step with no due request): an empty [0, rows, budget] keep set, no error."""
+    cal = synthetic_calibration()
+    pools, table, N, P = paged_pools(cal, [3], [20], 8, device)
+    selector = TriAttentionSelector(cal, 8, mode, max_decode=24)
+    kept = selector.select(pools, table[:0], N[:0], P[:0], N[:0].long())
+    assert kept.shape == (0, selector.rows, 8) and kept.dtype == torch.int32
