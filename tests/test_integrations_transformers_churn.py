@@ -166,6 +166,16 @@ def test_random_churn_matches_the_shadow_and_refusals_change_nothing(ops, B, bud
         for layer in range(layers):
             cache.update(ks[layer], vs[layer], layer)
 
+    def first_layer(started):
+        """A step's masks and its layer 0 (a due eager round runs at that write); returns the step's K and V."""
+        ks, vs = kv(B, q), kv(B, q)
+        masks(q)
+        due = started and not static and shadow.due()
+        cache.update(ks[0], vs[0], 0)
+        if due:
+            shadow.round(cache)
+        return ks, vs
+
     for op, a, n in ops:
         started = shadow.positions is not None
         q = (prompt if not started else n if n < 3 else 1)  # mostly one token past the prompt
@@ -213,22 +223,12 @@ def test_random_churn_matches_the_shadow_and_refusals_change_nothing(ops, B, bud
                         lambda: cache.update(kv(B, q, torch.float32)[0], kv(B, q, torch.float32)[0], 0))
         elif op == "bad_layer" and not shadow.offloaded:
             # layer 1 of a step gets K/V of another shape: the step is void, a due round its layer 0 ran stays
-            ks, vs = kv(B, q), kv(B, q)
-            masks(q)
-            due = started and not static and shadow.due()
-            cache.update(ks[0], vs[0], 0)
-            if due:
-                shadow.round(cache)
+            ks, vs = first_layer(started)
             with pytest.raises(ValueError, match="key_states"):
                 cache.update(ks[1, :, :1], vs[1], 1)
         elif op == "stop" and not shadow.offloaded:
             # a forward that stops after its first layer (it raised): the next call drops the step
-            ks, vs = kv(B, q), kv(B, q)
-            masks(q)
-            due = started and not static and shadow.due()
-            cache.update(ks[0], vs[0], 0)
-            if due:
-                shadow.round(cache)
+            first_layer(started)
             if started:
                 cache.get_query_offset()
             else:  # a first step stopped half-way may be a model with fewer layers: refused, the cache empty

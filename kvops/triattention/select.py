@@ -140,8 +140,8 @@ class TriAttentionSelector:
         count = (cache_lengths - prompt_lengths).clamp_(0, max_decode)  # int32, one per request
         per_row = torch.stack((count, prompt_lengths)).view(2, R, 1).expand(2, R, self.rows).contiguous()
         # decode index i is cache position prompt + i: the top-k adds the row's prompt length as it writes
-        picked = topk(scores.view(R * self.rows, scores.shape[-1]), per_row[0].view(-1), self.budget, offsets=per_row[1].view(-1),
-                      validate=validate)
+        picked = topk(scores.view(R * self.rows, scores.shape[-1]), per_row[0].view(-1), self.budget,
+                      offsets=per_row[1].view(-1), validate=validate)
         return picked.view(R, self.rows, self.budget)
 
 
