@@ -64,7 +64,7 @@ setup(
     # shipped TriAttention calibrations (Apache-2.0, see NOTICE.md there)
     package_data={"kvops": ["data/triattention/*.pt", "data/triattention/NOTICE.md"]},
     python_requires=">=3.10",
-    install_requires=["torch", "nvidia-cutlass-dsl>=4.8.1", "apache-tvm-ffi"],
+    install_requires=["torch", "triton", "nvidia-cutlass-dsl>=4.8.1", "apache-tvm-ffi"],
     extras_require={"transformers": ["transformers>=5.0"], "dev": ["pytest", "hypothesis", "ninja"]},
     ext_modules=[_extension()],
     cmdclass={"build_ext": BuildExt},

@@ -19,7 +19,7 @@ FAMILIES = {"nvfp4": bench_nvfp4, "compaction": bench_compaction, "topk": bench_
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__)
+    ap = argparse.ArgumentParser(prog="python -m benchmarks", description=__doc__)
     ap.add_argument("--quick", action="store_true", help="smaller problems, fewer iterations")
     ap.add_argument("--csv", help="write all rows to this CSV file")
     ap.add_argument("--md", help="write markdown tables (for benchmarks/RESULTS.md) to this file")

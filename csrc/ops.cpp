@@ -4,10 +4,21 @@
 #include <torch/library.h>
 
 extern "C" {
-// A plain module: importing kvops._C runs the static registrations below and in each family.
+// A plain module: importing kvops._C runs the static registrations below and in each family. CUDA_KERNELS says
+// whether this build holds the CUDA kernels (`kvops info` reports it).
 PyObject* PyInit__C(void) {
   static struct PyModuleDef module_def = {PyModuleDef_HEAD_INIT, "_C", nullptr, -1, nullptr};
-  return PyModule_Create(&module_def);
+  PyObject* module = PyModule_Create(&module_def);
+#ifdef KVOPS_WITH_CUDA
+  const long cuda_kernels = 1;
+#else
+  const long cuda_kernels = 0;
+#endif
+  if (module != nullptr && PyModule_AddIntConstant(module, "CUDA_KERNELS", cuda_kernels) != 0) {
+    Py_DECREF(module);
+    return nullptr;
+  }
+  return module;
 }
 }
 

@@ -24,6 +24,12 @@ def info(argv=None) -> int:
 
     print(f"kvops {kvops.__version__}, torch {torch.__version__} (CUDA {torch.version.cuda}), "
           f"triton {version('triton')}, nvidia-cutlass-dsl {version('nvidia-cutlass-dsl')}")
+    from kvops import _C, _cute
+
+    print("built: C++ CPU kernels; CUDA kernels " + ("yes" if _C.CUDA_KERNELS else
+                                                     "no (built without nvcc or KVOPS_NO_CUDA=1)")
+          + "; CuTe library " + ("yes" if _cute.LIBRARY.is_file() else
+                                  "no (KVOPS_NO_CUTE=1: CuTe kernels compile on first use)"))
     if not torch.cuda.is_available():
         print("GPU: none; every op runs on the CPU (C++ kernels and torch)")
         return 0

@@ -39,8 +39,15 @@ def test_cli_errors_are_one_line(tmp_path, capsys):
 
 
 def test_info_and_usage(capsys):
+    from kvops import _C, _cute
+
     assert main(["info"]) == 0
-    assert "torch" in capsys.readouterr().out
+    out = capsys.readouterr().out
+    assert "torch" in out
+    # what was built: the CUDA kernels as kvops._C says, the CuTe library as the file is there
+    assert _C.CUDA_KERNELS in (0, 1)
+    assert f"CUDA kernels {'yes' if _C.CUDA_KERNELS else 'no'}" in out
+    assert f"CuTe library {'yes' if _cute.LIBRARY.is_file() else 'no'}" in out
     assert main([]) == 2 and main(["nope"]) == 2
 
 
