@@ -146,3 +146,27 @@ def check_hashable(what: str, name: str, value) -> None:
     except TypeError:
         raise TypeError(f"{what}: {name} must be hashable (it keys the request tables), got "
                         f"{type(value).__name__} {value!r}") from None
+
+
+def check_choice(what: str, name: str, value, choices: Sequence[str]) -> str:
+    """One of the strings `choices` (a str first: a list would fail the membership test obscurely); returns it."""
+    if not isinstance(value, str):
+        raise TypeError(f"{what}: {name} must be a str, one of {tuple(choices)}, got {type(value).__name__} {value!r}")
+    if value not in choices:
+        raise ValueError(f"{what}: {name} must be one of {tuple(choices)}, got {value!r}")
+    return value
+
+
+def as_device(what: str, device, name: str = "device") -> torch.device:
+    """`device` (a torch.device, its name or a CUDA index) as a torch.device, or an error naming it."""
+    if isinstance(device, torch.device):
+        return device
+    if isinstance(device, bool) or not isinstance(device, (str, int)):
+        raise TypeError(f"{what}: {name} must be a torch.device, a device string or a CUDA index, got "
+                        f"{type(device).__name__} {device!r}")
+    try:
+        return torch.device(device)
+    except RuntimeError:
+        raise ValueError(f"{what}: {name} must be a torch.device, a device string or a CUDA index, got "
+                         f"{device!r}") from None
+

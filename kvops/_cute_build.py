@@ -8,7 +8,6 @@ or the persistent cache, compiling what is missing into the cache."""
 from __future__ import annotations
 
 import argparse
-import json
 import multiprocessing
 import os
 import sys
@@ -20,6 +19,7 @@ from pathlib import Path
 import torch
 
 from . import _cute
+from ._files import read_json_object
 from .topk import SPECS as TOPK_SPECS
 from ._checks import check_int
 from .triattention.rope import head_dim_of
@@ -86,16 +86,14 @@ def _model_geometry(ap: argparse.ArgumentParser, model: str) -> tuple[int, int]:
     if not Path(model).is_dir():
         ap.error(f"--model {model}: no such directory")
     try:
-        with open(path, encoding="utf-8") as f:
-            config = json.load(f)
+        config = read_json_object(str(path))
     except FileNotFoundError:
         ap.error(f"--model {model}: not a Hugging Face model directory (no config.json)")
-    except (OSError, UnicodeDecodeError, ValueError) as e:
-        ap.error(f"--model {model}: {path} is not a readable JSON model config ({str(e).splitlines()[0]})")
-    if isinstance(config, dict):
-        config = config.get("text_config") or config
+    except ValueError as e:
+        ap.error(f"--model {model}: {e}")
+    config = config.get("text_config") or config
     if not isinstance(config, dict):
-        ap.error(f"--model {model}: {path} must hold a JSON object")
+        ap.error(f"--model {model}: {path}'s text_config must be a JSON object")
     try:
         heads = check_int("config.json", "num_attention_heads", config.get("num_attention_heads"), 1)
         kv_heads = config.get("num_key_value_heads")

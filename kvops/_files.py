@@ -2,9 +2,26 @@
 
 from __future__ import annotations
 
+import json
 import os
 import tempfile
 from typing import IO, Callable
+
+
+def read_json_object(path: str) -> dict:
+    """The JSON object in `path` (a model's config.json); ValueError saying why it is not one (absent files raise
+    FileNotFoundError)."""
+    try:
+        with open(path, encoding="utf-8") as f:
+            data = json.load(f)
+    except FileNotFoundError:
+        raise
+    except (OSError, UnicodeDecodeError, ValueError) as e:
+        line = (str(e).strip() or type(e).__name__).splitlines()[0]
+        raise ValueError(f"{path} is not a readable JSON model config ({line})") from None
+    if not isinstance(data, dict):
+        raise ValueError(f"{path} must hold a JSON object, got {type(data).__name__}")
+    return data
 
 
 def writable_target(path: str) -> str | None:

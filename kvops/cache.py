@@ -15,7 +15,7 @@ from typing import Sequence
 import torch
 import triton
 
-from ._checks import check_bool, check_device, check_hashable, check_int
+from ._checks import as_device, check_bool, check_device, check_hashable, check_int
 from .compaction import build_compaction_params, compact
 from .nvfp4 import PageBlobCodec, RowSpec
 
@@ -41,10 +41,7 @@ class PagedKVCache:
             raise TypeError(f"PagedKVCache: dtype must be a torch.dtype, got {type(dtype).__name__} {dtype!r}")
         if not dtype.is_floating_point:
             raise ValueError(f"PagedKVCache: dtype must be a floating-point KV dtype (bf16, fp16, fp8), got {dtype}")
-        try:
-            device = torch.device(device)
-        except (RuntimeError, TypeError) as e:
-            raise ValueError(f"PagedKVCache: device must be a torch.device or a device string, got {device!r}") from e
+        device = as_device("PagedKVCache", device)
         if device.type == "meta":
             raise ValueError("PagedKVCache: device must be a real device, got meta")
         if codec_specs is not None:
@@ -183,12 +180,8 @@ class PagedKVCache:
         need = max([len(r.pages) for r in reqs] + [1])
         if width is not None:
             check_int("PagedKVCache.page_table", "width", width, need)
-        if device is not None and not isinstance(device, torch.device):
-            try:
-                device = torch.device(device)
-            except (RuntimeError, TypeError) as e:
-                raise ValueError(f"PagedKVCache.page_table: device must be a torch.device or a device string, got "
-                                 f"{device!r}") from e
+        if device is not None:
+            device = as_device("PagedKVCache.page_table", device)
         table = torch.full((len(reqs), width or need), -1, dtype=torch.int32)
         for i, r in enumerate(reqs):
             table[i, :len(r.pages)] = torch.tensor(r.pages, dtype=torch.int32)

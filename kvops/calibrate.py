@@ -21,7 +21,7 @@ from typing import Any, Mapping
 
 import torch
 
-from ._files import writable_target, write_whole
+from ._files import read_json_object, writable_target, write_whole
 from .triattention.rope import head_dim_of, rope_parameters
 
 MIN_TRANSFORMERS = (5, 0)
@@ -174,7 +174,6 @@ def _first_line(e: BaseException) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     import argparse
-    import json
 
     ap = argparse.ArgumentParser(prog="kvops calibrate", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -212,12 +211,9 @@ def main(argv: list[str] | None = None) -> int:
     if not text:
         ap.error(f"--text {a.text}: the file is empty")
     try:
-        with open(config_file, encoding="utf-8") as f:
-            raw_config = json.load(f)
-    except (OSError, UnicodeDecodeError, ValueError) as e:
-        ap.error(f"{config_file}: not a readable JSON model config ({_first_line(e)})")
-    if not isinstance(raw_config, dict):
-        ap.error(f"{config_file}: a model config must be a JSON object, got {type(raw_config).__name__}")
+        read_json_object(config_file)
+    except ValueError as e:
+        ap.error(str(e))
     try:
         transformers = require_transformers()
     except ImportError as e:

@@ -15,20 +15,13 @@ from typing import Any, ClassVar, Mapping
 
 import torch
 
-from ._checks import check_bool, check_int
+from ._checks import check_bool, check_choice, check_int
 from .nvfp4.layout import DEFAULT_SCALE, MAX_MIDDLE_DIMS, RowSpec, _check_spec
 from .triattention.calibration import SHIPPED, calibration_file
 from .compaction.compact import MODES, ORDERS
 
 # Cache positions are int32 in every kernel: a round scores up to budget + 2*beta decode tokens past the prompt.
 MAX_POSITIONS = 2**31 - 1
-
-
-def _check_choice(what: str, name: str, value, choices: tuple[str, ...]) -> None:
-    if not isinstance(value, str):
-        raise TypeError(f"{what}.{name}: must be a str, one of {choices}, got {type(value).__name__} {value!r}")
-    if value not in choices:
-        raise ValueError(f"{what}.{name}: {value!r} is not one of {choices}")
 
 
 @dataclass(frozen=True)
@@ -142,9 +135,9 @@ class TriAttentionConfig(KVCacheCompressionConfig):
         if self.budget + 2 * self.beta > MAX_POSITIONS:
             raise ValueError(f"{what}: budget + 2 * beta (the decode tokens a round scores) must be at most "
                              f"{MAX_POSITIONS} (int32 cache positions), got {self.budget + 2 * self.beta}")
-        _check_choice(what, "eviction_mode", self.eviction_mode, MODES)
+        check_choice(what, "eviction_mode", self.eviction_mode, MODES)
         check_bool(what, "normalize_scores", self.normalize_scores)
-        _check_choice(what, "compaction_order", self.compaction_order, ORDERS)
+        check_choice(what, "compaction_order", self.compaction_order, ORDERS)
         if self.calibration_path is None:
             raise ValueError("TriAttentionConfig.calibration_path: a calibration file is required")
         if not isinstance(self.calibration_path, (str, os.PathLike)):

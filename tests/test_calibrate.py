@@ -193,7 +193,7 @@ def _bad_cases(tmp, model):
         (ok(directory=tmp / "absent"), "no such directory"),
         (ok(directory=tmp / "no_config"), "no config.json"),
         (ok(directory=tmp / "garbage"), "not a readable JSON model config"),
-        (ok(directory=tmp / "list"), "must be a JSON object"),
+        (ok(directory=tmp / "list"), "must hold a JSON object"),
         (ok(directory=tmp / "unknown"), "transformers cannot read it"),
         (ok(directory=tmp / "float_head_dim"), "transformers cannot read it"),
         (ok(directory=tmp / "bad_rope"), "'factor'"),

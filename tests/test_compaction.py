@@ -782,7 +782,7 @@ def test_argument_types_are_named(device):
     assert _unchanged(pools, before)
     with pytest.raises(TypeError, match="decision_rows: layers must be an int"):
         decision_rows("union", "2", 2)
-    with pytest.raises(ValueError, match="order must be one of"):
+    with pytest.raises(TypeError, match="order must be a str"):
         build_compaction_params(pools, table, kept, scored, tail, base, max_tail=5, order=["fill"])
     with pytest.raises(ValueError, match="layer_windows needs one non-negative int per layer"):
         build_compaction_params(pools, table, kept, scored, tail, base, max_tail=5, layer_windows=[False, True, False])

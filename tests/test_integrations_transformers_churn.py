@@ -166,6 +166,16 @@ def test_random_churn_matches_the_shadow_and_refusals_change_nothing(ops, B, bud
         for layer in range(layers):
             cache.update(ks[layer], vs[layer], layer)
 
+    def full_step(started):
+        """A whole step (a due eager round runs at its first layer), written into the shadow; returns its K/V."""
+        ks, vs = kv(B, q), kv(B, q)
+        due = started and not static and shadow.due()
+        forward(ks, vs)
+        if due:
+            shadow.round(cache)
+        shadow.write(ks, vs)
+        return ks, vs
+
     def first_layer(started):
         """A step's masks and its layer 0 (a due eager round runs at that write); returns the step's K and V."""
         ks, vs = kv(B, q), kv(B, q)
@@ -183,12 +193,7 @@ def test_random_churn_matches_the_shadow_and_refusals_change_nothing(ops, B, bud
             if shadow.offloaded:
                 refused(RuntimeError, "offloaded", lambda: forward(kv(B, q), kv(B, q)))
             else:
-                ks, vs = kv(B, q), kv(B, q)
-                due = started and not static and shadow.due()
-                forward(ks, vs)
-                if due:
-                    shadow.round(cache)
-                shadow.write(ks, vs)
+                full_step(started)
         elif op in ("offload", "onboard"):
             row = a % (B + 1)  # B: out of range
             if not started:
@@ -237,12 +242,7 @@ def test_random_churn_matches_the_shadow_and_refusals_change_nothing(ops, B, bud
                 shadow.fresh()
         elif op == "extra_layer" and not shadow.offloaded:
             # a model with one layer more than the cache: refused there; after the first step the cache is empty
-            ks, vs = kv(B, q), kv(B, q)
-            due = started and not static and shadow.due()
-            forward(ks, vs)
-            if due:
-                shadow.round(cache)
-            shadow.write(ks, vs)
+            ks, vs = full_step(started)
             if started:
                 refused(ValueError, f"layer_idx {L} is out of range", lambda: cache.update(ks[0], vs[0], L))
             else:

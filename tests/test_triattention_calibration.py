@@ -296,7 +296,7 @@ def test_validate_calibration_checks_a_calibration_object():
 def test_calibration_to_takes_a_real_device():
     cal = load_calibration(_official(), CONFIG)
     assert cal.to("cpu").q_mean.device.type == "cpu"
-    with pytest.raises(ValueError, match="device must be a torch.device or a device string, got 'gpu7'"):
+    with pytest.raises(ValueError, match="device must be a torch.device, a device string or a CUDA index, got 'gpu7'"):
         cal.to("gpu7")
     with pytest.raises(TypeError, match="device must be"):
         cal.to(3.5)

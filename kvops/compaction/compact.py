@@ -14,7 +14,7 @@ from typing import Sequence
 
 import torch
 
-from .._checks import check_bool, check_device, check_disjoint, check_int, check_int32, check_no_meta_mix
+from .._checks import check_bool, check_choice, check_device, check_disjoint, check_int, check_int32, check_no_meta_mix
 from .._dispatch import call
 from .pack import _pack_launch, _pack_op
 
@@ -92,8 +92,7 @@ MODES = ("union", "per_head", "per_layer_perhead")  # decision layouts: a keep s
 
 def decision_rows(mode: str, layers: int, heads: int) -> int:
     """Rows per request of a decision in `mode`: 1, `heads` or `layers * heads`."""
-    if not isinstance(mode, str) or mode not in MODES:
-        raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
+    check_choice("decision_rows", "mode", mode, MODES)
     check_int("decision_rows", "layers", layers, 1)
     check_int("decision_rows", "heads", heads, 1)
     return {"union": 1, "per_head": heads, "per_layer_perhead": layers * heads}[mode]
@@ -112,6 +111,16 @@ def decision_row(rows: int, layers: int, heads: int, layer: int, head: int) -> i
     return 0 if rows == 1 else head if rows == heads else layer * heads + head
 
 
+def _layer_windows(what: str, layer_windows, layers: int) -> list[int]:
+    """One non-negative int per layer (0 = full attention), or None for all 0."""
+    windows = [0] * layers if layer_windows is None else layer_windows
+    if not isinstance(windows, (list, tuple)) or len(windows) != layers or \
+            not all(isinstance(w, int) and not isinstance(w, bool) and w >= 0 for w in windows):
+        raise ValueError(f"{what}: layer_windows needs one non-negative int per layer ({layers}), got "
+                         f"{layer_windows!r}")
+    return list(windows)
+
+
 def stream_rows(rows: int, layers: int, heads: int, layer_windows: Sequence[int] | None = None
                 ) -> tuple[tuple[int, ...], tuple[int, ...]]:
     """(layer_row_base, head_row_stride) for a decision with `rows` rows per request (``decision_row``): layer l,
@@ -120,11 +129,7 @@ def stream_rows(rows: int, layers: int, heads: int, layer_windows: Sequence[int]
     what = "stream_rows"
     for name, value in (("rows", rows), ("layers", layers), ("heads", heads)):
         check_int(what, name, value, 1)
-    windows = [0] * layers if layer_windows is None else layer_windows
-    if not isinstance(windows, (list, tuple)) or len(windows) != layers or \
-            not all(isinstance(w, int) and not isinstance(w, bool) and w >= 0 for w in windows):
-        raise ValueError(f"{what}: layer_windows needs one non-negative int per layer ({layers}), got "
-                         f"{layer_windows!r}")
+    windows = _layer_windows(what, layer_windows, layers)
     base = [decision_row(rows, layers, heads, layer, 0) for layer in range(layers)]
     stride = decision_row(rows, layers, heads, 0, 1) - base[0] if heads > 1 else 0
     return (tuple(rows if w > 0 else b for b, w in zip(base, windows)),
@@ -182,8 +187,7 @@ def build_compaction_params(pools: Sequence[torch.Tensor], page_table: torch.Ten
         raise ValueError(f"{what}: kept needs a contiguous last dim (the pack reads its rows), got strides "
                          f"{kept.stride()}")
     check_int(what, "max_tail", max_tail, 0, 2**31 - 1 - kept.shape[2])  # a list index fits int32
-    if not isinstance(order, str) or order not in ORDERS:
-        raise ValueError(f"{what}: order must be one of {ORDERS}, got {order!r}")
+    check_choice(what, "order", order, ORDERS)
     check_disjoint(what, "pools", pools)
     L, H = len(pools), pools[0].shape[2]
     R, rows, K = kept.shape
@@ -191,10 +195,7 @@ def build_compaction_params(pools: Sequence[torch.Tensor], page_table: torch.Ten
                     ("destination_bases", destination_bases)):
         if t.shape[0] != R:
             raise ValueError(f"{what}: {name} has {t.shape[0]} rows, kept has {R} requests")
-    windows = [0] * L if layer_windows is None else layer_windows
-    if not isinstance(windows, (list, tuple)) or len(windows) != L or \
-            not all(isinstance(w, int) and not isinstance(w, bool) and 0 <= w for w in windows):
-        raise ValueError(f"{what}: layer_windows needs one non-negative int per layer ({L}), got {layer_windows!r}")
+    windows = _layer_windows(what, layer_windows, L)
     if any(w > K for w in windows):
         raise ValueError(f"{what}: layer_windows {max(windows)} exceeds the kept count K={K}; a window layer keeps "
                          f"its latest K tokens, so a larger window would lose tokens it attends to")

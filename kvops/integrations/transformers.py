@@ -35,7 +35,7 @@ from typing import Mapping
 
 import torch
 
-from .._checks import check_bool, check_device, check_int
+from .._checks import check_bool, check_choice, check_device, check_int
 from .._dispatch import python_op
 from ..calibrate import require_transformers
 from ..compaction import MODES, ORDERS
@@ -173,11 +173,8 @@ class TriAttentionCache(_transformers_module.Cache):
         what = "TriAttentionCache"
         check_int(what, "budget", budget, 1)
         check_int(what, "beta", beta, 1)
-        for name, value, choices in (("mode", mode, MODES), ("compaction_order", compaction_order, ORDERS)):
-            if not isinstance(value, str):
-                raise TypeError(f"{what}: {name} must be a str, got {type(value).__name__} {value!r}")
-            if value not in choices:
-                raise ValueError(f"{what}: {name} must be one of {choices}, got {value!r}")
+        check_choice(what, "mode", mode, MODES)
+        check_choice(what, "compaction_order", compaction_order, ORDERS)
         check_bool(what, "cuda_graphs", cuda_graphs)
         check_bool(what, "static", static)
         if isinstance(config, _transformers_module.PretrainedConfig):

@@ -7,7 +7,7 @@ from typing import Sequence
 
 import torch
 
-from .._checks import check_bool, check_device, check_device_or_host, check_disjoint, check_int
+from .._checks import as_device, check_bool, check_device, check_device_or_host, check_disjoint, check_int
 from .layout import PoolLayout, RowSpec, plan_layout
 
 
@@ -43,7 +43,7 @@ class PageBlobCodec:
         their blob's global scale was not positive and finite (a slot never encoded, or corrupt). decode adds to
         it on the device, without a sync; read it with ``int(...)``, reset it with ``.zero_()``. Call this once
         before capturing decodes in a CUDA graph (it allocates the counter the first time)."""
-        device = _device("PageBlobCodec.refused", device)
+        device = as_device("PageBlobCodec.refused", device)
         if device.type == "cuda" and device.index is None:
             device = torch.device("cuda", torch.cuda.current_device())
         if device not in self._refused:
@@ -61,7 +61,7 @@ class PageBlobCodec:
         check_int("PageBlobCodec.allocate", "num_slots", num_slots)
         if pin_memory is not None:
             check_bool("PageBlobCodec.allocate", "pin_memory", pin_memory)
-        device = _device("PageBlobCodec.allocate", device)
+        device = as_device("PageBlobCodec.allocate", device)
         if pin_memory is None:
             pin_memory = device.type == "cpu" and torch.cuda.is_available()
         return torch.zeros(num_slots, self.cold_page_bytes, dtype=torch.uint8, device=device, pin_memory=pin_memory)
@@ -133,16 +133,3 @@ class PageBlobCodec:
         check_bool("PageBlobCodec.decode", "validate", validate)
         torch.ops.kvops.nvfp4_decode_pages_(cold_pages, list(pools), page_pairs, self.plan, validate,
                                            self.refused(pools[0].device))
-
-
-def _device(what: str, device) -> torch.device:
-    """`device` (a torch.device, its name or a CUDA index) as a torch.device, or an error naming it."""
-    if isinstance(device, torch.device):
-        return device
-    if isinstance(device, bool) or not isinstance(device, (str, int)):
-        raise TypeError(f"{what}: device must be a torch.device, a str or an int, got {type(device).__name__} "
-                        f"{device!r}")
-    try:
-        return torch.device(device)
-    except RuntimeError as e:
-        raise ValueError(f"{what}: device {device!r} is not a device ({e})") from None

@@ -22,7 +22,7 @@ from typing import Any, Mapping
 
 import torch
 
-from .._checks import check_device, check_int
+from .._checks import as_device, check_device, check_int
 from .rope import head_dim_of, rope_parameters, rotary_dim
 
 
@@ -94,11 +94,7 @@ class Calibration:
 
     def to(self, device: torch.device | str) -> "Calibration":
         """The calibration with its tensors on `device` (a real one: on meta it would have no values)."""
-        try:
-            device = torch.device(device)
-        except (RuntimeError, TypeError) as e:
-            raise (TypeError if isinstance(e, TypeError) else ValueError)(
-                f"Calibration.to: device must be a torch.device or a device string, got {device!r}") from e
+        device = as_device("Calibration.to", device)
         if device.type == "meta":
             raise ValueError("Calibration.to: a calibration on the meta device has no values")
         return replace(self, q_mean=self.q_mean.to(device), q_abs_mean=self.q_abs_mean.to(device),

@@ -12,6 +12,8 @@ from typing import Any, Mapping
 
 import torch
 
+from .._checks import check_int
+
 ROPE_TYPES = ("default", "linear", "llama3", "yarn")
 
 
@@ -22,15 +24,6 @@ def _number(name: str, value: Any, low: float | None = None, *, above: bool = Tr
     if not math.isfinite(value) or (low is not None and (value <= low if above else value < low)):
         rule = "finite" if low is None else f"finite and {'>' if above else '>='} {low}"
         raise ValueError(f"rope config: {name} must be {rule}, got {value!r}")
-    return value
-
-
-def _int(name: str, value: Any, low: int = 1) -> int:
-    """A Python int (not a bool or a float, which int() would truncate) >= low."""
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise TypeError(f"rope config: {name} must be an int, got {type(value).__name__} {value!r}")
-    if value < low:
-        raise ValueError(f"rope config: {name} must be >= {low}, got {value}")
     return value
 
 
@@ -57,10 +50,11 @@ def rotary_dim(config: Mapping[str, Any]) -> int:
 def head_dim_of(config: Mapping[str, Any]) -> int:
     """head_dim, or hidden_size // num_attention_heads when head_dim is absent (or None)."""
     if _fields(config).get("head_dim") is not None:
-        return _int("head_dim", config["head_dim"])
+        return check_int("rope config", "head_dim", config["head_dim"], 1)
     if config.get("hidden_size") is None or config.get("num_attention_heads") is None:
         raise ValueError("rope config: needs head_dim, or hidden_size and num_attention_heads")
-    return _int("hidden_size", config["hidden_size"]) // _int("num_attention_heads", config["num_attention_heads"])
+    return (check_int("rope config", "hidden_size", config["hidden_size"], 1)
+            // check_int("rope config", "num_attention_heads", config["num_attention_heads"], 1))
 
 
 def rope_parameters(config: Mapping[str, Any]) -> tuple[torch.Tensor, torch.Tensor]:
