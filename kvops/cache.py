@@ -253,7 +253,7 @@ class PagedKVCache:
         n = len(sources)
         if n > len(target_free):
             raise ValueError(f"PagedKVCache.{what}: {n} {target} needed, {len(target_free)} free")
-        targets = target_free[::-1][:n]  # what pop() hands out, taken only once the copy went through
+        targets = target_free[len(target_free) - n:][::-1]  # what pop() hands out; taken once the copy went through
         if targets:  # pairs are (destination, source); later writes to freed pages queue behind the copy
             pairs = torch.tensor(list(zip(targets, sources)), dtype=torch.int32, device=self.device)
             if to_host:
