@@ -44,6 +44,9 @@ TORCH_LIBRARY(kvops, m) {
         "Tensor(a!) sources, Tensor(b!) new_lengths, Tensor(c!) moves) -> ()");
   // Top-k over rows of at most 4096 keys (kvops/topk.py's semantics): one warp per row on the GPU.
   m.def("topk_short_rows_(Tensor scores, Tensor lengths, Tensor? offsets, int k, Tensor(a!) out) -> ()");
+  // Decode attention over a paged cache (csrc/attention/attention.h states it): query [R, Hq, q, D] -> [R, q, Hq, D].
+  m.def("attention_decode(Tensor query, Tensor k_cache, Tensor v_cache, Tensor page_table, Tensor lengths, "
+        "Tensor? starts, float scale, float k_scale=1.0, float v_scale=1.0, int num_splits=0) -> Tensor");
 }
 
 #ifndef KVOPS_WITH_CUDA
@@ -58,7 +61,8 @@ void not_built(const c10::OperatorHandle& op, torch::jit::Stack*) {
 
 TORCH_LIBRARY_IMPL(kvops, CUDA, m) {
   for (const char* name : {"nvfp4_quantize", "nvfp4_dequantize", "nvfp4_encode_pages_", "nvfp4_decode_pages_",
-                           "compaction_compact_layers_", "compaction_fill_lists_", "topk_short_rows_"})
+                           "compaction_compact_layers_", "compaction_fill_lists_", "topk_short_rows_",
+                           "attention_decode"})
     m.impl(name, torch::CppFunction::makeFromBoxedFunction<&not_built>());
 }
 #endif

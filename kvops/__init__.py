@@ -9,8 +9,8 @@ except ImportError as e:  # pragma: no cover
         "kvops._C is not built; install with `pip install --no-build-isolation -e .` (see README.md)"
     ) from e
 
-from . import cache, codecs, compaction, config, nvfp4, triattention  # noqa: E402
+from . import attention, cache, codecs, compaction, config, nvfp4, triattention  # noqa: E402
 from .topk import topk  # noqa: E402  (the op: kvops.topk(...); the module's other names via `from kvops.topk import`)
 
-__all__ = ["cache", "codecs", "compaction", "config", "nvfp4", "topk", "triattention"]
+__all__ = ["attention", "cache", "codecs", "compaction", "config", "nvfp4", "topk", "triattention"]
 __version__ = "0.1.0"
