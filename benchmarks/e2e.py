@@ -2,7 +2,7 @@
 
     python -m benchmarks.e2e [--batch 32] [--context 16384,32768] [--prompt 1024] [--new-tokens 256]
         [--budget 2048] [--beta 128] [--mode union] [--caches default,dense-static,kvops,kvops-static] [--peak]
-        [--json FILE]
+        [--attention kvops|grouped_sdpa] [--dense-attention grouped_sdpa|kvops] [--json FILE]
     python -m benchmarks.e2e --tiny        (CPU, a tiny random Qwen3: the mechanics only, said so in the output)
 
 The model is Qwen3-8B built from its config with random bf16 weights (speed does not need trained weights) and
@@ -14,11 +14,14 @@ timed apart (CUDA events around each). Before the timed decode each cache decode
 untimed (see ``_measure``).
 
 Caches (``--caches``):
-- ``default``: transformers' ``DynamicCache``, eager, ``sdpa`` attention;
+- ``default``: transformers' ``DynamicCache``, eager, ``sdpa`` attention (the eager baseline);
 - ``dense-static``: transformers' ``StaticCache`` at full context, for which ``generate`` compiles the decode
-  step (inductor, CUDA graphs), under ``GROUPED_SDPA`` attention: the dense baseline a user who wants speed runs;
-- ``kvops``: ``TriAttentionCache``, eager, ``sdpa``;
-- ``kvops-static``: ``TriAttentionCache(static=True)``, compiled by ``generate`` as ``dense-static``, same attention.
+  step (inductor, CUDA graphs): the dense baseline a user who wants speed runs, under ``--dense-attention``
+  (default ``grouped_sdpa``, faster for it on the H200 than kvops' decode attention);
+- ``kvops``: ``TriAttentionCache``, eager;
+- ``kvops-static``: ``TriAttentionCache(static=True)``, compiled by ``generate`` as ``dense-static``.
+The kvops caches run ``--attention`` (default ``kvops``: ``KVOPS_ATTENTION``, kvops' decode attention op;
+``grouped_sdpa``: ``GROUPED_SDPA``, sdpa with the grouped heads packed, no K/V repeat under a mask).
 
 Each row has a floor: the bytes a decode step must read (the KV the cache holds, on average over the decode, and
 the weights but the input embedding) over the device copy bandwidth measured in the same run, and the step's time
@@ -37,7 +40,8 @@ import time
 import torch
 
 from kvops.calibrate import require_transformers
-from kvops.integrations.transformers import GROUPED_SDPA, TriAttentionCache, cache_keyword, kv_bytes
+from kvops.integrations.transformers import (GROUPED_SDPA, KVOPS_ATTENTION, TriAttentionCache, cache_keyword,
+                                             kv_bytes)
 from kvops.triattention import load_calibration
 
 from .common import device_copy_gbps
@@ -128,6 +132,8 @@ def _step(model, cache, batch: int, device: torch.device, steps: int = 8) -> tup
 
 
 CACHES = ("default", "dense-static", "kvops", "kvops-static")
+# --attention: kvops' decode attention, or sdpa with grouped heads packed (no K/V repeat under a static cache's mask)
+ATTENTION = {"kvops": KVOPS_ATTENTION, "grouped_sdpa": GROUPED_SDPA}
 STATIC = ("dense-static", "kvops-static")  # generate compiles their decode step (inductor, CUDA graphs)
 
 
@@ -243,13 +249,16 @@ def run(args) -> dict:
     copy_gbps = device_copy_gbps() if device.type == "cuda" else None
     out = dict(device=torch.cuda.get_device_name() if device.type == "cuda" else "cpu", tiny=args.tiny,
                batch=args.batch, contexts=args.context, prompt=args.prompt, new_tokens=args.new_tokens,
-               budget=args.budget, beta=args.beta, mode=args.mode, peak=args.peak, copy_gbps=copy_gbps,
+               budget=args.budget, beta=args.beta, mode=args.mode, peak=args.peak, attention=args.attention,
+               dense_attention=args.dense_attention,
+               copy_gbps=copy_gbps,
                weight_bytes=weight_bytes, rows=[])
     attention = model.config._attn_implementation
     for context in args.context:
         for name in args.caches:
-            # a static cache's decode runs under a mask: grouped_sdpa reads its K/V without repeating them
-            model.config._attn_implementation = GROUPED_SDPA if name in STATIC else attention
+            # the default cache keeps transformers' sdpa (the eager baseline)
+            model.config._attn_implementation = attention if name == "default" else \
+                ATTENTION[args.dense_attention if name == "dense-static" else args.attention]
             batches = [args.batch]
             if args.peak:
                 batches.append(_peak_batch(name, model, calibration, context, args, device, per_token))
@@ -306,6 +315,9 @@ def main(argv=None) -> int:
     ap.add_argument("--mode", default="union", choices=["union", "per_head", "per_layer_perhead"])
     ap.add_argument("--caches", default=",".join(CACHES),
                     help=f"comma-separated, from {CACHES} (the static ones: generate compiles the step)")
+    ap.add_argument("--attention", default="kvops", choices=sorted(ATTENTION), help="the kvops caches' attention")
+    ap.add_argument("--dense-attention", default="grouped_sdpa", choices=sorted(ATTENTION),
+                    help="dense-static's attention (the faster one on the H200: grouped_sdpa)")
     ap.add_argument("--peak", action="store_true",
                     help="also run each cache at the largest batch that fits (found by allocating it; GPU only)")
     ap.add_argument("--json", help="write the results to this file")

@@ -16,7 +16,7 @@ transformers = pytest.importorskip("transformers")
 from benchmarks.quality import _forward  # noqa: E402
 from kvops.calibrate import calibrate  # noqa: E402
 from kvops.integrations.transformers import (  # noqa: E402
-    GROUPED_SDPA, TriAttentionCache, cache_keyword, grouped_sdpa, kv_bytes)
+    GROUPED_SDPA, KVOPS_ATTENTION, TriAttentionCache, cache_keyword, grouped_sdpa, kv_bytes)
 from kvops.triattention import load_calibration  # noqa: E402
 from kvops.triattention.reference import select_reference  # noqa: E402
 
@@ -241,6 +241,41 @@ def test_grouped_sdpa_equals_sdpa_under_a_mask(groups, device):
         want = torch.nn.functional.scaled_dot_product_attention(
             query, repeat_kv(k, groups), repeat_kv(v, groups), attn_mask=mask, scale=0.3).transpose(1, 2)
         torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("cache_kind", ["dynamic", "static-dense", "kvops", "kvops-static"])
+def test_kvops_attention_generates_what_sdpa_does(cache_kind, device):
+    """KVOPS_ATTENTION's decode steps (kvops.attention.decode_attention, each row's slots bounded by its mask) give
+    sdpa's tokens and logits, with left padding, for transformers' caches and TriAttentionCache (nothing evicted)."""
+    import transformers
+
+    torch.manual_seed(0)
+    config = transformers.Qwen3Config(**{**TINY, "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 64})
+    model = transformers.AutoModelForCausalLM.from_config(config).to(device=device, dtype=torch.bfloat16).eval()
+    cal = load_calibration(calibrate(model, torch.randint(0, TINY["vocab_size"], (128,), device=device)),
+                           model.config.to_dict())
+    ids = torch.randint(1, TINY["vocab_size"], (3, 11), device=device)
+    mask = torch.ones_like(ids)
+    mask[1, :4] = 0  # left padding
+    new = 24
+
+    def run(attention):
+        model.set_attn_implementation(attention)
+        cache = {"dynamic": lambda: transformers.DynamicCache(config=model.config),
+                 "static-dense": lambda: transformers.StaticCache(config=model.config, max_cache_len=11 + new),
+                 "kvops": lambda: TriAttentionCache(model.config, cal, budget=64, beta=8),
+                 "kvops-static": lambda: TriAttentionCache(model.config, cal, budget=64, beta=8, static=True),
+                 }[cache_kind]()
+        return _generate(model, ids, cache, new, attention_mask=mask, min_new_tokens=new)
+
+    want, got = run("sdpa"), run(KVOPS_ATTENTION)
+    # bf16 rounding can flip a near-tie of the random model's logits: compare every step while the tokens agree,
+    # the one where they first differ included (so it must be such a tie)
+    differ = (got.sequences != want.sequences).any(0).nonzero()
+    steps = new if len(differ) == 0 else int(differ[0]) - ids.shape[1] + 1
+    torch.testing.assert_close(torch.stack(got.logits[:steps]), torch.stack(want.logits[:steps]), atol=3e-2,
+                               rtol=3e-2)
 
 
 @pytest.mark.parametrize("device", DEVICES)

@@ -39,6 +39,7 @@ from .._checks import check_bool, check_choice, check_device, check_int
 from .._dispatch import python_op
 from ..calibrate import require_transformers
 from ..compaction import MODES, ORDERS
+from ..attention import decode_attention
 from ..manager import TriAttentionRound
 from ..nvfp4 import PageBlobCodec, RowSpec
 from ..triattention import Calibration, TriAttentionSelector, load_calibration, validate_calibration
@@ -630,10 +631,43 @@ def grouped_sdpa(module, query, key, value, attention_mask, **kwargs):
     return packed.reshape(B, Hq, 1, D).transpose(1, 2).contiguous(), None
 
 
+KVOPS_ATTENTION = "kvops_decode"
+
+
+def kvops_attention(module, query, key, value, attention_mask, **kwargs):
+    """transformers attention whose decode steps (one query token per row) run kvops' decode attention
+    (``kvops.attention.decode_attention``): grouped-query heads read K and V once, the KV length is split across
+    the SMs, and each row reads only the slots its mask admits. Any cache's layers serve as a dense paged cache
+    of one page per row (``TriAttentionCache``'s pools, ``StaticCache``, ``DynamicCache``).
+
+    Each row's mask (transformers' padding and causal mask at a decode step) must admit one contiguous range of
+    slots: its first and last admitted slots bound what the row reads, on the device, so a compiled step keeps one
+    graph. Every other case (prefill, a float mask, dropout, attention sinks or a soft cap) is ``grouped_sdpa``'s.
+    Select it with ``model.set_attn_implementation(KVOPS_ATTENTION)``.
+    """
+    B, Hq, q, D = query.shape
+    if q != 1 or kwargs.get("dropout", 0.0) or kwargs.get("position_bias") is not None or \
+            kwargs.get("s_aux") is not None or kwargs.get("softcap") or kwargs.get("sliding_window") or \
+            D not in (64, 128, 256) or (attention_mask is not None and attention_mask.dtype != torch.bool):
+        return grouped_sdpa(module, query, key, value, attention_mask, **kwargs)
+    N = key.shape[2]
+    table = torch.arange(B, dtype=torch.int32, device=query.device)[:, None]
+    if attention_mask is None:
+        lengths, starts = torch.full((B,), N, dtype=torch.int32, device=query.device), None
+    else:
+        admitted = attention_mask[:, 0, -1].expand(B, N)
+        slot = torch.arange(N, dtype=torch.int32, device=query.device)
+        lengths = torch.where(admitted, slot + 1, 0).amax(-1).to(torch.int32)
+        starts = torch.where(admitted, slot, N).amin(-1).to(torch.int32)
+    out = decode_attention(query, key, value, table, lengths, starts=starts, scale=kwargs.get("scaling"))
+    return out, None
+
+
 _sdpa = _transformers_module.modeling_utils.ALL_ATTENTION_FUNCTIONS["sdpa"]
-_transformers_module.AttentionInterface.register(GROUPED_SDPA, grouped_sdpa)
-_transformers_module.masking_utils.AttentionMaskInterface.register(
-    GROUPED_SDPA, _transformers_module.masking_utils.ALL_MASK_ATTENTION_FUNCTIONS["sdpa"])  # sdpa's masks
+for _name, _function in ((GROUPED_SDPA, grouped_sdpa), (KVOPS_ATTENTION, kvops_attention)):
+    _transformers_module.AttentionInterface.register(_name, _function)
+    _transformers_module.masking_utils.AttentionMaskInterface.register(
+        _name, _transformers_module.masking_utils.ALL_MASK_ATTENTION_FUNCTIONS["sdpa"])  # sdpa's masks
 
 
 def cache_keyword(model) -> str:
@@ -650,4 +684,5 @@ def kv_bytes(cache: TriAttentionCache) -> int:
     return cache.num_layers * p.shape[0] * 2 * p.shape[2] * cache.held * p.shape[4] * p.dtype.itemsize
 
 
-__all__ = ["GROUPED_SDPA", "TriAttentionCache", "cache_keyword", "grouped_sdpa", "kv_bytes"]
+__all__ = ["GROUPED_SDPA", "KVOPS_ATTENTION", "TriAttentionCache", "cache_keyword", "grouped_sdpa", "kv_bytes",
+           "kvops_attention"]
