@@ -8,8 +8,6 @@ import torch
 
 from .._checks import check_device, check_int, check_no_meta_mix
 
-MAX_SPLITS = 256  # csrc/attention/attention.h's kMaxSplits
-
 
 def decode_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, page_table: torch.Tensor,
                      lengths: torch.Tensor, *, starts: torch.Tensor | None = None, scale: float | None = None,
@@ -59,7 +57,7 @@ def decode_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.
     for name, value in (("scale", scale), ("k_scale", k_scale), ("v_scale", v_scale)):
         if isinstance(value, bool) or not isinstance(value, (int, float)):
             raise TypeError(f"{what}: {name} must be a float, got {type(value).__name__} {value!r}")
-    check_int(what, "num_splits", num_splits, 0, MAX_SPLITS)
+    check_int(what, "num_splits", num_splits, 0)  # the op bounds it (csrc/attention/attention.h's kMaxSplits)
     return torch.ops.kvops.attention_decode(query, k_cache, v_cache, page_table, lengths, starts, float(scale),
                                             float(k_scale), float(v_scale), num_splits)
 
