@@ -250,9 +250,7 @@ def run(args) -> dict:
     out = dict(device=torch.cuda.get_device_name() if device.type == "cuda" else "cpu", tiny=args.tiny,
                batch=args.batch, contexts=args.context, prompt=args.prompt, new_tokens=args.new_tokens,
                budget=args.budget, beta=args.beta, mode=args.mode, peak=args.peak, attention=args.attention,
-               dense_attention=args.dense_attention,
-               copy_gbps=copy_gbps,
-               weight_bytes=weight_bytes, rows=[])
+               dense_attention=args.dense_attention, copy_gbps=copy_gbps, weight_bytes=weight_bytes, rows=[])
     attention = model.config._attn_implementation
     for context in args.context:
         for name in args.caches:

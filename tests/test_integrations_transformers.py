@@ -16,7 +16,7 @@ transformers = pytest.importorskip("transformers")
 from benchmarks.quality import _forward  # noqa: E402
 from kvops.calibrate import calibrate  # noqa: E402
 from kvops.integrations.transformers import (  # noqa: E402
-    GROUPED_SDPA, KVOPS_ATTENTION, TriAttentionCache, cache_keyword, grouped_sdpa, kv_bytes)
+    GROUPED_SDPA, KVOPS_ATTENTION, TriAttentionCache, cache_keyword, grouped_sdpa, kv_bytes, kvops_attention)
 from kvops.triattention import load_calibration  # noqa: E402
 from kvops.triattention.reference import select_reference  # noqa: E402
 
@@ -276,6 +276,20 @@ def test_kvops_attention_generates_what_sdpa_does(cache_kind, device):
     steps = new if len(differ) == 0 else int(differ[0]) - ids.shape[1] + 1
     torch.testing.assert_close(torch.stack(got.logits[:steps]), torch.stack(want.logits[:steps]), atol=3e-2,
                                rtol=3e-2)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_kvops_attention_leaves_what_its_kernels_do_not_serve_to_grouped_sdpa(device):
+    module = torch.nn.Module()
+    module.num_key_value_groups, module.is_causal = 2, True
+    mask = torch.rand(2, 1, 1, 9, device=device) > 0.3
+    mask[..., 0] = True
+    for D, dtype in ((64, torch.float32), (16, torch.bfloat16)):  # a dtype, then a head_dim, the op does not take
+        query = torch.randn(2, 4, 1, D, device=device, dtype=dtype)
+        k, v = (torch.randn(2, 2, 9, D, device=device, dtype=dtype) for _ in range(2))
+        got, _ = kvops_attention(module, query, k, v, mask, scaling=0.3)
+        want, _ = grouped_sdpa(module, query, k, v, mask, scaling=0.3)
+        assert torch.equal(got, want)
 
 
 @pytest.mark.parametrize("device", DEVICES)

@@ -73,10 +73,11 @@ DecodeArgs check_decode_args(const at::Tensor& query, const at::Tensor& k_cache,
   check_index(lengths, "lengths", R, device);
   if (starts.has_value()) check_index(*starts, "starts", R, device);
   const int64_t max_pages = page_table.size(1);
+  // positions and pages are int32 in the kernels; requests and heads x query tokens bound the grid's y and z
   TORCH_CHECK_VALUE(max_pages * S < std::numeric_limits<int32_t>::max() &&
-                        P < std::numeric_limits<int32_t>::max() && R < 65536 && Hkv * Hq * q < 65536,
+                        P < std::numeric_limits<int32_t>::max() && R < 65536 && Hq * q < 65536,
                     kOp, ": too large: positions (max_pages * page_size = ", max_pages * S, ") and pages (", P,
-                    ") must fit int32, requests (", R, ") and heads x query tokens (", Hq * q, ") 65535");
+                    ") must fit int32, requests (", R, ") and q_heads x q_tokens (", Hq * q, ") at most 65535");
   for (const auto& [value, name] : {std::pair{scale, "scale"}, {k_scale, "k_scale"}, {v_scale, "v_scale"}})
     TORCH_CHECK_VALUE(std::isfinite(float(value)) && value > 0, kOp, ": ", name, " must be finite and positive, got ",
                       value);

@@ -8,6 +8,9 @@ import torch
 
 from .._checks import check_device, check_int, check_no_meta_mix
 
+HEAD_DIMS = (64, 128, 256)                   # what the kernels serve (csrc/attention/attention.cpp checks it)
+QUERY_DTYPES = (torch.bfloat16, torch.float16)
+
 
 def decode_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, page_table: torch.Tensor,
                      lengths: torch.Tensor, *, starts: torch.Tensor | None = None, scale: float | None = None,

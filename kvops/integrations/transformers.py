@@ -39,7 +39,7 @@ from .._checks import check_bool, check_choice, check_device, check_int
 from .._dispatch import python_op
 from ..calibrate import require_transformers
 from ..compaction import MODES, ORDERS
-from ..attention import decode_attention
+from ..attention import HEAD_DIMS, QUERY_DTYPES, decode_attention
 from ..manager import TriAttentionRound
 from ..nvfp4 import PageBlobCodec, RowSpec
 from ..triattention import Calibration, TriAttentionSelector, load_calibration, validate_calibration
@@ -642,13 +642,15 @@ def kvops_attention(module, query, key, value, attention_mask, **kwargs):
 
     Each row's mask (transformers' padding and causal mask at a decode step) must admit one contiguous range of
     slots: its first and last admitted slots bound what the row reads, on the device, so a compiled step keeps one
-    graph. Every other case (prefill, a float mask, dropout, attention sinks or a soft cap) is ``grouped_sdpa``'s.
+    graph. Every other case (prefill, a float mask, dropout, attention sinks or a soft cap, a head_dim or dtype the
+    kernels do not serve) is ``grouped_sdpa``'s.
     Select it with ``model.set_attn_implementation(KVOPS_ATTENTION)``.
     """
     B, Hq, q, D = query.shape
     if q != 1 or kwargs.get("dropout", 0.0) or kwargs.get("position_bias") is not None or \
             kwargs.get("s_aux") is not None or kwargs.get("softcap") or kwargs.get("sliding_window") or \
-            D not in (64, 128, 256) or (attention_mask is not None and attention_mask.dtype != torch.bool):
+            D not in HEAD_DIMS or query.dtype not in QUERY_DTYPES or \
+            (attention_mask is not None and attention_mask.dtype != torch.bool):
         return grouped_sdpa(module, query, key, value, attention_mask, **kwargs)
     N = key.shape[2]
     table = torch.arange(B, dtype=torch.int32, device=query.device)[:, None]
