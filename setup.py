@@ -65,7 +65,7 @@ setup(
     package_data={"kvops": ["data/triattention/*.pt", "data/triattention/NOTICE.md"]},
     python_requires=">=3.10",
     install_requires=["torch", "triton", "nvidia-cutlass-dsl>=4.8.1", "apache-tvm-ffi"],
-    extras_require={"transformers": ["transformers>=5.0"], "dev": ["pytest", "hypothesis", "ninja"]},
+    extras_require={"transformers": ["transformers>=5.0"], "dev": ["pytest", "hypothesis", "ninja", "ruff"]},
     ext_modules=[_extension()],
     cmdclass={"build_ext": BuildExt},
     options={"bdist_wheel": {"py_limited_api": "cp39"}},

@@ -76,7 +76,7 @@ def run(quick: bool = False) -> tuple[list[Row], list[str]]:
         layout = f"paged{PAGE}" if paged else "pool"
         rows.append(Row.make(FAMILY, "decode", f"b{batch} x {tokens} of {capacity} {layout}", kv_dtype, us, nbytes,
                              copy_gbps, baseline, baseline_us))
-        del query, pool, table, lengths
+        query = pool = table = lengths = None  # freed before the next case
         torch.cuda.empty_cache()
     notes.insert(0, f"Qwen3-8B heads (32 on 8, head_dim 128), one query token; copy bandwidth {copy_gbps:.0f} GB/s; "
                     "bytes: the held K and V. Baselines (graphed, same data):")

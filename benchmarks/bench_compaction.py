@@ -97,7 +97,7 @@ def run(quick: bool = False) -> tuple[list[Row], list[str]]:
                         baseline = _baseline(pools, params)
                         base_us = time_us(baseline, iters=max(3, iters // 4))
                         base_extra = _peak_extra(baseline)
-                        del baseline
+                        baseline = None  # freed before the next case
                     rows.append(Row.make(FAMILY, "compact", shape, dtype, us, moved, copy_gbps,
                                          "torch gather+scatter" if mode == "union" else "", base_us))
                     graph_us = time_us(graphed(lambda: compact(params)), iters=iters)
@@ -110,7 +110,7 @@ def run(quick: bool = False) -> tuple[list[Row], list[str]]:
                                          copy_gbps))
                     notes.append(f"| {shape} {str(dtype)[6:]} | {ours_extra / 2**20:.1f} MiB | "
                                  f"{base_extra / 2**20:.1f} MiB | {sources.numel() * 4 / 2**20:.1f} MiB |")
-                    del pools, params
-    del storage
+                    pools = params = None
+    storage = None
     torch.cuda.empty_cache()
     return rows, notes

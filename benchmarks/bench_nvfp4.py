@@ -81,7 +81,7 @@ def bench_codec(rows, copy_gbps, quick):
             us = time_us(lambda: codec.decode(host, pools, back), iters)
             rows.append(Row.make(FAMILY, "onboard", shape, dtype, us, blob, h2d_gbps, "copy_ raw from pinned", h2d_us,
                                  speedup=h2d_us / us))
-            del pools, cold, host, raw
+            pools = cold = host = raw = None  # freed before the next case
             torch.cuda.empty_cache()
 
 
@@ -98,7 +98,7 @@ def bench_primitives(rows, copy_gbps, quick):
         rows.append(Row.make(FAMILY, "quantize", f"[{n // 128},128]", dtype, us, out, copy_gbps, "x.clone()", clone_us))
         us = time_us(lambda: dequantize(p, s, g, dtype))
         rows.append(Row.make(FAMILY, "dequantize", f"[{n // 128},128]", dtype, us, out, copy_gbps, "x.clone()", clone_us))
-        del x, p, s
+        x = p = s = None
 
 
 def codec_errors(quick):

@@ -120,7 +120,7 @@ def _kv_dtypes(rows_out: list[Row], copy_gbps: float, quick: bool) -> list[str]:
             us = time_us(graphed(lambda: selector.select(w.pools, w.table, w.N, w.P, w.starts)), iters=10)
             rows_out.append(Row.make(FAMILY, "round_union", w.shape, name, us, w.k_bytes, copy_gbps))
             rounds[name] = (us, w.k_bytes / copy_gbps / 1e3)
-            del w
+            w = None  # freed before the next case
         (bf16, _), (fp8, fp8_floor) = rounds["bfloat16"], rounds["float8_e4m3fn"]
         notes.append(f"round_union R={R} N={n}: float8_e4m3fn {fp8 / 1e3:.2f} ms = {fp8 / bf16:.2f}x the bfloat16 "
                      f"round ({bf16 / 1e3:.2f} ms) and {fp8 / fp8_floor:.2f}x its floor of reading K once.")
@@ -188,6 +188,6 @@ def _round_steady(rows_out: list[Row], copy_gbps: float, quick: bool) -> list[st
                 notes.append(f"round_steady {shape}: {round_us:.0f} us = {round_us / floor:.2f}x its floor "
                              f"({floor:.0f} us); select {select_us:.0f} us ({eager_us / select_us:.2f}x eager), "
                              f"compact {compact_us:.0f} us.")
-        del w
+        w = None
         torch.cuda.empty_cache()
     return notes

@@ -81,7 +81,6 @@ def device_copy_gbps(nbytes: int = 2 << 30) -> float:
     src = torch.empty(nbytes, dtype=torch.uint8, device="cuda").random_()
     dst = torch.empty_like(src)
     us = time_us(lambda: dst.copy_(src))
-    del src, dst
     return 2 * nbytes / us / 1e3
 
 

@@ -8,10 +8,10 @@ cd "$(dirname "$0")/.."
 if [ -z "${CUDA_HOME:-}" ] && [ -x /usr/local/cuda/bin/nvcc ]; then
   export CUDA_HOME=/usr/local/cuda  # without it torch looks in /usr/local and the link fails
 fi
-if ! python -c "import torch, ninja, pytest, hypothesis, cutlass, tvm_ffi, transformers
+if ! python -c "import torch, ninja, pytest, hypothesis, cutlass, tvm_ffi, transformers, ruff
 assert torch.__version__.startswith('2.14.1'), torch.__version__" 2>/dev/null; then
   python -m pip install -q "torch==2.14.1" ninja pytest hypothesis "nvidia-cutlass-dsl>=4.8.1" apache-tvm-ffi \
-    "transformers>=5.0"
+    "transformers>=5.0" ruff
 fi
 inputs=$( { python -c "import torch, cutlass, tvm_ffi; print(torch.__version__, torch.version.cuda, cutlass.__version__,
 tvm_ffi.__version__)"

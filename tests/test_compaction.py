@@ -322,8 +322,7 @@ def _fill_decisions(R, rows, K, tail, base, evicted, device):
     scored = base + K + evicted
     kept = torch.stack([torch.randperm(K + int(evicted[r]))[:K].sort().values + int(base[r])
                         for r in range(R) for _ in range(rows)]).view(R, rows, K)
-    i32 = lambda t: t.to(device=device, dtype=torch.int32)
-    return i32(kept), i32(scored), i32(tail), i32(base)
+    return tuple(t.to(device=device, dtype=torch.int32) for t in (kept, scored, tail, base))
 
 
 @pytest.mark.parametrize("device", DEVICES)

@@ -12,8 +12,8 @@ from kvops.triattention import SHIPPED
 
 @pytest.fixture
 def calibration(tmp_path):
-    stats = {f"layer{l:02d}_head{h:02d}": {"q_mean_real": torch.randn(8), "q_mean_imag": torch.randn(8),
-                                          "q_abs_mean": torch.rand(8) + 1} for l in range(2) for h in range(4)}
+    stats = {f"layer{layer:02d}_head{h:02d}": {"q_mean_real": torch.randn(8), "q_mean_imag": torch.randn(8),
+                                              "q_abs_mean": torch.rand(8) + 1} for layer in range(2) for h in range(4)}
     path = tmp_path / "cal.pt"
     torch.save({"metadata": {"head_dim": 16}, "stats": stats}, path)
     return str(path)
