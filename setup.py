@@ -1,13 +1,14 @@
 """Builds kvops ahead of time: kvops._C (C++ CPU kernels always, CUDA kernels when torch has CUDA and nvcc exists),
 then the CuTe DSL kernels (kvops/_cute_kernels.so, by `python -m kvops._cute_build`; no GPU needed).
 
-Default CUDA archs are sm_90a (Hopper) and sm_100a (Blackwell); TORCH_CUDA_ARCH_LIST overrides them
-(e.g. TORCH_CUDA_ARCH_LIST="9.0a" for a quick Hopper-only build) for kvops._C and the CuTe library. Build with --no-build-isolation so
-the extension links against the torch you run with. KVOPS_NO_CUTE=1 skips the CuTe library (the kernels then
+The package's metadata is in pyproject.toml. The default CUDA archs are kvops/_targets.py's (sm_90a Hopper, sm_100a
+Blackwell); TORCH_CUDA_ARCH_LIST overrides them (e.g. "9.0a" for a quick Hopper-only build) for kvops._C and the
+CuTe library. Build with --no-build-isolation so the extension links against the torch you run with. KVOPS_NO_CUTE=1 skips the CuTe library (the kernels then
 compile into the user cache at first use).
 """
 import glob
 import os
+import runpy
 import subprocess
 import sys
 
@@ -16,6 +17,7 @@ from torch.utils.cpp_extension import CUDA_HOME, BuildExtension, CppExtension, C
 import torch
 
 ROOT = os.path.dirname(os.path.abspath(__file__))
+TARGETS = runpy.run_path(os.path.join(ROOT, "kvops", "_targets.py"))  # the version and archs, without importing kvops
 
 
 def _sources(pattern):
@@ -26,8 +28,7 @@ def _cuda_arch_flags():
     archs = os.environ.get("TORCH_CUDA_ARCH_LIST")
     if archs:
         return []  # torch's cpp_extension turns TORCH_CUDA_ARCH_LIST into -gencode flags
-    # 'a' targets unlock the arch-specific instructions (setmaxnreg, wgmma, FP4 converts on sm_100a).
-    return ["-gencode=arch=compute_90a,code=sm_90a", "-gencode=arch=compute_100a,code=sm_100a"]
+    return [f"-gencode=arch=compute_{arch[3:]},code={arch}" for arch in TARGETS["ARCHS"]]
 
 
 def _extension():
@@ -57,17 +58,11 @@ class BuildExt(BuildExtension.with_options(use_ninja=True)):
 
 
 setup(
-    name="kvops",
-    version="0.1.0",
-    description="KV-cache compression kernels for LLM inference engines (torch.ops.kvops)",
+    version=TARGETS["VERSION"],
     packages=find_packages(include=["kvops", "kvops.*"]),
     # shipped TriAttention calibrations (Apache-2.0, see NOTICE.md there)
     package_data={"kvops": ["data/triattention/*.pt", "data/triattention/NOTICE.md"]},
-    python_requires=">=3.10",
-    install_requires=["torch", "triton", "nvidia-cutlass-dsl>=4.8.1", "apache-tvm-ffi"],
-    extras_require={"transformers": ["transformers>=5.0"], "dev": ["pytest", "hypothesis", "ninja", "ruff"]},
     ext_modules=[_extension()],
     cmdclass={"build_ext": BuildExt},
     options={"bdist_wheel": {"py_limited_api": "cp39"}},
-    entry_points={"console_scripts": ["kvops=kvops.__main__:main"]},
 )

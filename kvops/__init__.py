@@ -11,6 +11,6 @@ except ImportError as e:  # pragma: no cover
 
 from . import attention, cache, codecs, compaction, config, nvfp4, triattention  # noqa: E402
 from .topk import topk  # noqa: E402  (the op: kvops.topk(...); the module's other names via `from kvops.topk import`)
+from ._targets import VERSION as __version__  # noqa: E402, F401
 
 __all__ = ["attention", "cache", "codecs", "compaction", "config", "nvfp4", "topk", "triattention"]
-__version__ = "0.1.0"

@@ -25,8 +25,9 @@ from typing import Callable, NamedTuple, Sequence
 
 import torch
 
+from ._targets import ARCHS  # noqa: F401  (kvops._cute.ARCHS: what the install builds)
+
 MIN_DSL = (4, 8, 1)  # compiles without a GPU (--gpu-arch) and exports TVM-FFI objects
-ARCHS = ("sm_90a", "sm_100a")  # what the install builds: Hopper and Blackwell
 LIBRARY = Path(__file__).with_name("_cute_kernels.so")
 # The files whose text decides what a spec compiles to (part of the persistent cache key).
 SOURCES = ("_cute.py", "topk.py", "topk_cute.py", "triattention/score.py", "triattention/score_cute.py")

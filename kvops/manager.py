@@ -23,11 +23,11 @@ import torch
 import triton
 
 from ._checks import check_hashable, check_int
+from ._targets import CAPABILITIES as SUPPORTED_ARCHS  # noqa: F401  (the archs kvops builds kernels for)
 from .compaction import build_compaction_params, compact
 from .config import KVCacheCompressionConfig, NVFP4ColdPageConfig, TriAttentionConfig
 from .triattention import TriAttentionSelector
 
-SUPPORTED_ARCHS = ((9, 0), (10, 0))  # sm_90a and sm_100a are the archs kvops builds kernels for
 
 
 @dataclass

@@ -1,0 +1,15 @@
+"""What the build and the package both need to know, in a file setup.py loads on its own (no torch, no
+kvops._C): the package version and the GPU archs the kernels are built for."""
+
+VERSION = "0.1.0"
+# Hopper and Blackwell. The 'a' targets unlock the arch-specific instructions (setmaxnreg, wgmma, FP4 converts).
+ARCHS = ("sm_90a", "sm_100a")
+
+
+def capability(arch: str) -> tuple[int, int]:
+    """A target's compute capability: "sm_100a" -> (10, 0)."""
+    digits = arch.removeprefix("sm_").rstrip("a")
+    return int(digits[:-1]), int(digits[-1])
+
+
+CAPABILITIES = tuple(capability(a) for a in ARCHS)
