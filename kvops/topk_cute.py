@@ -259,7 +259,8 @@ def _sweep_global(mBits: cute.Tensor, row: Int32, n: Int32, tidx: Int32, keys: c
 class TopK:
     """The kernel for one staging-copy width. vector: 16-byte copies; the caller vouches that every row starts
     16-byte aligned and that the row length rounded up to 4 stays inside the tensor. (A class attribute, not a
-    Constexpr kernel argument: DSL 4.3.5 passes those through as dynamic values.)"""
+    Constexpr kernel argument: attributes are constants in every DSL version; 4.3.5 passed Constexpr arguments
+    through as dynamic values.)"""
 
     def __init__(self, vector: bool):
         self.vector = vector
