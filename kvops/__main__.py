@@ -49,7 +49,12 @@ USAGE = ("usage: kvops demo [--preset tiny|gpu] [--device cpu|cuda] [--dtype D] 
          "       kvops calibrate MODEL_DIR --text FILE --out FILE.pt [--max-tokens N] [--window W] [--device D]\n"
          "       kvops warmup [--model DIR | --head-dim D --group G ...] [--page-size T ...] [--dtype D] "
          "[--arch sm_XXa ...]\n"
-         "       kvops info\n"
+         "       kvops info\n\n"
+         "commands:\n"
+         "  demo       a long-decoding workload on the reference paged cache: eviction rounds, then NVFP4 offload\n"
+         "  calibrate  TriAttention query statistics of a local Hugging Face model, from a text file\n"
+         "  warmup     compile a model geometry's CuTe kernels into the cache (the install built the common ones)\n"
+         "  info       versions, what was built, and what runs on this machine\n"
          "(kvops COMMAND --help for each command's options)")
 COMMANDS = ("demo", "calibrate", "warmup", "info")
 
