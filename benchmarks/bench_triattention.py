@@ -17,6 +17,8 @@ Rows:
               whole round as the manager runs it (TriAttentionRound), each from a graph, and `_select_eager`
               (the same call without a graph). Floor: the decode tokens'
               K read once plus, read and written, the bytes fill order must move, at the copy bandwidth.
+  round_steady_tp1  the whole union round (fill) at R=32 with a one-rank NCCL process group (tensor parallelism:
+              the all-reduce of the union rows runs, recorded in the graph) against the same round without one.
 """
 
 from __future__ import annotations
@@ -49,6 +51,7 @@ def run(quick: bool = False) -> tuple[list[Row], list[str]]:
     notes = _round(rows_out, copy_gbps, quick)
     notes += _kv_dtypes(rows_out, copy_gbps, quick)
     notes += _round_steady(rows_out, copy_gbps, quick)
+    notes += _round_tp(rows_out, copy_gbps, quick)
     return rows_out, notes
 
 
@@ -142,9 +145,10 @@ def steady_workload(R: int, device: str = "cuda", layers: int = 36, prompt: int 
                            device=torch.device(device))
 
 
-def steady_round(w: SimpleNamespace, mode: str, order: str, cuda_graphs: bool):
+def steady_round(w: SimpleNamespace, mode: str, order: str, cuda_graphs: bool, process_group=None):
     """The manager's device half of a round over the workload, run once (on the GPU: captured for replays)."""
-    selector = TriAttentionSelector(w.cal, w.budget, mode, max_decode=w.budget + 2 * w.beta)
+    selector = TriAttentionSelector(w.cal, w.budget, mode, max_decode=w.budget + 2 * w.beta,
+                                    process_group=process_group)
     cache = SimpleNamespace(device=w.device, views=lambda: w.pools)
     rnd = TriAttentionRound(selector, cache, w.R, w.table.shape[1], w.beta, cuda_graphs, order)
     table = torch.nn.functional.pad(w.table, (0, rnd.width - w.table.shape[1]), value=-1)  # its bound width
@@ -191,3 +195,30 @@ def _round_steady(rows_out: list[Row], copy_gbps: float, quick: bool) -> list[st
         w = None
         torch.cuda.empty_cache()
     return notes
+
+
+def _round_tp(rows_out: list[Row], copy_gbps: float, quick: bool) -> list[str]:
+    """The union round with a one-rank NCCL group (the path a tensor-parallel rank runs) against no group."""
+    import torch.distributed as dist
+
+    if not dist.is_nccl_available():
+        return ["round_steady_tp1: skipped, torch has no NCCL"]
+    created = not dist.is_initialized()
+    if created:
+        dist.init_process_group("nccl", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        R = 8 if quick else 32
+        w = steady_workload(R)
+        us = {}
+        for name, group in (("no group", None), ("group", dist.group.WORLD)):
+            _, rnd = steady_round(w, "union", "fill", cuda_graphs=True, process_group=group)
+            floor_bytes = w.L * R * (w.budget + w.beta) * w.Hkv * w.D * 2 + 2 * fill_moved_bytes(w, rnd)
+            us[name] = time_us(rnd.graphs[R].replay, iters=10)
+        shape = f"R={R} {w.prompt}+{w.budget + w.beta} L={w.L} Hkv={w.Hkv} union fill, NCCL world 1"
+        rows_out.append(Row.make(FAMILY, "round_steady_tp1", shape, "bfloat16", us["group"], floor_bytes, copy_gbps,
+                                 "no group", us["no group"]))
+        return [f"round_steady_tp1 R={R}: {us['group']:.0f} us with a one-rank NCCL group, {us['no group']:.0f} us "
+                f"without ({us['group'] / us['no group'] - 1:+.1%})."]
+    finally:
+        if created:
+            dist.destroy_process_group()

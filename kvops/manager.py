@@ -22,10 +22,11 @@ from typing import Any, Mapping, Sequence
 import torch
 import triton
 
-from ._checks import check_hashable, check_int
+from ._checks import check_bool, check_hashable, check_int
 from ._targets import CAPABILITIES as SUPPORTED_ARCHS  # noqa: F401  (the archs kvops builds kernels for)
 from .compaction import build_compaction_params, compact
 from .config import KVCacheCompressionConfig, NVFP4ColdPageConfig, TriAttentionConfig
+from .distributed import capturable, check_group, check_same_on_ranks, rank_kv_heads
 from .triattention import TriAttentionSelector
 
 
@@ -104,11 +105,19 @@ class TriAttentionManager(KVCacheCompressionManager):
     `budget` best decode tokens (kvops.triattention) and compacts the cache in place (kvops.compaction). It
     keeps each request's logical position, so RoPE positions stay right after eviction. Each decode step must
     confirm exactly the tokens the cache gained since the request's last hook (its prompt at admission, or what it
-    held at its last context step); a refused step changes nothing, so the engine may call it again."""
+    held at its last context step); a refused step changes nothing, so the engine may call it again.
 
-    def __init__(self, config: TriAttentionConfig, kv_cache, model_config: Mapping[str, Any]):
+    Under tensor parallelism each rank runs its own manager on its own cache (its KV heads), with the same hooks
+    in the same order: `process_group` and `kv_heads` go to the selector (``TriAttentionSelector``). With
+    `validate`, every step checks that the ranks hold the same lengths and every round the same page tables
+    (small all-reduces, each a host sync), raising on every rank before anything moves."""
+
+    def __init__(self, config: TriAttentionConfig, kv_cache, model_config: Mapping[str, Any], *, process_group=None,
+                 kv_heads: range | None = None, validate: bool = False):
         if not isinstance(config, TriAttentionConfig):
             raise TypeError(f"TriAttentionManager: config must be a TriAttentionConfig, got {type(config).__name__}")
+        self.process_group = check_group("TriAttentionManager", process_group)
+        self.validate = check_bool("TriAttentionManager", "validate", validate)
         super().__init__(config, kv_cache, model_config)
         calibration = config.load_calibration(model_config)
         # A round scores at most budget + 2*beta decode tokens (a round is due after beta more, and a step may
@@ -119,7 +128,8 @@ class TriAttentionManager(KVCacheCompressionManager):
         # [L] or [L, Hkv] (TriAttentionSelector).
         self.selector = TriAttentionSelector(calibration, config.budget, config.eviction_mode,
                                              config.normalize_scores, max_decode=config.budget + 2 * config.beta,
-                                             k_scale=getattr(kv_cache, "k_scale", None))
+                                             k_scale=getattr(kv_cache, "k_scale", None),
+                                             process_group=self.process_group, kv_heads=kv_heads)
         self.prompt_length: dict[Any, int] = {}
         self.since_round: dict[Any, int] = {}
         self.num_compressed_tokens: dict[Any, int] = {}
@@ -227,6 +237,11 @@ class TriAttentionManager(KVCacheCompressionManager):
 
     def on_generation_step_end(self, batch: Sequence[tuple[Any, int]]) -> None:
         lengths, since, rids = self._plan(batch)
+        if self.validate:  # the ranks must agree on which requests are due: each runs the round's collectives
+            check_same_on_ranks("TriAttentionManager.on_generation_step_end", self.process_group,
+                                self.kv_cache.device, step=torch.tensor(
+                                    [[lengths[r], self.prompt_length[r], since[r], r in rids] for r, _ in batch],
+                                    dtype=torch.int64).view(-1, 4))
         new_lengths = self._run_round(rids) if rids else []  # refuses (raises) before anything moves
         # committed only now: a refused step counts nothing, so the engine may call it again
         for rid, n in zip(rids, new_lengths):
@@ -253,9 +268,12 @@ class TriAttentionManager(KVCacheCompressionManager):
         if self._round is None or not self._round.fits(len(rids), width):
             self._round = TriAttentionRound(self.selector, cache, len(rids), width, self.max_tail, self.cuda_graphs,
                                             self.config.compaction_order)
-        self._round.run(cache.page_table(rids, self._round.width, device="cpu"),
-                        [n - t for n, t in zip(lengths, tails)], prompts, tails,
-                        [self.logical_position(r) for r in rids])
+        page_table = cache.page_table(rids, self._round.width, device="cpu")
+        positions = [self.logical_position(r) for r in rids]
+        if self.validate:
+            check_same_on_ranks("TriAttentionManager.on_generation_step_end", self.process_group, cache.device,
+                                page_table=page_table, positions=torch.tensor(positions))
+        self._round.run(page_table, [n - t for n, t in zip(lengths, tails)], prompts, tails, positions)
         # The kept decode tokens land after the prompt, then the tail: lengths known here, nothing read back.
         new_lengths = [p + self.config.budget + t for p, t in zip(prompts, tails)]
         cache.shrink(rids, new_lengths)
@@ -281,7 +299,9 @@ class TriAttentionRound:
         kept = torch.zeros(self.requests, selector.rows, selector.budget, dtype=torch.int32, device=device)
         self.params = build_compaction_params(cache.views(), self.page_table, kept, self.lengths[0], self.lengths[2],
                                               self.lengths[1], max_tail=max_tail, order=order)
-        self.graphs: dict[int, torch.cuda.CUDAGraph] | None = {} if cuda_graphs and device.type == "cuda" else None
+        # (a gloo group's all-reduce cannot be captured: such rounds run eagerly whatever cuda_graphs says)
+        capture = cuda_graphs and device.type == "cuda" and capturable(selector.process_group)
+        self.graphs: dict[int, torch.cuda.CUDAGraph] | None = {} if capture else None
 
     def fits(self, requests: int, width: int) -> bool:
         return requests <= self.requests and width <= self.width
@@ -342,11 +362,19 @@ def _model_row_size(model_config: Mapping[str, Any]) -> int | None:
 MANAGERS = {TriAttentionConfig: TriAttentionManager, NVFP4ColdPageConfig: NVFP4ColdPageManager}
 
 
-def create_compression_manager(config: KVCacheCompressionConfig, kv_cache, model_config: Mapping[str, Any]
+def create_compression_manager(config: KVCacheCompressionConfig, kv_cache, model_config: Mapping[str, Any], *,
+                               process_group=None, kv_heads: range | None = None, validate: bool = False
                                ) -> KVCacheCompressionManager:
     """The manager for `config` on `kv_cache`, after admission checks that raise a clear error: one method per
-    instance, a method/cache combination the method supports, and kernels for the cache's GPU."""
+    instance, a method/cache combination the method supports, and kernels for the cache's GPU.
+
+    Under tensor parallelism (kvops.distributed), each rank creates its own on its own cache, which holds the
+    rank's KV heads `kv_heads` (by default its block of the even split) of the model `model_config` describes.
+    TriAttention takes `process_group`, `kv_heads` and `validate` (``TriAttentionManager``); the cold-page codec
+    works on each rank's pools and communicates nothing."""
     what = "create_compression_manager"
+    process_group = check_group(what, process_group)
+    check_bool(what, "validate", validate)
     if isinstance(config, (list, tuple)):
         raise ValueError(f"{what}: one method per manager instance, got {len(config)} configs")
     if type(config) not in MANAGERS:
@@ -367,11 +395,14 @@ def create_compression_manager(config: KVCacheCompressionConfig, kv_cache, model
     # the cache must hold the model's KV (and the calibration, TriAttention's, describes that model)
     pools, heads = getattr(kv_cache, "pools", None), getattr(kv_cache, "num_kv_heads", None)
     layers = model_config.get("num_hidden_layers")
-    kv_heads = model_config.get("num_key_value_heads") or model_config.get("num_attention_heads")
+    model_heads = model_config.get("num_key_value_heads") or model_config.get("num_attention_heads")
     if pools is not None and layers is not None and len(pools) != layers:
         raise ValueError(f"{what}: the cache has {len(pools)} layers, the model {layers} (num_hidden_layers)")
-    if heads is not None and kv_heads is not None and heads != kv_heads:
-        raise ValueError(f"{what}: the cache has {heads} KV heads, the model {kv_heads} (num_key_value_heads)")
+    if isinstance(model_heads, int) and not isinstance(model_heads, bool) and model_heads > 0:
+        held = rank_kv_heads(what, process_group, model_heads, kv_heads)
+        if heads is not None and heads != len(held):
+            raise ValueError(f"{what}: the cache has {heads} KV heads, the model {model_heads} (num_key_value_heads)"
+                             + ("" if len(held) == model_heads else f", of which this rank holds {len(held)} ({held})"))
     row, cache_row = _model_row_size(model_config), getattr(kv_cache, "head_dim", None)
     where = "(head_dim, else hidden_size // num_attention_heads; kv_lora_rank + qk_rope_head_dim for latent attention)"
     if cache_row is not None and row is not None and cache_row != row:
@@ -386,4 +417,7 @@ def create_compression_manager(config: KVCacheCompressionConfig, kv_cache, model
         if arch not in SUPPORTED_ARCHS:
             raise RuntimeError(f"create_compression_manager: no kvops kernels for sm_{arch[0]}{arch[1]} "
                                f"(built for {', '.join(f'sm_{a}{b}a' for a, b in SUPPORTED_ARCHS)})")
+    if isinstance(config, TriAttentionConfig):
+        return TriAttentionManager(config, kv_cache, model_config, process_group=process_group, kv_heads=kv_heads,
+                                   validate=validate)
     return MANAGERS[type(config)](config, kv_cache, model_config)

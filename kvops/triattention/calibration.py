@@ -92,6 +92,17 @@ class Calibration:
         extra = self.q_abs_mean - self.q_mean.abs()
         return tuple((x * fss).float().contiguous() for x in (self.q_mean.real, self.q_mean.imag, extra))
 
+    def for_kv_heads(self, kv_heads: range) -> "Calibration":
+        """The statistics a rank holding KV heads `kv_heads` (a range of step 1, tensor parallelism) scores with:
+        those heads and the query heads that read them."""
+        if not isinstance(kv_heads, range) or kv_heads.step != 1 or len(kv_heads) == 0 or kv_heads.start < 0 \
+                or kv_heads.stop > self.num_kv_heads:
+            raise ValueError(f"Calibration.for_kv_heads: kv_heads must be a non-empty range of step 1 inside "
+                             f"[0, {self.num_kv_heads}), got {kv_heads!r}")
+        q = slice(kv_heads.start * self.group_size, kv_heads.stop * self.group_size)
+        return replace(self, q_mean=self.q_mean[:, q].contiguous(), q_abs_mean=self.q_abs_mean[:, q].contiguous(),
+                       num_kv_heads=len(kv_heads))
+
     def to(self, device: torch.device | str) -> "Calibration":
         """The calibration with its tensors on `device` (a real one: on meta it would have no values)."""
         device = as_device("Calibration.to", device)

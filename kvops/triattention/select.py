@@ -10,6 +10,7 @@ from typing import Sequence
 import torch
 
 from .._checks import check_bool, check_device, check_int
+from ..distributed import all_reduce_union_rows_, check_group, check_heads_covered, check_same_on_ranks, rank_kv_heads
 from .calibration import Calibration
 from .phase import mean_phase
 from ..compaction.compact import MODES, decision_rows
@@ -54,15 +55,29 @@ class TriAttentionSelector:
         The keys' dequantization scale of an fp8 cache (vLLM's ``k_scale``): float32 ``[L]`` (per layer) or
         ``[L, Hkv]`` (per layer and KV head), positive and finite. With ``normalize_scores`` it cannot change a
         keep set (a z-score ignores a positive factor common to its (layer, head)), so it is checked and not
-        used; without, every score of (layer, KV head) is multiplied by its scale.
+        used; without, every score of (layer, KV head) is multiplied by its scale. Under tensor parallelism,
+        ``[L, len(kv_heads)]`` for this rank's heads.
+    process_group : torch.distributed.ProcessGroup, optional
+        Tensor parallelism (kvops.distributed): this rank's pools hold the KV heads `kv_heads` of every layer,
+        and the other ranks of the group hold the rest. per_head and per_layer_perhead select this rank's heads'
+        rows alone; union all-reduces (MAX) its row so that every rank keeps the model's set. None: one rank.
+    kv_heads : range, optional
+        The model's KV heads this rank holds; by default the rank's block of the even split
+        (``kvops.distributed.rank_kv_heads``). The calibration is the model's: it is sliced to these heads.
     """
 
     def __init__(self, calibration: Calibration, budget: int, mode: str = "union", normalize_scores: bool = True,
-                 max_decode: int | None = None, k_scale: torch.Tensor | None = None):
+                 max_decode: int | None = None, k_scale: torch.Tensor | None = None, process_group=None,
+                 kv_heads: range | None = None):
         what = "TriAttentionSelector"
         if not isinstance(calibration, Calibration):
             raise TypeError(f"{what}: calibration must be a Calibration (load_calibration), got "
                             f"{type(calibration).__name__}")
+        self.process_group = check_group(what, process_group)
+        self.kv_heads = rank_kv_heads(what, self.process_group, calibration.num_kv_heads, kv_heads)
+        self.model_kv_heads = calibration.num_kv_heads
+        if len(self.kv_heads) != calibration.num_kv_heads:
+            calibration = calibration.for_kv_heads(self.kv_heads)
         if mode not in MODES:
             raise ValueError(f"{what}: mode must be one of {MODES}, got {mode!r}")
         check_int(what, "budget", budget, 1)
@@ -100,9 +115,11 @@ class TriAttentionSelector:
         round_starts : torch.Tensor
             int32/int64 ``[R]``: each request's logical position (RoPE) of the round.
         validate : bool
-            Check on the host (a sync) that 0 <= prompt <= cache length <= the table's reach, that no request holds
-            more than max_decode decode tokens, and that every page-table entry below a cache length is inside
-            the pools; raises ValueError naming the request. Without it, a position whose page is absent (-1,
+            Check on the host (a sync) that 0 <= prompt <= cache length <= the table's reach, that no request
+            holds more than max_decode decode tokens, and that every page-table entry below a cache length is
+            inside the pools; raises ValueError naming the request. With a process group, first (on every rank,
+            two or three small all-reduces) that the page table, lengths and round starts are the same on every
+            rank and that the ranks' heads cover the model's. Without it, a position whose page is absent (-1,
             outside the pools, or past the table) scores -inf and ranks last, and decode tokens past an explicit
             max_decode are not scored (leave max_decode unset, or check lengths on the host as the manager does).
 
@@ -130,6 +147,12 @@ class TriAttentionSelector:
                              f"{tuple(round_starts.shape)}")
         check_bool(what, "validate", validate)
         max_decode = self.max_decode or page_table.shape[1] * k_pools[0].shape[3]
+        group = self.process_group
+        if validate and group is not None:  # first, on every rank: then the local checks agree too
+            check_same_on_ranks(what, group, device, page_table=page_table, cache_lengths=cache_lengths,
+                                prompt_lengths=prompt_lengths, round_starts=round_starts)
+            if self.mode == "union":
+                check_heads_covered(what, group, device, self.kv_heads, self.model_kv_heads)
         if validate:
             _check_round(what, k_pools, page_table, cache_lengths, prompt_lengths, max_decode)
         omega, weights, k_scale = self._calibration_on(device)
@@ -138,6 +161,8 @@ class TriAttentionSelector:
         scores = score_rows(k_pools, page_table, cache_lengths, prompt_lengths, phase, cal, self.mode,
                             max_decode, self.normalize_scores, weights, k_scale)
         count = (cache_lengths - prompt_lengths).clamp_(0, max_decode)  # int32, one per request
+        if group is not None and self.mode == "union":
+            all_reduce_union_rows_(scores, count, group)
         per_row = torch.stack((count, prompt_lengths)).view(2, R, 1).expand(2, R, self.rows).contiguous()
         # decode index i is cache position prompt + i: the top-k adds the row's prompt length as it writes
         picked = topk(scores.view(R * self.rows, scores.shape[-1]), per_row[0].view(-1), self.budget,
