@@ -48,24 +48,30 @@ def _slice(pools, heads: range) -> list[torch.Tensor]:
     return [p[:, :, heads.start:heads.stop].contiguous() for p in pools]
 
 
-def _restrict(kept: torch.Tensor, mode: str, heads: range) -> torch.Tensor:
+def _restrict(kept: torch.Tensor, mode: str, heads: range, layers: int, kv_heads: int) -> torch.Tensor:
     """One process's keep sets [R, rows, budget] restricted to the rows of `heads`."""
     if mode == "union":
         return kept
     if mode == "per_head":
         return kept[:, heads.start:heads.stop]
     R, _, budget = kept.shape
-    return kept.view(R, L, HKV, budget)[:, :, heads.start:heads.stop].reshape(R, -1, budget)
+    return kept.view(R, layers, kv_heads, budget)[:, :, heads.start:heads.stop].reshape(R, -1, budget)
 
 
-def _selections(rank, world, group, device, seed):
-    """Random pools and a ragged round: every mode's keep sets on this rank equal the one-process sets."""
+def _selections(rank, world, group, device, seed, cal=None):
+    """Random pools and a ragged round: every mode's keep sets on this rank equal the one-process sets. `cal`:
+    the model (by default Qwen3-8B's calibration, 8 KV heads split in blocks; a model with fewer KV heads than
+    ranks has each replicated)."""
     gen = torch.Generator().manual_seed(seed)  # the same problem on every rank
-    cal = load_calibration("qwen3-8b", MODEL)
+    cal = load_calibration("qwen3-8b", MODEL) if cal is None else cal
+    layers, HKV, D = cal.num_layers, cal.num_kv_heads, cal.head_dim
     heads = rank_kv_heads("test", group, HKV)
-    assert len(heads) == HKV // world and heads.start == rank * len(heads)
+    if HKV >= world:
+        assert len(heads) == HKV // world and heads.start == rank * len(heads)
+    else:
+        assert heads == range(rank * HKV // world, rank * HKV // world + 1)
     P, width = 40, 10
-    pools = [torch.randn(P, 2, HKV, T, D, generator=gen).bfloat16().to(device) for _ in range(L)]
+    pools = [torch.randn(P, 2, HKV, T, D, generator=gen).bfloat16().to(device) for _ in range(layers)]
     R = 3
     page_table = torch.randperm(P, generator=gen)[:R * width].view(R, width).int().to(device)
     prompts = torch.tensor([5, 0, 17], dtype=torch.int32, device=device)
@@ -84,7 +90,7 @@ def _selections(rank, world, group, device, seed):
         selector = TriAttentionSelector(cal, budget, mode, process_group=group)
         for validate in (True, False):
             mine = selector.select(local, page_table, lengths, prompts, starts, validate=validate)
-            assert torch.equal(mine, _restrict(full, mode, heads)), (rank, mode, validate)
+            assert torch.equal(mine, _restrict(full, mode, heads, layers, HKV)), (rank, mode, validate)
         if mode == "union":
             assert not torch.isin(full[1], kept).any()
     if world == 1:
@@ -191,6 +197,12 @@ def _cold_pages(rank, world, group, device, seed):
 
 def _everything(rank, world, group, device, seed):
     _selections(rank, world, group, device, seed)
+    # 2 KV heads over 2 or 4 ranks: each rank holds one, replicated on world / 2 ranks
+    small = dict(num_hidden_layers=4, num_attention_heads=8, num_key_value_heads=2, head_dim=64, rope_theta=1e4)
+    gen = torch.Generator().manual_seed(seed)
+    cal = load_calibration({"E_q": torch.randn(4, 8, 32, dtype=torch.complex64, generator=gen),
+                            "E_q_norm": torch.rand(4, 8, 32, generator=gen) + 1}, small)
+    _selections(rank, world, group, device, seed, cal)
     _manager_rounds(rank, world, group, device, seed)
 
 
