@@ -113,8 +113,10 @@ class NVFP4ColdPageConfig(KVCacheCompressionConfig):
 
 @dataclass(frozen=True)
 class TriAttentionConfig(KVCacheCompressionConfig):
-    """TriAttention eviction (kvops.triattention): every `beta` generated tokens past `budget`, keep the
-    `budget` best-scored generated tokens per row of `eviction_mode`, then compact the cache in place.
+    """TriAttention eviction (kvops.triattention): every `beta` generated tokens past `budget`, keep `budget`
+    generated tokens per row of `eviction_mode`, then compact the cache in place: the first `sink_tokens` and the
+    newest `recent_window` of them always, and the best-scored others. Layers in `recent_layers` keep their newest
+    tokens instead of the scored ones (docs/triattention.md, "Keep policy").
     `calibration_path`: a calibration file or a shipped name (``kvops.triattention.SHIPPED``, e.g. "qwen3-8b")."""
 
     algorithm: ClassVar[str] = "triattention"
@@ -127,11 +129,16 @@ class TriAttentionConfig(KVCacheCompressionConfig):
     # "fill" moves only the kept tokens that sit past the new length (full attention ignores slot order; window
     # layers stay in order); "ordered" keeps every layer in token order (kvops.compaction.ORDERS)
     compaction_order: str = "fill"
+    sink_tokens: int = 0
+    recent_window: int = 0
+    recent_layers: tuple[int, ...] = ()
 
     def __post_init__(self):
         what = "TriAttentionConfig"
         check_int(what, "budget", self.budget, 1, MAX_POSITIONS)
         check_int(what, "beta", self.beta, 1, MAX_POSITIONS)
+        object.__setattr__(self, "recent_layers", check_keep_policy(what, self.budget, self.sink_tokens,
+                                                                    self.recent_window, self.recent_layers))
         if self.budget + 2 * self.beta > MAX_POSITIONS:
             raise ValueError(f"{what}: budget + 2 * beta (the decode tokens a round scores) must be at most "
                              f"{MAX_POSITIONS} (int32 cache positions), got {self.budget + 2 * self.beta}")
@@ -167,6 +174,25 @@ class TriAttentionConfig(KVCacheCompressionConfig):
         """The validated calibration for this model (raises on a geometry mismatch)."""
         from .triattention import load_calibration
         return load_calibration(self.calibration_path, model_config)
+
+
+def check_keep_policy(what: str, budget: int, sink_tokens, recent_window, recent_layers) -> tuple[int, ...]:
+    """TriAttention's keep policy: ints `sink_tokens`, `recent_window` >= 0 that leave the scores at least one
+    of the `budget` tokens, and `recent_layers` distinct layer indices >= 0 (a list or tuple; returned as a sorted
+    tuple). The model's layer count is checked where the model is known."""
+    check_int(what, "sink_tokens", sink_tokens)
+    check_int(what, "recent_window", recent_window)
+    if sink_tokens + recent_window >= budget:
+        raise ValueError(f"{what}: sink_tokens + recent_window ({sink_tokens} + {recent_window}) must be below the "
+                         f"budget {budget}, so that the scores choose at least one token")
+    if not isinstance(recent_layers, (list, tuple)):
+        raise TypeError(f"{what}: recent_layers must be a list or tuple of layer indices, got "
+                        f"{type(recent_layers).__name__} {recent_layers!r}")
+    for i, layer in enumerate(recent_layers):
+        check_int(what, f"recent_layers[{i}]", layer)
+    if len(set(recent_layers)) != len(recent_layers):
+        raise ValueError(f"{what}: recent_layers has a layer twice: {list(recent_layers)}")
+    return tuple(sorted(recent_layers))
 
 
 CONFIGS = {cls.algorithm: cls for cls in (NVFP4ColdPageConfig, TriAttentionConfig)}

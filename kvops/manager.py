@@ -24,7 +24,7 @@ import triton
 
 from ._checks import check_bool, check_hashable, check_int
 from ._targets import CAPABILITIES as SUPPORTED_ARCHS  # noqa: F401  (the archs kvops builds kernels for)
-from .compaction import build_compaction_params, compact
+from .compaction import build_compaction_params, compact, decision_rows
 from .config import KVCacheCompressionConfig, NVFP4ColdPageConfig, TriAttentionConfig
 from .distributed import capturable, check_group, check_same_on_ranks, rank_kv_heads
 from .triattention import TriAttentionSelector
@@ -120,16 +120,15 @@ class TriAttentionManager(KVCacheCompressionManager):
         self.validate = check_bool("TriAttentionManager", "validate", validate)
         super().__init__(config, kv_cache, model_config)
         calibration = config.load_calibration(model_config)
-        # A round scores at most budget + 2*beta decode tokens (a round is due after beta more, and a step may
-        # confirm several); anything newer is the protected tail, which stays within beta while no step confirms
-        # more than beta + 1 tokens.
-        self.max_tail = config.beta
+        # A round holds at most budget + 2*beta decode tokens (a round is due after beta more, and a step may
+        # confirm several): the sinks, the scored ones, and the tail: the newest recent_window plus anything past
+        # the scored bound, which stays within beta while no step confirms more than beta + 1 tokens.
+        self.max_tail = config.beta + config.recent_window
         # A cache that stores its keys scaled (fp8, vLLM's k_scale) says so with a `k_scale` attribute: float32
         # [L] or [L, Hkv] (TriAttentionSelector).
-        self.selector = TriAttentionSelector(calibration, config.budget, config.eviction_mode,
-                                             config.normalize_scores, max_decode=config.budget + 2 * config.beta,
-                                             k_scale=getattr(kv_cache, "k_scale", None),
-                                             process_group=self.process_group, kv_heads=kv_heads)
+        self.selector = policy_selector("TriAttentionManager", calibration, config, config.budget + 2 * config.beta,
+                                        k_scale=getattr(kv_cache, "k_scale", None), process_group=self.process_group,
+                                        kv_heads=kv_heads)
         self.prompt_length: dict[Any, int] = {}
         self.since_round: dict[Any, int] = {}
         self.num_compressed_tokens: dict[Any, int] = {}
@@ -259,23 +258,27 @@ class TriAttentionManager(KVCacheCompressionManager):
             raise RuntimeError(f"TriAttentionManager: requests {[r for r in rids if not cache.resident(r)]} are "
                                f"offloaded; a round needs their pages on the GPU")
         lengths = [cache.length(r) for r in rids]
-        prompts = [self.prompt_length[r] for r in rids]
-        tails = [max(0, n - p - self.selector.max_decode) for n, p in zip(lengths, prompts)]
+        # the sinks join the prompt (never moved); the newest recent_window, and anything past the scored
+        # bound, are the tail (kept after the chosen tokens)
+        prompts = [self.prompt_length[r] + self.config.sink_tokens for r in rids]
+        tails = [self.config.recent_window + max(0, n - p - self.config.recent_window - self.selector.max_decode)
+                 for n, p in zip(lengths, prompts)]
         if max(tails) > self.max_tail:  # refuse before anything moves
             raise RuntimeError(f"TriAttentionManager: a step confirmed more than beta={self.config.beta} tokens past "
                                f"a due round ({max(tails)} unscored); call on_generation_step_end every step")
         width = max(triton.cdiv(n, cache.page_size) for n in lengths)  # page-table columns this round needs
         if self._round is None or not self._round.fits(len(rids), width):
             self._round = TriAttentionRound(self.selector, cache, len(rids), width, self.max_tail, self.cuda_graphs,
-                                            self.config.compaction_order)
+                                            self.config.compaction_order, self.config.recent_layers)
         page_table = cache.page_table(rids, self._round.width, device="cpu")
         positions = [self.logical_position(r) for r in rids]
         if self.validate:
             check_same_on_ranks("TriAttentionManager.on_generation_step_end", self.process_group, cache.device,
                                 page_table=page_table, positions=torch.tensor(positions))
         self._round.run(page_table, [n - t for n, t in zip(lengths, tails)], prompts, tails, positions)
-        # The kept decode tokens land after the prompt, then the tail: lengths known here, nothing read back.
-        new_lengths = [p + self.config.budget + t for p, t in zip(prompts, tails)]
+        # The chosen decode tokens land after the prompt and the sinks, then the tail: lengths known here,
+        # nothing read back.
+        new_lengths = [p + self.selector.budget + t for p, t in zip(prompts, tails)]
         cache.shrink(rids, new_lengths)
         return new_lengths
 
@@ -285,10 +288,11 @@ class TriAttentionRound:
     first R of up to `max_requests` due requests, on the current stream, with no host sync. With `cuda_graphs`,
     the first round of each R runs eagerly (compiling the kernels) and is captured; later rounds of that R copy
     their inputs into the bound buffers and replay. Capacities grow in powers of two (the manager rebinds). A
-    round over no requests does nothing."""
+    round over no requests does nothing. The layers in `recent_layers` keep their newest scored tokens (the
+    compaction's layer windows); `selector` scores the others (``policy_selector``)."""
 
     def __init__(self, selector: TriAttentionSelector, cache, requests: int, width: int, max_tail: int,
-                 cuda_graphs: bool, order: str = "fill"):
+                 cuda_graphs: bool, order: str = "fill", recent_layers: Sequence[int] = ()):
         check_int("TriAttentionRound", "requests", requests, 1)  # capacities: at least one request, one page
         check_int("TriAttentionRound", "width", width, 1)
         self.selector, self.requests = selector, 1 << (requests - 1).bit_length()
@@ -296,9 +300,17 @@ class TriAttentionRound:
         device = cache.device
         self.page_table = torch.full((self.requests, self.width), -1, dtype=torch.int32, device=device)
         self.lengths = torch.zeros(4, self.requests, dtype=torch.int32, device=device)  # scored, prompt, tail, position
-        kept = torch.zeros(self.requests, selector.rows, selector.budget, dtype=torch.int32, device=device)
+        L, heads = len(cache.views()), selector.calibration.num_kv_heads
+        self.scored = [layer for layer in range(L) if layer not in recent_layers]
+        rows = decision_rows(selector.mode, L, heads)  # the compaction's rows: every layer's
+        # per_layer_perhead rows of the scored layers (row l * heads + g) when some layers keep their newest
+        self.rows_index = None if rows == selector.rows else torch.tensor(
+            [layer * heads + g for layer in self.scored for g in range(heads)], device=device)
+        kept = torch.zeros(self.requests, rows, selector.budget, dtype=torch.int32, device=device)
+        windows = [selector.budget if layer in recent_layers else 0 for layer in range(L)]
         self.params = build_compaction_params(cache.views(), self.page_table, kept, self.lengths[0], self.lengths[2],
-                                              self.lengths[1], max_tail=max_tail, order=order)
+                                              self.lengths[1], max_tail=max_tail, order=order,
+                                              layer_windows=windows if recent_layers else None)
         # (a gloo group's all-reduce cannot be captured: such rounds run eagerly whatever cuda_graphs says)
         capture = cuda_graphs and device.type == "cuda" and capturable(selector.process_group)
         self.graphs: dict[int, torch.cuda.CUDAGraph] | None = {} if capture else None
@@ -308,8 +320,13 @@ class TriAttentionRound:
 
     def _launch(self, R: int) -> None:
         scored, prompt, tail, position = self.lengths[:, :R]
-        self.params.kept[:R].copy_(self.selector.select(self.params.pools, self.page_table[:R], scored, prompt,
-                                                        position))
+        pools = self.params.pools
+        picked = self.selector.select([pools[layer] for layer in self.scored] if len(self.scored) < len(pools)
+                                      else pools, self.page_table[:R], scored, prompt, position)
+        if self.rows_index is None:
+            self.params.kept[:R].copy_(picked)
+        else:
+            self.params.kept[:R].index_copy_(1, self.rows_index, picked)
         compact(self.params, R)
 
     def run(self, page_table: torch.Tensor, scored: Sequence[int], prompts: Sequence[int], tails: Sequence[int],
@@ -357,6 +374,30 @@ def _model_row_size(model_config: Mapping[str, Any]) -> int | None:
     if model_config.get("kv_lora_rank") is not None:
         return model_config["kv_lora_rank"] + model_config.get("qk_rope_head_dim", 0)
     return _model_head_dim(model_config)
+
+
+def policy_selector(what: str, calibration, config, max_decode: int, k_scale=None, **selector_kwargs
+                    ) -> TriAttentionSelector:
+    """The selector of a round under `config`'s keep policy (budget, eviction_mode, normalize_scores,
+    sink_tokens, recent_window, recent_layers; a TriAttentionConfig or the transformers cache): it chooses
+    ``budget - sink_tokens - recent_window`` tokens among at most ``max_decode - sink_tokens - recent_window``
+    scored ones, over the layers not in recent_layers (their statistics and k_scale rows only)."""
+    L = calibration.num_layers
+    layers = config.recent_layers
+    if layers and layers[-1] >= L:
+        raise ValueError(f"{what}: recent_layers {list(layers)} names layers past the model's {L}")
+    if len(layers) == L:
+        raise ValueError(f"{what}: recent_layers names every layer; nothing would be scored (a plain window cache "
+                         f"does that)")
+    scored = [layer for layer in range(L) if layer not in layers]
+    if layers:
+        calibration = calibration.for_layers(scored)
+        if k_scale is not None and isinstance(k_scale, torch.Tensor) and k_scale.shape[:1] == (L,):
+            k_scale = k_scale[scored]
+    protected = config.sink_tokens + config.recent_window
+    return TriAttentionSelector(calibration, config.budget - protected, config.eviction_mode,
+                                config.normalize_scores, max_decode=max_decode - protected, k_scale=k_scale,
+                                **selector_kwargs)
 
 
 MANAGERS = {TriAttentionConfig: TriAttentionManager, NVFP4ColdPageConfig: NVFP4ColdPageManager}

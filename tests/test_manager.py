@@ -83,6 +83,71 @@ def test_rounds_follow_budget_and_beta_and_match_the_reference(calibration, comp
     assert "a" not in manager.prompt_length
 
 
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("compaction_order", ["ordered", "fill"])
+def test_keep_policy_rounds_match_the_reference(calibration, mode, compaction_order):
+    """sink_tokens, recent_window and recent_layers: each round keeps the prompt, the first 2 generated tokens,
+    the newest 3 and, in layer 0, the float64 reference's choice of 12 - 5 among the others, scored on layer 0
+    alone; layer 1 (a recent layer) keeps the newest 7 of them instead."""
+    config = TriAttentionConfig(budget=12, beta=5, eviction_mode=mode, calibration_path=calibration,
+                                compaction_order=compaction_order, sink_tokens=2, recent_window=3, recent_layers=[1])
+    cache = _cache()
+    manager = create_compression_manager(config, cache, MODEL)
+    chosen, cal = 12 - 2 - 3, manager.selector.calibration
+    assert manager.selector.budget == chosen and cal.num_layers == 1
+    cache.add_request("a")
+    manager.on_request_init(Request("a", 6))
+    cache.append("a", *_kv(6))
+    manager.on_context_step_end([Request("a", 6)])
+    checked = 0
+    for step in range(40):
+        manager.on_generation_step_begin(["a"])
+        n = 4 if step % 5 == 0 else 1
+        cache.append("a", *_kv(n))
+        due = manager.due([("a", n)])
+        data, length, start = cache.read("a"), cache.length("a"), manager.logical_position("a")
+        if due:
+            protected = 6 + 2
+            tail = 3 + max(0, length - protected - 3 - (12 + 10 - 5))
+            kept, _ = select_reference([cache.views()[0].cpu()], cache.page_table(["a"]).cpu(),
+                                       torch.tensor([length - tail]), torch.tensor([protected]),
+                                       torch.tensor([start]), cal, chosen, mode)
+        manager.on_generation_step_end([("a", n)])
+        if not due:
+            continue
+        assert cache.length("a") == protected + chosen + tail and manager.logical_position("a") == start
+        newest = torch.arange(length - tail - chosen, length - tail)
+        for layer in range(2):
+            for head in range(2):
+                row = 0 if mode == "union" else head
+                picked = kept[0, row].long() if layer == 0 else newest
+                survivors = torch.cat([picked, torch.arange(length - tail, length)])
+                if compaction_order == "fill" and layer == 0:  # (window layers compact in order)
+                    survivors = torch.tensor(fill_order(survivors.tolist(), protected))
+                order = torch.cat([torch.arange(protected), survivors])
+                assert torch.equal(cache.read("a")[layer, :, :, head], data[layer, :, order, head])
+        checked += 1
+        cache.check_invariants()
+    assert checked >= 3
+
+
+def test_keep_policy_is_checked_against_the_budget_and_the_model(calibration):
+    kwargs = dict(budget=12, beta=5, calibration_path=calibration)
+    with pytest.raises(ValueError, match="sink_tokens \\+ recent_window .* must be below the budget 12"):
+        TriAttentionConfig(**kwargs, sink_tokens=4, recent_window=8)
+    with pytest.raises(TypeError, match="recent_window must be an int"):
+        TriAttentionConfig(**kwargs, recent_window=2.0)
+    with pytest.raises(TypeError, match="recent_layers must be a list or tuple"):
+        TriAttentionConfig(**kwargs, recent_layers=0)
+    with pytest.raises(ValueError, match="recent_layers has a layer twice"):
+        TriAttentionConfig(**kwargs, recent_layers=[0, 0])
+    with pytest.raises(ValueError, match="names layers past the model's 2"):
+        create_compression_manager(TriAttentionConfig(**kwargs, recent_layers=[2]), _cache(), MODEL)
+    with pytest.raises(ValueError, match="recent_layers names every layer"):
+        create_compression_manager(TriAttentionConfig(**kwargs, recent_layers=[1, 0]), _cache(), MODEL)
+    assert TriAttentionConfig(**kwargs, recent_layers=[1, 0]).recent_layers == (0, 1)
+
+
 def test_a_cache_with_a_k_scale_gives_it_to_the_selector(calibration):
     """An fp8 cache that stores keys scaled exposes k_scale ([L] or [L, Hkv]); the manager hands it on, checked."""
     cache = _cache()

@@ -103,6 +103,16 @@ class Calibration:
         return replace(self, q_mean=self.q_mean[:, q].contiguous(), q_abs_mean=self.q_abs_mean[:, q].contiguous(),
                        num_kv_heads=len(kv_heads))
 
+    def for_layers(self, layers) -> "Calibration":
+        """The statistics of the model's layers `layers` (distinct indices, in order): what a selector scoring
+        only those layers uses (the others keep their newest tokens instead, ``TriAttentionConfig.recent_layers``)."""
+        layers = list(layers)
+        if not layers or len(set(layers)) != len(layers) or \
+                not all(isinstance(x, int) and 0 <= x < self.num_layers for x in layers):
+            raise ValueError(f"Calibration.for_layers: layers must be distinct layer indices in [0, "
+                             f"{self.num_layers}), got {layers!r}")
+        return replace(self, q_mean=self.q_mean[layers].contiguous(), q_abs_mean=self.q_abs_mean[layers].contiguous())
+
     def to(self, device: torch.device | str) -> "Calibration":
         """The calibration with its tensors on `device` (a real one: on meta it would have no values)."""
         device = as_device("Calibration.to", device)
