@@ -30,6 +30,7 @@ import math
 import os
 import sys
 import time
+from dataclasses import dataclass
 
 import torch
 
@@ -40,18 +41,74 @@ from kvops.triattention import TriAttentionSelector, load_calibration
 from .common import pyplot
 
 SINKS = 4
-METHODS = ("full", "triattention_union", "triattention_per_head", "triattention_per_layer_perhead", "recent", "sinks",
-           "random")
 
 
-def _forward(model, ids: torch.Tensor, allowed: torch.Tensor, want_keys: bool):
-    """Logits [n, vocab] (and the per-layer keys [Hkv, n, D] as cached, post-RoPE) with query row t of layer l and
-    head h restricted to allowed[l, h, t, :] (a bool [1 or L, 1 or Hq, n, n] mask; one per layer goes to each
-    layer's attention through a forward pre-hook, since a transformers forward takes one mask for all layers)."""
-    transformers = require_transformers()
+@dataclass(frozen=True)
+class Policy:
+    """A method: which decode tokens each round keeps, written ``kind[_mode][+wW][+sS][+lA.B]``.
+
+    kind: ``full``, ``recent`` (the newest), ``random``, ``triattention`` (kvops' selector; ``_union``,
+    ``_per_head`` or ``_per_layer_perhead``) or ``oracle`` (cheating: per (layer, KV head), the keys the next
+    beta queries of the full cache attend to most). ``+wW``: the newest W decode tokens always stay; ``+sS``: the
+    first S decode tokens always stay; ``+lA.B``: layers A and B keep their newest tokens instead of the method's
+    choice. W and S count inside the budget. ``sinks`` is ``recent+s4``."""
+
+    kind: str
+    mode: str = ""
+    recent: int = 0
+    sinks: int = 0
+    recent_layers: tuple[int, ...] = ()
+
+    @classmethod
+    def parse(cls, text: str) -> "Policy":
+        if text == "sinks":
+            return cls("recent", sinks=SINKS)
+        head, *options = text.split("+")
+        kind, _, mode = head.partition("_")
+        if kind not in ("full", "recent", "random", "triattention", "oracle") or \
+                mode not in (("union", "per_head", "per_layer_perhead") if kind == "triattention" else ("",)):
+            raise ValueError(f"unknown method {text!r}")
+        fields = {}
+        for option in options:
+            key, value = option[:1], option[1:]
+            if key == "l":
+                fields["recent_layers"] = tuple(int(v) for v in value.split("."))
+            elif key in "ws" and value.isdigit():
+                fields["recent" if key == "w" else "sinks"] = int(value)
+            else:
+                raise ValueError(f"method {text!r}: unknown option {option!r}")
+        return cls(kind, mode, **fields)
+
+    @property
+    def name(self) -> str:
+        if self == Policy("recent", sinks=SINKS):
+            return "sinks"
+        name = self.kind + (f"_{self.mode}" if self.mode else "")
+        name += f"+w{self.recent}" if self.recent else ""
+        name += f"+s{self.sinks}" if self.sinks else ""
+        return name + (f"+l{'.'.join(map(str, self.recent_layers))}" if self.recent_layers else "")
+
+
+METHODS = ("full", "triattention_union", "triattention_per_head", "triattention_per_layer_perhead", "recent",
+           "sinks", "random")
+
+
+def rounds(n: int, prompt: int, budget: int, beta: int):
+    """The times t at which a round runs, before query t: once the decode tokens held exceed the budget and beta
+    arrived since the last round (the manager's rule)."""
+    t, held, since = prompt, 0, 0
+    while t < n:
+        if held > budget and since >= beta:
+            yield t
+            held, since = budget, 0
+        held, since, t = held + 1, since + 1, t + 1
+
+
+def _chunk(model, ids: torch.Tensor, allowed: torch.Tensor, cache) -> torch.Tensor:
+    """Logits of the rows ``ids`` (the tokens after those `cache` holds), row i restricted to allowed[l, h, i]
+    (bool [1 or L, Hq, q, kv]; one mask per layer reaches each layer's attention through a forward pre-hook)."""
     mask = torch.zeros(allowed.shape, dtype=model.dtype, device=ids.device)
     mask.masked_fill_(~allowed, torch.finfo(model.dtype).min)
-    cache = transformers.DynamicCache(config=model.config) if want_keys else None
     hooks = []
     if mask.shape[0] > 1:
         attentions = {m.layer_idx: m for m in model.modules() if hasattr(m, "q_proj") and hasattr(m, "layer_idx")}
@@ -63,88 +120,163 @@ def _forward(model, ids: torch.Tensor, allowed: torch.Tensor, want_keys: bool):
         hooks = [attentions[layer].register_forward_pre_hook(per_layer(layer), with_kwargs=True)
                  for layer in range(mask.shape[0])]
     try:
-        out = model(input_ids=ids[None], attention_mask=mask[:1], use_cache=want_keys,
-                    **{cache_keyword(model): cache})
+        return model(input_ids=ids[None], attention_mask=mask[:1], use_cache=True,
+                     **{cache_keyword(model): cache}).logits[0].float()
     finally:
         for hook in hooks:
             hook.remove()
-    keys = [layer.keys[0] for layer in cache.layers] if want_keys else None
-    return out.logits[0].float(), keys
 
 
-class Simulation:
-    """Keep sets of one evaluation window, round by round, as a bool mask [1 or L, 1 or Hq, n, n]."""
+def full_attention(model, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The full cache's logits [n, vocab] and attention probabilities [L, Hq, n, n] (the oracle's knowledge)."""
+    out = model(input_ids=ids[None], output_attentions=True)
+    return out.logits[0].float(), torch.stack([a[0] for a in out.attentions])
 
-    def __init__(self, model, ids: torch.Tensor, prompt: int, budget: int, beta: int):
-        self.model, self.ids, self.prompt, self.budget, self.beta = model, ids, prompt, budget, beta
-        config = model.config
-        self.L, self.Hq, self.Hkv = config.num_hidden_layers, config.num_attention_heads, config.num_key_value_heads
-        self.n = ids.numel()
-        self.causal = torch.ones(self.n, self.n, dtype=torch.bool, device=ids.device).tril()
 
-    def rounds(self):
-        """The times t at which a round runs, before query t: once the decode tokens held exceed the budget and
-        beta arrived since the last round."""
-        t, held, since = self.prompt, 0, 0
-        while t < self.n:
-            if held > self.budget and since >= self.beta:
-                yield t
-                held, since = self.budget, 0
-            held, since, t = held + 1, since + 1, t + 1
+def simulate(model, ids: torch.Tensor, prompt: int, budget: int, beta: int, policy: Policy, calibration=None,
+             attention: torch.Tensor | None = None, seed: int = 0, record: list | None = None) -> torch.Tensor:
+    """Logits [n, vocab] of teacher-forced decoding with `policy`'s evictions, exactly: the tokens between two
+    rounds go through the model as one chunk over a cache that keeps every key, each query row masked to what
+    the evicting cache would hold at its time (the prompt, the kept tokens, the tokens since the round). A key is
+    computed once, under the masks of its own time, as in decoding. TriAttention's keep sets come from kvops'
+    ``TriAttentionSelector`` on those keys, laid out as the evicting cache holds them. `record` (a list) gets
+    (t, held) after each round at t: held bool [1 or L, Hkv, t], the positions each (layer, KV head) holds."""
+    transformers = require_transformers()
+    config = model.config
+    L, Hq, Hkv = config.num_hidden_layers, config.num_attention_heads, config.num_key_value_heads
+    G, n, device = Hq // Hkv, ids.numel(), ids.device
+    if policy.sinks + policy.recent >= budget:
+        raise ValueError(f"{policy.name}: sinks + recent must stay below the budget {budget}")
+    k = budget - policy.sinks - policy.recent  # what the method chooses each round
+    per_layer = policy.kind == "oracle" or policy.mode == "per_layer_perhead" or bool(policy.recent_layers)
+    visible = torch.ones(L if per_layer else 1, Hkv, n, dtype=torch.bool, device=device)
+    causal = torch.ones(n, n, dtype=torch.bool, device=device).tril()
+    cache = transformers.DynamicCache(config=config)
+    gen = torch.Generator().manual_seed(seed)
+    selector = None
+    if policy.kind == "triattention":
+        scored = [layer for layer in range(L) if layer not in policy.recent_layers]
+        selector = TriAttentionSelector(calibration.for_layers(scored) if policy.recent_layers else calibration, k,
+                                        policy.mode)
+    logits, start = [], 0
+    for t in [*rounds(n, prompt, budget, beta), n]:
+        if start < t:
+            allowed = causal[start:t, :t] & visible[:, :, None, :t]
+            logits.append(_chunk(model, ids[start:t], allowed.repeat_interleave(G, 1), cache))
+        if policy.kind == "full" or t == n:
+            start = t
+            continue
+        held = [[visible[layer, h, prompt:t].nonzero().flatten() + prompt for h in range(Hkv)]
+                for layer in range(visible.shape[0])]
+        fixed = [[torch.cat((row[:policy.sinks], row[row.numel() - policy.recent:])) for row in rows]
+                 for rows in held]
+        candidates = [[row[policy.sinks:row.numel() - policy.recent] for row in rows] for rows in held]
+        if policy.kind == "triattention":
+            chosen = _triattention(selector, cache, candidates, prompt, policy.recent_layers)
+        else:
+            chosen = [[_choose(policy, c, k, layer, h, t, beta, attention, gen, G) for h, c in enumerate(rows)]
+                      for layer, rows in enumerate(candidates)]
+        for layer in range(visible.shape[0]):
+            for h in range(Hkv):
+                keep = candidates[layer][h][-k:] if layer in policy.recent_layers else chosen[layer][h]
+                visible[layer, h, prompt:t] = False
+                visible[layer, h, torch.cat((fixed[layer][h], keep))] = True
+        if record is not None:
+            record.append((t, visible[..., :t].clone()))
+        start = t
+    return torch.cat(logits)
 
-    def run(self, method: str, selector: TriAttentionSelector | None = None, seed: int = 0) -> torch.Tensor:
-        layers = self.L if method == "triattention_per_layer_perhead" else 1
-        heads = self.Hq if method in ("triattention_per_head", "triattention_per_layer_perhead") else 1
-        allowed = self.causal.expand(layers, heads, -1, -1).clone()
-        if method == "full":
-            return allowed
-        gen = torch.Generator().manual_seed(seed)
-        device = self.ids.device
-        kept = [[torch.arange(self.prompt, self.prompt, device=device)] * heads] * layers  # decode tokens kept
-        last = self.prompt
-        for t in self.rounds():
-            new = torch.arange(last, t, device=device)
-            held = [[torch.cat([k, new]) for k in row] for row in kept]
-            if method.startswith("triattention"):
-                kept = self._select(allowed, t, held, selector)
-            elif method in ("recent", "sinks"):
-                keep = self.budget - (SINKS if method == "sinks" else 0)
-                kept = [[h[-keep:] for h in row] for row in held]
-            else:  # random
-                kept = [[h[torch.randperm(h.numel(), generator=gen)[:self.budget].sort().values.to(device)]
-                         for h in row] for row in held]
-            visible = torch.zeros(layers, heads, self.n, dtype=torch.bool, device=device)
-            visible[..., :self.prompt] = True
-            if method == "sinks":
-                visible[..., self.prompt:self.prompt + SINKS] = True
-            for layer in range(layers):
-                for h in range(heads):
-                    visible[layer, h, kept[layer][h]] = True
-            visible[..., t:] = True                                          # tokens from this round on
-            allowed[:, :, t:, :] = self.causal[t:] & visible[:, :, None, :]  # rows to the end; later rounds narrow
-            last = t
-        return allowed
 
-    def _select(self, allowed: torch.Tensor, t: int, held: list, selector) -> list:
-        """kvops' keep sets at round t, from the keys the model computed under the rows before t: held[l][h] are
-        the decode tokens (layer l, query head h) holds, all of one count; a KV head's query heads share its set."""
-        _, keys = _forward(self.model, self.ids[:t], allowed[:, :, :t, :t], want_keys=True)
-        G = self.Hq // self.Hkv
-        n = self.prompt + held[0][0].numel()
-        prompt = torch.arange(self.prompt, device=self.ids.device)
-        pools = []  # physical pools [page 0, plane, kv head, slot, dim]: the prompt, then the held tokens in order
-        for layer, k in enumerate(keys):
-            row = held[min(layer, len(held) - 1)]
-            pool = torch.zeros(1, 2, self.Hkv, n, k.shape[-1], dtype=torch.bfloat16, device=k.device)
-            for g in range(self.Hkv):
-                pool[0, 0, g] = k[g, torch.cat([prompt, row[min(g * G, len(row) - 1)]])]
-            pools.append(pool)
-        i32 = lambda v: torch.tensor([v], dtype=torch.int32, device=self.ids.device)  # noqa: E731
-        picked = selector.select(pools, i32(0)[None], i32(n), i32(self.prompt), i32(t).long())[0].long() - self.prompt
-        # picked rows: 1 (union), Hkv (per_head) or L * Hkv (per_layer_perhead, row l * Hkv + g)
-        rows = picked.shape[0]
-        return [[held[layer][h][picked[0 if rows == 1 else (layer * self.Hkv if rows > self.Hkv else 0) + h // G]]
-                 for h in range(len(held[layer]))] for layer in range(len(held))]
+def _choose(policy: Policy, candidates: torch.Tensor, k: int, layer: int, h: int, t: int, beta: int,
+            attention: torch.Tensor | None, gen: torch.Generator, group: int) -> torch.Tensor:
+    """k of the candidates of (layer, KV head h) by a method that is not kvops' (recent, random, oracle)."""
+    if policy.kind == "recent":
+        return candidates[-k:]
+    if policy.kind == "random":
+        return candidates[torch.randperm(candidates.numel(), generator=gen)[:k].sort().values.to(candidates.device)]
+    # oracle: the attention the full cache's next beta queries of the KV head's query heads pay each candidate
+    weights = attention[layer, h * group:(h + 1) * group, t:t + beta][..., candidates].sum(1).amax(0)
+    return candidates[weights.topk(k).indices.sort().values]
+
+
+def _triattention(selector: TriAttentionSelector, cache, candidates: list, prompt: int,
+                  recent_layers: tuple[int, ...]) -> list:
+    """kvops' keep sets among the candidates: the scored layers' keys laid out as the evicting cache holds them
+    (the prompt, the sinks, then the candidates in order; the protected newest tokens are its tail, unscored)."""
+    Hkv = len(candidates[0])
+    scored = [layer for layer in range(len(cache.layers)) if layer not in recent_layers]
+    pools = []
+    for layer in scored:
+        keys = cache.layers[layer].keys[0]                        # [Hkv, t, D], post-RoPE
+        rows = candidates[min(layer, len(candidates) - 1)]
+        count = rows[0].numel()
+        pool = torch.zeros(1, 1, Hkv, prompt + count, keys.shape[-1], dtype=torch.bfloat16, device=keys.device)
+        for h in range(Hkv):
+            pool[0, 0, h, :prompt] = keys[h, :prompt]
+            pool[0, 0, h, prompt:] = keys[h, rows[h]]
+        pools.append(pool)
+    i32 = lambda v: torch.tensor([v], dtype=torch.int32, device=pools[0].device)  # noqa: E731
+    n = pools[0].shape[3]
+    start = cache.get_seq_length()
+    picked = (selector.select(pools, i32(0)[None], i32(n), i32(prompt), i32(start).long())[0].long() - prompt)
+    # picked rows: 1 (union), Hkv (per_head) or len(scored) * Hkv (per_layer_perhead, row index(l) * Hkv + g)
+    out = []
+    for layer, rows in enumerate(candidates):
+        if picked.shape[0] == 1:
+            out.append([rows[h][picked[0]] for h in range(Hkv)])
+        elif picked.shape[0] == Hkv:
+            out.append([rows[h][picked[h]] for h in range(Hkv)])
+        else:
+            i = scored.index(layer) if layer in scored else 0  # (a recent layer keeps its newest instead)
+            out.append([rows[h][picked[i * Hkv + h]] for h in range(Hkv)])
+    return out
+
+
+T_975 = {1: 12.71, 2: 4.30, 3: 3.18, 4: 2.78, 5: 2.57, 6: 2.45, 7: 2.36, 8: 2.31, 9: 2.26, 10: 2.23, 11: 2.20,
+         12: 2.18, 13: 2.16, 14: 2.14, 15: 2.13, 16: 2.12, 20: 2.09, 25: 2.06, 30: 2.04}
+
+
+def ci95(values: list[float]) -> tuple[float, float]:
+    """The mean of per-window values and the half-width of its 95% confidence interval (Student's t)."""
+    m = len(values)
+    mean = sum(values) / m
+    if m < 2:
+        return mean, float("nan")
+    sd = math.sqrt(sum((v - mean) ** 2 for v in values) / (m - 1))
+    t = T_975[max(d for d in T_975 if d <= m - 1)] if m - 1 <= 30 else 1.96  # (a smaller df: wider, safe)
+    return mean, t * sd / math.sqrt(m)
+
+
+def evaluate(model, windows: list[torch.Tensor], calibration, budgets, beta: int, prompt: int,
+             methods=METHODS, log=print) -> list[dict]:
+    """One row per (method, budget): loss and next-token agreement with the full cache over the positions after
+    each window's first round at that budget (the full cache's row at each budget covers the same positions),
+    each the mean over the windows with a 95% confidence interval, and the loss difference from the recent
+    window on the same windows (paired), with its interval. Also the most KV tokens a sequence's cache holds."""
+    policies = [Policy.parse(m) if isinstance(m, str) else m for m in methods]
+    oracle = any(p.kind == "oracle" for p in policies)
+    per = {}  # (method, budget) -> [(loss sum, agreement count, positions) per window]
+    with torch.no_grad():
+        for w, ids in enumerate(windows):
+            full, attention = full_attention(model, ids) if oracle else (_full_logits(model, ids), None)
+            for budget in budgets:
+                first = next(rounds(ids.numel(), prompt, budget, beta), ids.numel())
+                span = slice(first, ids.numel() - 1)
+                for policy in policies:
+                    logits = full if policy.kind == "full" else simulate(
+                        model, ids, prompt, budget, beta, policy, calibration, attention, seed=w)
+                    loss = float(torch.nn.functional.cross_entropy(logits[span], ids[first + 1:], reduction="sum"))
+                    agree = int((logits[span].argmax(-1) == full[span].argmax(-1)).sum())
+                    per.setdefault((policy.name, budget), []).append((loss, agree, ids.numel() - 1 - first))
+            attention = None
+    rows = []
+    for budget in budgets:
+        base = per.get(("recent", budget))
+        for policy in policies:
+            cells = per[(policy.name, budget)]
+            held = windows[0].numel() if policy.kind == "full" else prompt + budget + beta
+            rows.append(_row(model, policy.name, budget, beta, cells, held, log, base=base))
+    return rows
 
 
 def _token_bytes(model) -> int:
@@ -154,50 +286,33 @@ def _token_bytes(model) -> int:
     return c.num_hidden_layers * 2 * c.num_key_value_heads * head_dim * torch.bfloat16.itemsize
 
 
-def _full_logits(model, windows: list[torch.Tensor]) -> list[torch.Tensor]:
-    """Each window's logits under the full cache (causal attention over everything): the reference of every row."""
-    fulls = []
-    with torch.no_grad():
-        for ids in windows:
-            causal = torch.ones(ids.numel(), ids.numel(), dtype=torch.bool, device=ids.device).tril()
-            fulls.append(_forward(model, ids, causal[None, None], want_keys=False)[0])
-    return fulls
+def masked_logits(model, ids: torch.Tensor, allowed: torch.Tensor) -> torch.Tensor:
+    """Logits [n, vocab] of one forward pass over `ids`, query row t of layer l and head h restricted to
+    allowed[l, h, t] (bool [1 or L, 1 or Hq, n, n])."""
+    return _chunk(model, ids, allowed, require_transformers().DynamicCache(config=model.config))
 
 
-def evaluate(model, windows: list[torch.Tensor], calibration, budgets, beta: int, prompt: int,
-             methods=METHODS, log=print) -> list[dict]:
-    """One row per (method, budget): next-token agreement with the full cache and mean loss over the positions
-    after each window's first round at that budget (the full cache's row at each budget covers the same positions),
-    and the most KV tokens (and MiB in bf16) a sequence's cache holds."""
-    rows, fulls = [], _full_logits(model, windows)
-    for budget in budgets:
-        for method in methods:
-            selector = None
-            if method.startswith("triattention"):
-                selector = TriAttentionSelector(calibration, budget, method.split("_", 1)[1])
-            agree = loss = count = 0
-            held = 0
-            for w, (ids, full) in enumerate(zip(windows, fulls)):
-                sim = Simulation(model, ids, prompt, budget, beta)
-                first = next(sim.rounds(), sim.n)
-                with torch.no_grad():
-                    logits, _ = _forward(model, ids, sim.run(method, selector, seed=w), want_keys=False)
-                span = slice(first, sim.n - 1)
-                agree += int((logits[span].argmax(-1) == full[span].argmax(-1)).sum())
-                loss += float(torch.nn.functional.cross_entropy(logits[span], ids[first + 1:], reduction="sum"))
-                count += sim.n - 1 - first
-                held = sim.n if method == "full" else prompt + budget + beta
-            rows.append(_row(model, method, budget, beta, agree, loss, count, held, log))
-    return rows
+def _full_logits(model, ids: torch.Tensor) -> torch.Tensor:
+    """The full cache's logits [n, vocab] of one window (causal attention over everything)."""
+    return masked_logits(model, ids, torch.ones(ids.numel(), ids.numel(), dtype=torch.bool,
+                                                device=ids.device).tril()[None, None])
 
 
-def _row(model, method, budget, beta, agree, loss, count, held, log, tokens_per_s=None) -> dict:
-    row = {"method": method, "budget": budget, "beta": beta, "agreement": agree / max(count, 1),
-           "loss": loss / max(count, 1), "perplexity": math.exp(loss / max(count, 1)), "positions": count,
-           "kv_tokens_max": held, "kv_mib_bf16": held * _token_bytes(model) / 2**20, "tokens_per_s": tokens_per_s}
+def _row(model, method, budget, beta, cells, held, log, base=None, tokens_per_s=None) -> dict:
+    """A table row from per-window cells (loss sum, positions agreeing with the full cache, positions); `base`:
+    the recent window's cells on the same windows, for the paired difference."""
+    losses = [loss / count for loss, _, count in cells]
+    loss, loss_ci = ci95(losses)
+    agreement, agreement_ci = ci95([agree / count for _, agree, count in cells])
+    delta, delta_ci = ci95([x - b[0] / b[2] for x, b in zip(losses, base)]) if base else (float("nan"),) * 2
+    row = {"method": method, "budget": budget, "beta": beta, "windows": len(cells), "loss": loss, "loss_ci95": loss_ci,
+           "vs_recent": delta, "vs_recent_ci95": delta_ci, "agreement": agreement, "agreement_ci95": agreement_ci,
+           "perplexity": math.exp(loss), "positions": sum(c for *_, c in cells), "kv_tokens_max": held,
+           "kv_mib_bf16": held * _token_bytes(model) / 2**20, "tokens_per_s": tokens_per_s}
     speed = f", {tokens_per_s:.0f} tokens/s" if tokens_per_s else ""
-    log(f"  {method:>30} budget {budget:>5}: agreement {row['agreement']:.3f}, loss {row['loss']:.3f} over "
-        f"{count} positions{speed}")
+    versus = f", vs recent {delta:+.3f} ± {delta_ci:.3f}" if base and method != "recent" else ""
+    log(f"  {method:>36} budget {budget:>5}: loss {loss:.3f} ± {loss_ci:.3f}{versus}, agreement {agreement:.3f}"
+        f"{speed}")
     return row
 
 
@@ -224,33 +339,33 @@ def _decode(model, cache, ids: torch.Tensor, prompt: int, cycle_at: int | None =
 
 
 def evaluate_caches(model, windows: list[torch.Tensor], calibration, budgets, beta: int, prompt: int,
-                    modes=CACHE_MODES, log=print) -> list[dict]:
+                    modes=CACHE_MODES, log=print, **options) -> list[dict]:
     """The same measures through real caches in bf16, decoding token by token: ``full_cache`` (transformers'
-    DynamicCache), ``triattention_<mode>_cache`` (kvops' TriAttentionCache) and ``triattention_<mode>_nvfp4`` (the
-    same cache with one NVFP4 offload/onboard cycle halfway through the window), each against the float32 full
-    cache's predictions, with the decode's tokens/s (batch 1)."""
+    DynamicCache), ``triattention_<mode>_cache`` (kvops' TriAttentionCache, with `options`: its policy
+    keywords) and ``triattention_<mode>_nvfp4`` (the same cache with one NVFP4 offload/onboard cycle halfway
+    through the window), each against the float32 full cache's predictions, with the decode's tokens/s (batch 1)."""
     transformers = require_transformers()
     half = copy.deepcopy(model).to(torch.bfloat16)
-    rows, fulls = [], _full_logits(model, windows)
+    with torch.no_grad():
+        fulls = [_full_logits(model, ids) for ids in windows]
+    rows = []
     for budget in budgets:
         methods = [("full_cache", None, False)] + [(f"triattention_{m}_{kind}", m, kind == "nvfp4")
                                                     for m in modes for kind in ("cache", "nvfp4")]
         for method, mode, cycle in methods:
-            agree = loss = count = positions = 0
-            seconds = 0.0
+            cells, positions, seconds = [], 0, 0.0
             for ids, full in zip(windows, fulls):
-                sim = Simulation(model, ids, prompt, budget, beta)
-                first = next(sim.rounds(), sim.n)
+                n = ids.numel()
+                first = next(rounds(n, prompt, budget, beta), n)
                 cache = transformers.DynamicCache(config=half.config) if mode is None else TriAttentionCache(
-                    half.config, calibration, budget=budget, beta=beta, mode=mode)
-                logits, s = _decode(half, cache, ids, prompt, max(first, (prompt + sim.n) // 2) if cycle else None)
-                seconds, positions = seconds + s, positions + sim.n - 1 - prompt
+                    half.config, calibration, budget=budget, beta=beta, mode=mode, **options)
+                logits, s = _decode(half, cache, ids, prompt, max(first, (prompt + n) // 2) if cycle else None)
+                seconds, positions = seconds + s, positions + n - 1 - prompt
                 span = slice(first - prompt + 1, None)  # logits[i] predicts position prompt + i
-                agree += int((logits[span].argmax(-1) == full[first:sim.n - 1].argmax(-1)).sum())
-                loss += float(torch.nn.functional.cross_entropy(logits[span], ids[first + 1:], reduction="sum"))
-                count += sim.n - 1 - first
-            held = sim.n if mode is None else prompt + budget + beta
-            rows.append(_row(model, method, budget, beta, agree, loss, count, held, log, positions / seconds))
+                cells.append((float(torch.nn.functional.cross_entropy(logits[span], ids[first + 1:], reduction="sum")),
+                              int((logits[span].argmax(-1) == full[first:n - 1].argmax(-1)).sum()), n - 1 - first))
+            held = windows[0].numel() if mode is None else prompt + budget + beta
+            rows.append(_row(model, method, budget, beta, cells, held, log, tokens_per_s=positions / seconds))
     return rows
 
 
@@ -274,9 +389,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--csv")
     ap.add_argument("--plot")
     a = ap.parse_args(argv)
-    methods = a.methods.split(",")
-    if set(methods) - set(METHODS):
-        ap.error(f"--methods: unknown {sorted(set(methods) - set(METHODS))}; choose from {METHODS}")
+    try:
+        methods = [Policy.parse(m) for m in a.methods.split(",")]
+    except ValueError as e:
+        ap.error(f"--methods: {e} ({Policy.__doc__.split(chr(10))[0]})")
     budgets = [int(b) for b in a.budgets.split(",")]
     transformers = require_transformers()
     tokenizer = transformers.AutoTokenizer.from_pretrained(a.model, local_files_only=True)
@@ -311,9 +427,9 @@ def main(argv: list[str] | None = None) -> int:
     if a.plot and (plt := pyplot()) is not None:
         fig, ax = plt.subplots(figsize=(6, 4))
         for method in dict.fromkeys(r["method"] for r in rows):
-            pts = [(r["budget"], r["loss"]) for r in rows if r["method"] == method]
-            if pts:
-                ax.plot(*zip(*pts), marker="o", label=method)
+            pts = [(r["budget"], r["loss"], r["loss_ci95"]) for r in rows if r["method"] == method]
+            budget, loss, ci = zip(*pts)
+            ax.errorbar(budget, loss, yerr=[0 if c != c else c for c in ci], marker="o", capsize=3, label=method)
         ax.set_xscale("log", base=2)
         ax.set_xlabel("budget (decode tokens kept)")
         ax.set_ylabel("teacher-forced loss (nats/token)")

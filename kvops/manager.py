@@ -126,7 +126,10 @@ class TriAttentionManager(KVCacheCompressionManager):
         self.max_tail = config.beta + config.recent_window
         # A cache that stores its keys scaled (fp8, vLLM's k_scale) says so with a `k_scale` attribute: float32
         # [L] or [L, Hkv] (TriAttentionSelector).
-        self.selector = policy_selector("TriAttentionManager", calibration, config, config.budget + 2 * config.beta,
+        self.selector = policy_selector("TriAttentionManager", calibration, config.budget, config.eviction_mode,
+                                        config.budget + 2 * config.beta, sink_tokens=config.sink_tokens,
+                                        recent_window=config.recent_window, recent_layers=config.recent_layers,
+                                        normalize_scores=config.normalize_scores,
                                         k_scale=getattr(kv_cache, "k_scale", None), process_group=self.process_group,
                                         kv_heads=kv_heads)
         self.prompt_length: dict[Any, int] = {}
@@ -376,14 +379,15 @@ def _model_row_size(model_config: Mapping[str, Any]) -> int | None:
     return _model_head_dim(model_config)
 
 
-def policy_selector(what: str, calibration, config, max_decode: int, k_scale=None, **selector_kwargs
-                    ) -> TriAttentionSelector:
-    """The selector of a round under `config`'s keep policy (budget, eviction_mode, normalize_scores,
-    sink_tokens, recent_window, recent_layers; a TriAttentionConfig or the transformers cache): it chooses
-    ``budget - sink_tokens - recent_window`` tokens among at most ``max_decode - sink_tokens - recent_window``
-    scored ones, over the layers not in recent_layers (their statistics and k_scale rows only)."""
+def policy_selector(what: str, calibration, budget: int, mode: str, max_decode: int, *, sink_tokens: int = 0,
+                    recent_window: int = 0, recent_layers: tuple[int, ...] = (), k_scale=None,
+                    **selector_kwargs) -> TriAttentionSelector:
+    """The selector of a round under a keep policy (``TriAttentionConfig``'s fields, checked by
+    ``check_keep_policy``): it chooses ``budget - sink_tokens - recent_window`` tokens among at most
+    ``max_decode - sink_tokens - recent_window`` scored ones, over the layers not in recent_layers (their
+    statistics and k_scale rows only)."""
     L = calibration.num_layers
-    layers = config.recent_layers
+    layers = recent_layers
     if layers and layers[-1] >= L:
         raise ValueError(f"{what}: recent_layers {list(layers)} names layers past the model's {L}")
     if len(layers) == L:
@@ -394,10 +398,9 @@ def policy_selector(what: str, calibration, config, max_decode: int, k_scale=Non
         calibration = calibration.for_layers(scored)
         if k_scale is not None and isinstance(k_scale, torch.Tensor) and k_scale.shape[:1] == (L,):
             k_scale = k_scale[scored]
-    protected = config.sink_tokens + config.recent_window
-    return TriAttentionSelector(calibration, config.budget - protected, config.eviction_mode,
-                                config.normalize_scores, max_decode=max_decode - protected, k_scale=k_scale,
-                                **selector_kwargs)
+    protected = sink_tokens + recent_window
+    return TriAttentionSelector(calibration, budget - protected, mode, max_decode=max_decode - protected,
+                                k_scale=k_scale, **selector_kwargs)
 
 
 MANAGERS = {TriAttentionConfig: TriAttentionManager, NVFP4ColdPageConfig: NVFP4ColdPageManager}

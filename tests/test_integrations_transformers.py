@@ -13,7 +13,7 @@ from conftest import DEVICES, TINY, bytes_of, tiny_model
 
 transformers = pytest.importorskip("transformers")
 
-from benchmarks.quality import _forward  # noqa: E402
+from benchmarks.quality import masked_logits  # noqa: E402
 from kvops.calibrate import calibrate  # noqa: E402
 from kvops.integrations.transformers import (  # noqa: E402
     GROUPED_SDPA, KVOPS_ATTENTION, TriAttentionCache, cache_keyword, grouped_sdpa, kv_bytes, kvops_attention)
@@ -91,8 +91,8 @@ def _assert_logits_of_what_the_cache_held(model, cache, seq, logits, prompt, mod
     attention = model.config._attn_implementation
     model.config._attn_implementation = "eager"  # the simulation's 4-D float masks
     with torch.no_grad():
-        sim, _ = _forward(model, seq, allowed, want_keys=False)
-        full, _ = _forward(model, seq, causal[None, None], want_keys=False)
+        sim = masked_logits(model, seq, allowed)
+        full = masked_logits(model, seq, causal[None, None])
     model.config._attn_implementation = attention
     # A decode step and a full pass may sum their GEMMs in different orders (GPU, and threaded CPU BLAS: the
     # device's CPU differs in the last bf16 bit); a wrong kept set differs by far more.

@@ -1,4 +1,5 @@
-"""benchmarks.quality on a tiny random model: the mechanics of the eviction-quality harness."""
+"""benchmarks.quality on tiny random models: the mechanics of the eviction-quality harness, and its keep sets
+against TriAttentionCache decoding token by token."""
 
 import pytest
 import torch
@@ -6,68 +7,96 @@ import torch
 pytest.importorskip("transformers")
 
 from kvops.calibrate import calibrate  # noqa: E402
-from kvops.triattention import TriAttentionSelector, load_calibration  # noqa: E402
+from kvops.triattention import load_calibration  # noqa: E402
 from conftest import TINY, tiny_model  # noqa: E402
 
 
-def test_quality_harness_runs_and_full_cache_agrees_with_itself(tmp_path):
-    """benchmarks.quality on a tiny random model: the mechanics (rounds, masks, kvops keep sets) run, the full cache
-    agrees with itself, and every query row sees exactly the prompt, the budget and itself after a round."""
-    from benchmarks.quality import METHODS, Simulation, evaluate
+def _calibrated(model, tokens=128):
+    return load_calibration(calibrate(model, torch.randint(0, TINY["vocab_size"], (tokens,))), model.config.to_dict())
+
+
+def test_policies_parse_and_name_themselves():
+    from benchmarks.quality import Policy
+
+    for text in ("full", "recent", "sinks", "random", "oracle+l0", "triattention_per_head+w16+s4+l0.2",
+                 "triattention_union", "recent+w8"):
+        assert Policy.parse(text).name == text
+    assert Policy.parse("triattention_per_layer_perhead+l3.1").recent_layers == (3, 1)
+    for bad in ("triattention", "oracle_union", "recent_union", "triattention_per_head+x3", "window", "random+w"):
+        with pytest.raises(ValueError):
+            Policy.parse(bad)
+
+
+def test_quality_harness_runs_and_full_cache_agrees_with_itself():
+    """Every method runs on a tiny random model over two windows: the full cache agrees with itself, the rows
+    carry confidence intervals and the paired difference from the recent window (zero for the window itself)."""
+    from benchmarks.quality import evaluate
+
+    model = tiny_model("qwen3")
+    model.config._attn_implementation = "eager"
+    windows = [torch.randint(0, TINY["vocab_size"], (96,)) for _ in range(2)]
+    methods = ["full", "recent", "sinks", "random", "oracle", "oracle+l0", "triattention_union",
+               "triattention_per_head+w4+s2", "triattention_per_layer_perhead+l0"]
+    rows = evaluate(model, windows, _calibrated(model), [16], beta=4, prompt=8, methods=methods, log=lambda *a: None)
+    by = {r["method"]: r for r in rows}
+    assert list(by) == methods and all(r["windows"] == 2 for r in rows)
+    assert by["full"]["agreement"] == 1.0 and by["full"]["loss_ci95"] >= 0
+    assert by["recent"]["vs_recent"] == 0.0
+    assert all(0.0 <= r["agreement"] <= 1.0 and r["loss"] > 0 and r["loss_ci95"] == r["loss_ci95"] for r in rows)
+    assert len({round(r["loss"], 6) for r in rows}) > 4  # the methods keep different tokens
+
+
+def test_simulated_rounds_hold_the_prompt_the_budget_and_the_tail():
+    from benchmarks.quality import Policy, rounds, simulate
 
     model = tiny_model("qwen3")
     model.config._attn_implementation = "eager"
     ids = torch.randint(0, TINY["vocab_size"], (96,))
-    cal = load_calibration(calibrate(model, torch.randint(0, TINY["vocab_size"], (128,))), model.config.to_dict())
-    rows = evaluate(model, [ids], cal, [16], beta=4, prompt=8, log=lambda *a: None)
-    by = {r["method"]: r for r in rows}
-    assert by["full"]["agreement"] == 1.0 and set(by) == set(METHODS)
-    assert all(0.0 <= r["agreement"] <= 1.0 and r["loss"] > 0 for r in rows)
-    sim = Simulation(model, ids, prompt=8, budget=16, beta=4)
-    times = list(sim.rounds())
+    times = list(rounds(96, 8, 16, 4))
     assert times[0] == 8 + 17 and all(b - a == 4 for a, b in zip(times, times[1:]))
-    allowed = sim.run("recent")
-    t = times[-1]
-    assert allowed.shape == (1, 1, 96, 96)
-    assert allowed[0, 0, t, :8].all() and allowed[0, 0, t, t - 16:t + 1].all()  # the prompt, the last 16, itself
-    assert int(allowed[0, 0, t].sum()) == 8 + 16 + 1
-    G = model.config.num_attention_heads // model.config.num_key_value_heads
-    for mode in ("per_head", "per_layer_perhead"):
-        masks = sim.run(f"triattention_{mode}", TriAttentionSelector(cal, 16, mode))
-        layers = model.config.num_hidden_layers if mode == "per_layer_perhead" else 1
-        assert masks.shape == (layers, model.config.num_attention_heads, 96, 96)
-        assert (masks[:, :, t].sum(-1) == 8 + 16 + 1).all()
-        assert torch.equal(masks[:, 0], masks[:, G - 1])  # a KV head's query heads share its keep set
+    record = []
+    simulate(model, ids, 8, 16, 4, Policy.parse("recent+w4+s2"), record=record)
+    assert [t for t, _ in record] == times
+    for t, held in record:
+        assert held.shape == (1, 2, t) and (held.sum(-1) == 8 + 16).all()
+        assert held[..., :8 + 2].all() and held[..., t - 16 + 2:].all()  # prompt, sinks, the newest 14
 
 
-@pytest.mark.parametrize("mode", ["union", "per_head", "per_layer_perhead"])
-def test_harness_keeps_what_decoding_with_the_kvops_cache_keeps(mode):
-    """Two independent paths to the same keep sets: the harness (pools rebuilt from masked forwards each round) and
-    TriAttentionCache fed the same tokens one by one (slots tracked through the compactions)."""
-    from benchmarks.quality import Simulation
+@pytest.mark.parametrize("mode,options", [("union", {}), ("per_head", dict(sink_tokens=2, recent_window=3)),
+                                          ("per_layer_perhead", dict(recent_window=2, recent_layers=(0,))),
+                                          ("union", dict(sink_tokens=1, recent_layers=(1,)))])
+def test_harness_keeps_what_decoding_with_the_kvops_cache_keeps(mode, options):
+    """Two independent paths to the same keep sets: the harness (chunks over a cache that keeps every key, masks
+    narrowed at each round) and TriAttentionCache fed the same tokens one by one (slots tracked through the
+    compactions), under the same keep policy."""
+    from benchmarks.quality import Policy, simulate
     from kvops.integrations.transformers import TriAttentionCache, cache_keyword
 
     model = tiny_model("qwen3").to(torch.bfloat16)
     model.config._attn_implementation = "eager"
-    cal = load_calibration(calibrate(model, torch.randint(0, TINY["vocab_size"], (256,))), model.config.to_dict())
+    cal = _calibrated(model, 256)
     seq, prompt, budget, beta = torch.randint(1, TINY["vocab_size"], (70,)), 10, 16, 4
-    cache = TriAttentionCache(model.config, cal, budget=budget, beta=beta, mode=mode)
+    cache = TriAttentionCache(model.config, cal, budget=budget, beta=beta, mode=mode, **options)
     with torch.no_grad():
         model(input_ids=seq[None, :prompt], **{cache_keyword(model): cache})
         for t in range(prompt, seq.numel()):
             model(input_ids=seq[None, t:t + 1], **{cache_keyword(model): cache})
-    sim, chosen = Simulation(model, seq, prompt, budget, beta), []
-    select = sim._select
-    sim._select = lambda *args: chosen.append(select(*args)) or chosen[-1]
-    sim.run(f"triattention_{mode}", TriAttentionSelector(cal, budget, mode))
-    Hkv = model.config.num_key_value_heads
-    G = model.config.num_attention_heads // Hkv
-    assert len(chosen) == len(cache.rounds) >= 10
-    for (_, kept), sets in zip(cache.rounds, chosen):
-        for layer, heads in enumerate(sets):
-            for h in range(0, len(heads), G):
-                row = 0 if mode == "union" else h // G + (layer * Hkv if mode == "per_layer_perhead" else 0)
-                assert sorted(kept[0, row].tolist()) == sorted(heads[h].tolist())
+    policy = Policy("triattention", mode, recent=options.get("recent_window", 0),
+                    sinks=options.get("sink_tokens", 0), recent_layers=options.get("recent_layers", ()))
+    record = []
+    with torch.no_grad():
+        simulate(model, seq, prompt, budget, beta, policy, cal, record=record)
+    L, Hkv = model.config.num_hidden_layers, model.config.num_key_value_heads
+    decision = {"union": 1, "per_head": Hkv, "per_layer_perhead": L * Hkv}[mode]
+    assert len(record) == len(cache.rounds) >= 10
+    for (t, held), (t_cache, kept) in zip(record, cache.rounds):
+        assert t == t_cache
+        for layer in range(L):
+            for g in range(Hkv):
+                row = decision if layer in policy.recent_layers else \
+                    {"union": 0, "per_head": g, "per_layer_perhead": layer * Hkv + g}[mode]
+                want = held[min(layer, held.shape[0] - 1), g, prompt:].nonzero().flatten() + prompt
+                assert sorted(kept[0, row].tolist()) == want.tolist(), (t, layer, g)
 
 
 def test_real_caches_decode_with_and_without_an_nvfp4_cycle():
@@ -78,8 +107,8 @@ def test_real_caches_decode_with_and_without_an_nvfp4_cycle():
     model = tiny_model("qwen3")
     model.config._attn_implementation = "eager"
     ids = torch.randint(0, TINY["vocab_size"], (80,))
-    cal = load_calibration(calibrate(model, torch.randint(0, TINY["vocab_size"], (128,))), model.config.to_dict())
-    rows = evaluate_caches(model, [ids], cal, [16], beta=4, prompt=8, modes=("union",), log=lambda *a: None)
+    rows = evaluate_caches(model, [ids], _calibrated(model), [16], beta=4, prompt=8, modes=("union",),
+                           log=lambda *a: None, recent_window=2)
     by = {r["method"]: r for r in rows}
     assert set(by) == {"full_cache", "triattention_union_cache", "triattention_union_nvfp4"}
     assert by["full_cache"]["agreement"] > 0.9  # bf16 against the float32 full cache

@@ -38,11 +38,12 @@ import torch
 from .._checks import check_bool, check_choice, check_device, check_int
 from .._dispatch import python_op
 from ..calibrate import require_transformers
-from ..compaction import MODES, ORDERS
+from ..compaction import MODES, ORDERS, decision_rows
+from ..config import check_keep_policy
 from ..attention import HEAD_DIMS, QUERY_DTYPES, decode_attention
-from ..manager import TriAttentionRound
+from ..manager import TriAttentionRound, policy_selector
 from ..nvfp4 import PageBlobCodec, RowSpec
-from ..triattention import Calibration, TriAttentionSelector, load_calibration, validate_calibration
+from ..triattention import Calibration, load_calibration, validate_calibration
 
 _transformers_module = require_transformers()
 
@@ -146,6 +147,10 @@ class TriAttentionCache(_transformers_module.Cache):
         ``budget + beta``.
     mode : str
         ``"union"``, ``"per_head"`` or ``"per_layer_perhead"`` (``kvops.compaction.MODES``).
+    sink_tokens, recent_window, recent_layers
+        The keep policy (``kvops.config.TriAttentionConfig``): the first `sink_tokens` and newest
+        `recent_window` generated tokens always stay (inside the budget), and the layers in `recent_layers` keep
+        their newest tokens instead of the scored ones.
     compaction_order : str
         ``"fill"`` (only the kept tokens past the new length move; attention is over a set, so slot order does
         not matter) or ``"ordered"`` (``kvops.compaction.ORDERS``).
@@ -170,11 +175,13 @@ class TriAttentionCache(_transformers_module.Cache):
     """
 
     def __init__(self, config, calibration, *, budget: int = 2048, beta: int = 128, mode: str = "union",
+                 sink_tokens: int = 0, recent_window: int = 0, recent_layers: tuple[int, ...] = (),
                  compaction_order: str = "fill", cuda_graphs: bool = True, static: bool = False):
         what = "TriAttentionCache"
         check_int(what, "budget", budget, 1)
         check_int(what, "beta", beta, 1)
         check_choice(what, "mode", mode, MODES)
+        recent_layers = check_keep_policy(what, budget, sink_tokens, recent_window, recent_layers)
         check_choice(what, "compaction_order", compaction_order, ORDERS)
         check_bool(what, "cuda_graphs", cuda_graphs)
         check_bool(what, "static", static)
@@ -205,7 +212,11 @@ class TriAttentionCache(_transformers_module.Cache):
         # the generated tokens a row can hold (a step may overshoot a due round by one): all of them are scored,
         # so no token past max_decode is ever dropped unscored
         self.max_generated = budget + beta + 1
-        self.selector = TriAttentionSelector(calibration, budget, mode, max_decode=self.max_generated)
+        self.selector = policy_selector(what, calibration, budget, mode, self.max_generated, sink_tokens=sink_tokens,
+                                        recent_window=recent_window, recent_layers=recent_layers)
+        self.sink_tokens, self.recent_window, self.recent_layers = sink_tokens, recent_window, recent_layers
+        # slot bookkeeping per compaction list row: the decision rows, and the window row of the recent layers
+        self._list_rows = decision_rows(mode, self.num_layers, self.num_kv_heads) + bool(recent_layers)
         self.budget, self.beta, self.order, self.cuda_graphs = budget, beta, compaction_order, cuda_graphs
         self.static = static
         self._host: torch.Tensor | None = None
@@ -222,9 +233,10 @@ class TriAttentionCache(_transformers_module.Cache):
         self.evicted = 0           # tokens each row has dropped (logical length = held + evicted)
         self.prompt = 0            # the first step's length: never evicted
         self._round_held = 0       # what each row held after the prompt or the last round
-        self.slot_positions: torch.Tensor | None = None  # logical position of each slot, [batch, rows, capacity]
+        # logical position of each slot, [batch, list rows, capacity]
+        self.slot_positions: torch.Tensor | None = None
         # each round: (the logical position of the first token after it, the kept logical positions of its
-        # generated tokens [batch, rows, budget] in slot order)
+        # generated tokens [batch, list rows, budget] in slot order)
         self.rounds: list[tuple[int, torch.Tensor]] = []
         self._round: TriAttentionRound | None = None
         self._step: _Step | None = None  # an eager step between its first and last layer
@@ -343,7 +355,7 @@ class TriAttentionCache(_transformers_module.Cache):
         self.pools = [torch.zeros(B, 2, H, capacity, D, dtype=key_states.dtype, device=key_states.device)
                       for _ in range(self.num_layers)]
         self.slot_positions = torch.arange(capacity, device=key_states.device).expand(
-            B, self.selector.rows, capacity).clone()
+            B, self._list_rows, capacity).clone()
         self._round_held = q
         if self.static:
             self._offset = torch.zeros((), dtype=torch.long, device=key_states.device)
@@ -538,16 +550,21 @@ class TriAttentionCache(_transformers_module.Cache):
 
     def _compress(self, held: int) -> int:
         """One round over the whole batch, before the next token is written: keep `budget` of the generated tokens
-        of the `held` each row holds. Returns what each row holds after it."""
-        B = self.pools[0].shape[0]
+        of the `held` each row holds (the sinks join the prompt, the newest recent_window are the round's tail).
+        Returns what each row holds after it."""
+        B, W = self.pools[0].shape[0], self.recent_window
         if self._round is None:
-            self._round = TriAttentionRound(self.selector, self, B, 1, 0, self.cuda_graphs, self.order)
+            self._round = TriAttentionRound(self.selector, self, B, 1, W, self.cuda_graphs, self.order,
+                                            self.recent_layers)
         table = torch.arange(B, dtype=torch.int32)[:, None]
-        self._round.run(table, [held] * B, [self.prompt] * B, [0] * B, [held + self.evicted] * B)
-        # what landed at prompt + m came from slot sources[m] (the move's own lists): follow the logical positions
-        landed = self._round.params.sources[:B, :self.selector.rows, :self.budget].long()
+        protected = self.prompt + self.sink_tokens
+        self._round.run(table, [held - W] * B, [protected] * B, [W] * B, [held + self.evicted] * B)
+        # what landed at protected + m came from slot sources[m] (the move's own lists): follow the logical
+        # positions. A row no layer reads (per_layer_perhead's rows of the recent layers) has no list: -1.
+        landed = self._round.params.sources[:B, :, :self.selector.budget + W].long()
         end = self.prompt + self.budget
-        self.slot_positions[..., self.prompt:end] = self.slot_positions.gather(-1, landed)
+        self.slot_positions[..., protected:end] = torch.where(
+            landed >= 0, self.slot_positions.gather(-1, landed.clamp_min(0)), -1)
         self.rounds.append((held + self.evicted, self.slot_positions[..., self.prompt:end].clone()))
         self.evicted += held - end
         self._held = self._round_held = end
