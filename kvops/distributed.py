@@ -78,6 +78,9 @@ def rank_kv_heads(what: str, group, num_kv_heads: int, kv_heads=None) -> range:
     return range(head, head + 1)
 
 
+SAME = "tensor parallelism needs the same settings, page tables and lengths on every rank"
+
+
 def _reduce_max(t: torch.Tensor, group) -> torch.Tensor:
     dist.all_reduce(t, op=dist.ReduceOp.MAX, group=group)
     return t
@@ -99,16 +102,14 @@ def check_same_on_ranks(what: str, group, device: torch.device, **tensors: torch
     spread = _reduce_max(torch.cat((shapes, -shapes)).to(device), group).cpu().view(2, len(names), 5)
     for i, name in enumerate(names):
         if not torch.equal(spread[0, i], -spread[1, i]):
-            raise ValueError(f"{what}: {name} differs in shape between the ranks of the process group (tensor "
-                             f"parallelism needs the same page tables and lengths on every rank)")
+            raise ValueError(f"{what}: {name} differs in shape between the ranks of the process group ({SAME})")
     flat = torch.cat([t.reshape(-1).to(device, torch.int64) for t in tensors.values()])
     spread = _reduce_max(torch.cat((flat, -flat)), group).cpu().view(2, -1)
     differs = spread[0] != -spread[1]
     start = 0
     for name, t in tensors.items():
         if bool(differs[start:start + t.numel()].any()):
-            raise ValueError(f"{what}: {name} differs between the ranks of the process group (tensor parallelism "
-                             f"needs the same page tables and lengths on every rank)")
+            raise ValueError(f"{what}: {name} differs between the ranks of the process group ({SAME})")
         start += t.numel()
 
 

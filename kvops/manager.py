@@ -24,7 +24,7 @@ import triton
 
 from ._checks import check_bool, check_hashable, check_int
 from ._targets import CAPABILITIES as SUPPORTED_ARCHS  # noqa: F401  (the archs kvops builds kernels for)
-from .compaction import build_compaction_params, compact, decision_rows
+from .compaction import ORDERS, build_compaction_params, compact, decision_rows
 from .config import KVCacheCompressionConfig, NVFP4ColdPageConfig, TriAttentionConfig
 from .distributed import capturable, check_group, check_same_on_ranks, rank_kv_heads
 from .triattention import TriAttentionSelector
@@ -132,6 +132,11 @@ class TriAttentionManager(KVCacheCompressionManager):
                                         normalize_scores=config.normalize_scores,
                                         k_scale=getattr(kv_cache, "k_scale", None), process_group=self.process_group,
                                         kv_heads=kv_heads)
+        # what every rank's manager must share to run one round (checked with validate, before each step)
+        recent = torch.zeros(calibration.num_layers, dtype=torch.int64)
+        recent[list(config.recent_layers)] = 1
+        self._settings = torch.cat((self.selector.settings, torch.tensor(
+            [config.beta, config.sink_tokens, config.recent_window, ORDERS.index(config.compaction_order)]), recent))
         self.prompt_length: dict[Any, int] = {}
         self.since_round: dict[Any, int] = {}
         self.num_compressed_tokens: dict[Any, int] = {}
@@ -241,7 +246,7 @@ class TriAttentionManager(KVCacheCompressionManager):
         lengths, since, rids = self._plan(batch)
         if self.validate:  # the ranks must agree on which requests are due: each runs the round's collectives
             check_same_on_ranks("TriAttentionManager.on_generation_step_end", self.process_group,
-                                self.kv_cache.device, step=torch.tensor(
+                                self.kv_cache.device, manager_settings=self._settings, step=torch.tensor(
                                     [[lengths[r], self.prompt_length[r], since[r], r in rids] for r, _ in batch],
                                     dtype=torch.int64).view(-1, 4))
         new_lengths = self._run_round(rids) if rids else []  # refuses (raises) before anything moves

@@ -101,6 +101,12 @@ def _selections(rank, world, group, device, seed, cal=None):
     selector = TriAttentionSelector(cal, 16, "union", process_group=group)
     with pytest.raises(ValueError, match="cache_lengths differs between the ranks"):
         selector.select(local, page_table, odd, prompts, starts, validate=True)
+    # so does a round whose selectors differ (another budget, or another mode: union's collective would wait on
+    # the ranks that skip it), before any collective of the round
+    for budget, mode in ((16 + rank, "union"), (16, "union" if rank else "per_head")):
+        selector = TriAttentionSelector(cal, budget, mode, process_group=group)
+        with pytest.raises(ValueError, match="selector_settings differs between the ranks"):
+            selector.select(local, page_table, lengths, prompts, starts, validate=True)
 
 
 def _append(caches, rid, kv: torch.Tensor) -> None:
@@ -158,6 +164,18 @@ def _manager_rounds(rank, world, group, device, seed):
             _append([(mine, heads)], "a", torch.randn(L, 2, 1, HKV, D, generator=gen))
         with pytest.raises(ValueError, match="differs between the ranks"):
             managers[1].on_generation_step_end([("a", extra)])
+    if world > 1:  # managers configured differently (here a recent window on odd ranks) refuse every step
+        config = TriAttentionConfig(budget=12, beta=5, recent_window=4 * (rank % 2), calibration_path="qwen3-8b")
+        cache = PagedKVCache(L, len(heads), D, T, num_pages=8, device=device)
+        manager = create_compression_manager(config, cache, MODEL, process_group=group, validate=True)
+        cache.add_request("c")
+        manager.on_request_init(Request("c", 3))
+        _append([(cache, heads)], "c", torch.randn(L, 2, 3, HKV, D, generator=gen))
+        manager.on_context_step_end([Request("c", 3)])
+        manager.on_generation_step_begin(["c"])
+        _append([(cache, heads)], "c", torch.randn(L, 2, 1, HKV, D, generator=gen))
+        with pytest.raises(ValueError, match="manager_settings differs between the ranks"):
+            manager.on_generation_step_end([("c", 1)])
 
 
 def _gather(pools, pages: torch.Tensor, n: int) -> torch.Tensor:

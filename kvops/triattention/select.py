@@ -90,6 +90,13 @@ class TriAttentionSelector:
         self.k_scale = None if k_scale is None else _check_k_scale(what, k_scale, calibration)
         self._on_device: dict[torch.device, tuple] = {}
 
+    @property
+    def settings(self) -> torch.Tensor:
+        """What must be the same on every rank of a process group for the ranks to run one round (int64): the
+        mode, budget, max_decode (0: the table's reach), normalize_scores, and the model's layers and KV heads."""
+        return torch.tensor([MODES.index(self.mode), self.budget, self.max_decode or 0, self.normalize_scores,
+                             self.calibration.num_layers, self.model_kv_heads], dtype=torch.int64)
+
     def _calibration_on(self, device: torch.device) -> tuple:
         """(omega, score weights) on `device`, copied once (at warm-up): a host-to-device copy per round would
         cost a transfer each time and cannot be captured in a CUDA graph."""
@@ -149,8 +156,8 @@ class TriAttentionSelector:
         max_decode = self.max_decode or page_table.shape[1] * k_pools[0].shape[3]
         group = self.process_group
         if validate and group is not None:  # first, on every rank: then the local checks agree too
-            check_same_on_ranks(what, group, device, page_table=page_table, cache_lengths=cache_lengths,
-                                prompt_lengths=prompt_lengths, round_starts=round_starts)
+            check_same_on_ranks(what, group, device, selector_settings=self.settings, page_table=page_table,
+                                cache_lengths=cache_lengths, prompt_lengths=prompt_lengths, round_starts=round_starts)
             if self.mode == "union":
                 check_heads_covered(what, group, device, self.kv_heads, self.model_kv_heads)
         if validate:
