@@ -675,7 +675,9 @@ def kvops_attention(module, query, key, value, attention_mask, **kwargs):
         lengths, starts = torch.full((B,), N, dtype=torch.int32, device=query.device), None
     else:
         admitted = attention_mask[:, 0, -1].expand(B, N)
-        slot = torch.arange(N, dtype=torch.int32, device=query.device)
+        # int64 throughout: with N symbolic (a compiled step), an int32 where(..., N) made inductor emit a
+        # reduction whose accumulator changes type in its loop (a Triton compile error, torch 2.11)
+        slot = torch.arange(N, device=query.device)
         lengths = torch.where(admitted, slot + 1, 0).amax(-1).to(torch.int32)
         starts = torch.where(admitted, slot, N).amin(-1).to(torch.int32)
     out = decode_attention(query, key, value, table, lengths, starts=starts, scale=kwargs.get("scaling"))
