@@ -17,6 +17,8 @@ Rows:
               whole round as the manager runs it (TriAttentionRound), each from a graph, and `_select_eager`
               (the same call without a graph). Floor: the decode tokens'
               K read once plus, read and written, the bytes fill order must move, at the copy bandwidth.
+  round_steady_policy  the whole round (fill) at R=32 under keep-policy options (4 sink tokens, a recent window
+              of 64, layer 0 on recency, and all three) against the same round without them.
   round_steady_tp1  the whole union round (fill) at R=32 with a one-rank NCCL process group (tensor parallelism:
               the all-reduce of the union rows runs, recorded in the graph) against the same round without one.
 """
@@ -29,7 +31,7 @@ import torch
 import triton
 
 from kvops.compaction import compact, decision_rows
-from kvops.manager import TriAttentionRound
+from kvops.manager import TriAttentionRound, policy_selector
 from kvops.triattention import Calibration, TriAttentionSelector, mean_phase
 from kvops.triattention.reduce import _reduce_torch, reduce_rows
 from kvops.triattention.score import CHUNK, STATS, _score_torch, score
@@ -52,6 +54,7 @@ def run(quick: bool = False) -> tuple[list[Row], list[str]]:
     notes += _kv_dtypes(rows_out, copy_gbps, quick)
     notes += _round_steady(rows_out, copy_gbps, quick)
     notes += _round_tp(rows_out, copy_gbps, quick)
+    notes += _round_policy(rows_out, copy_gbps, quick)
     return rows_out, notes
 
 
@@ -145,14 +148,19 @@ def steady_workload(R: int, device: str = "cuda", layers: int = 36, prompt: int 
                            device=torch.device(device))
 
 
-def steady_round(w: SimpleNamespace, mode: str, order: str, cuda_graphs: bool, process_group=None):
-    """The manager's device half of a round over the workload, run once (on the GPU: captured for replays)."""
-    selector = TriAttentionSelector(w.cal, w.budget, mode, max_decode=w.budget + 2 * w.beta,
-                                    process_group=process_group)
+def steady_round(w: SimpleNamespace, mode: str, order: str, cuda_graphs: bool, process_group=None,
+                 sink_tokens: int = 0, recent_window: int = 0, recent_layers: tuple[int, ...] = ()):
+    """The manager's device half of a round over the workload, run once (on the GPU: captured for replays), under
+    a keep policy as the manager sets it up."""
+    selector = policy_selector("steady_round", w.cal, w.budget, mode, w.budget + 2 * w.beta,
+                               sink_tokens=sink_tokens, recent_window=recent_window, recent_layers=recent_layers,
+                               process_group=process_group)
     cache = SimpleNamespace(device=w.device, views=lambda: w.pools)
-    rnd = TriAttentionRound(selector, cache, w.R, w.table.shape[1], w.beta, cuda_graphs, order)
+    rnd = TriAttentionRound(selector, cache, w.R, w.table.shape[1], w.beta + recent_window, cuda_graphs, order,
+                            recent_layers)
     table = torch.nn.functional.pad(w.table, (0, rnd.width - w.table.shape[1]), value=-1)  # its bound width
-    rnd.run(table, [w.n] * w.R, [w.prompt] * w.R, [0] * w.R, [w.n] * w.R)
+    W = recent_window
+    rnd.run(table, [w.n - W] * w.R, [w.prompt + sink_tokens] * w.R, [W] * w.R, [w.n] * w.R)
     return selector, rnd
 
 
@@ -222,3 +230,31 @@ def _round_tp(rows_out: list[Row], copy_gbps: float, quick: bool) -> list[str]:
     finally:
         if created:
             dist.destroy_process_group()
+
+
+POLICIES = {"sinks 4": dict(sink_tokens=4), "recent 64": dict(recent_window=64),
+            "layer 0 recent": dict(recent_layers=(0,)),
+            "all three": dict(sink_tokens=4, recent_window=64, recent_layers=(0,))}
+
+
+def _round_policy(rows_out: list[Row], copy_gbps: float, quick: bool) -> list[str]:
+    """The cost of the keep-policy options: the steady round with each against the plain one, same workload."""
+    R = 8 if quick else 32
+    w = steady_workload(R)
+    notes = []
+    for mode in ("union", "per_layer_perhead"):
+        base = None
+        for name, options in {"plain": {}, **POLICIES}.items():
+            _, rnd = steady_round(w, mode, "fill", cuda_graphs=True, **options)
+            us = time_us(rnd.graphs[R].replay, iters=40)  # (differences of a few %: more replays than elsewhere)
+            if base is None:
+                floor_bytes = w.L * R * (w.budget + w.beta) * w.Hkv * w.D * 2 + 2 * fill_moved_bytes(w, rnd)
+                base = us
+                continue
+            shape = f"R={R} {w.prompt}+{w.budget + w.beta} L={w.L} Hkv={w.Hkv} {mode} fill, {name}"
+            rows_out.append(Row.make(FAMILY, "round_steady_policy", shape, "bfloat16", us, floor_bytes, copy_gbps,
+                                     "plain round", base))
+            notes.append(f"round_steady_policy R={R} {mode} {name}: {us:.0f} us against {base:.0f} us plain "
+                         f"({us / base - 1:+.1%}).")
+            rnd = None
+    return notes
