@@ -105,6 +105,7 @@ def select_reference(k_pools, page_table, cache_lengths, prompt_lengths, round_s
 
 
 def mean_phase_torch(round_starts: torch.Tensor, omega: torch.Tensor, phase: torch.Tensor) -> None:
+    """kvops::triattention_mean_phase_ in float64 torch: phase[:, 0] = C, phase[:, 1] = S (mean_phase_reference)."""
     offsets = torch.tensor(PHASE_OFFSETS, dtype=torch.float64, device=omega.device)
     angle = (round_starts.double()[:, None, None] + offsets[None, :, None]) * omega.double()[None, None, :]
     phase[:, 0].copy_(angle.cos().mean(1))
@@ -112,6 +113,8 @@ def mean_phase_torch(round_starts: torch.Tensor, omega: torch.Tensor, phase: tor
 
 
 def score_torch(k_pools, page_table, prompt_lengths, cache_lengths, phase, q_real, q_imag, q_extra, raw, stats):
+    """kvops::triattention_score_ in batched float32 torch: writes raw and the chunk partials in stats as the
+    CuTe scorer does (score.py states the layout), leaving what the kernel leaves unwritten."""
     R, L, Hq, n = raw.shape
     Hkv, T = k_pools[0].shape[2], k_pools[0].shape[3]
     G, F = Hq // Hkv, q_real.shape[-1]
@@ -149,6 +152,8 @@ def score_torch(k_pools, page_table, prompt_lengths, cache_lengths, phase, q_rea
 
 
 def reduce_torch(raw, stats, prompt_lengths, cache_lengths, rows, mode, num_kv_heads, normalize, k_scale=None):
+    """kvops::triattention_reduce_ in batched float32 torch: writes the mode's row scores into rows from score()'s
+    outputs, merging the chunk partials as the Triton kernels do (reduce.py states the rule)."""
     R, L, Hq, n = raw.shape
     count = (cache_lengths - prompt_lengths).clamp(0, n)
     valid = torch.arange(n, device=raw.device)[None, :] < count[:, None]             # [R, n]
