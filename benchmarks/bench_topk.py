@@ -1,7 +1,7 @@
 """kvops.topk on the GPU.
 
 Rows:
-  topk        kvops.topk from a CUDA graph (the class it picks from the shape: kvops/topk.py), vs torch.topk +
+  topk        kvops.topk from a CUDA graph (the class it picks from the shape: kvops/topk/ops.py), vs torch.topk +
               sort of the indices (what a user would write for ascending keep sets), same inputs; bytes: the
               scores read once; limit: the read half of the copy bandwidth. Long rows are a select over whole
               16k-128k contexts; rows of 2176 keys are the steady-state round's (budget 2048 + beta 128): one per
@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import torch
 
-from kvops.topk import SHORT_ROW, _short_rows, _short_rows_kernel, _short_rows_native, short_row_warps, topk
+from kvops.topk import SHORT_ROW, short_row_warps, short_rows, short_rows_native, topk
 
 from .common import Row, device_copy_gbps, graphed, time_us
 
@@ -42,8 +42,8 @@ def run(quick: bool = False) -> tuple[list[Row], list[str]]:
         if N <= SHORT_ROW and rows >= sms:
             warps = short_row_warps(rows, sms)
             timed.append(("topk_triton", time_us(graphed(
-                lambda: _short_rows(scores, lengths, None, k, out, _short_rows_kernel, warps)), iters=iters)))
-            timed.append(("topk_native", time_us(graphed(lambda: _short_rows_native(scores, lengths, None, k, out)),
+                lambda: short_rows(scores, lengths, None, k, out, warps)), iters=iters)))
+            timed.append(("topk_native", time_us(graphed(lambda: short_rows_native(scores, lengths, None, k, out)),
                                                  iters=iters)))
         for routine, us in timed:
             rows_out.append(Row.make(FAMILY, routine, shape, "float32", us, scores.numel() * 4, copy_gbps / 2,

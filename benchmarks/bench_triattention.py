@@ -33,8 +33,9 @@ import triton
 from kvops.compaction import compact, decision_rows
 from kvops.manager import TriAttentionRound, policy_selector
 from kvops.triattention import Calibration, TriAttentionSelector, mean_phase
-from kvops.triattention.reduce import _reduce_torch, reduce_rows
-from kvops.triattention.score import CHUNK, STATS, _score_torch, score
+from kvops.triattention.reduce import reduce_rows
+from kvops.triattention.reference import reduce_torch, score_torch
+from kvops.triattention.score import CHUNK, STATS, score
 
 from .common import Row, device_copy_gbps, graphed, time_us
 
@@ -93,9 +94,9 @@ def _round(rows_out: list[Row], copy_gbps: float, quick: bool) -> list[str]:
     def eager_torch(mode):
         raw = torch.empty(R, L, Hq, n, device="cuda")
         stats = torch.empty(R, L, Hq, triton.cdiv(n, CHUNK), STATS, device="cuda")
-        _score_torch(pools, table, P, N, phase, *weights, raw, stats)
+        score_torch(pools, table, P, N, phase, *weights, raw, stats)
         rows = torch.empty(R, decision_rows(mode, L, Hkv), n, device="cuda")
-        _reduce_torch(raw, stats, P, N, rows, mode, Hkv, True)
+        reduce_torch(raw, stats, P, N, rows, mode, Hkv, True)
         return rows.view(-1, n).topk(budget, dim=1).indices.sort(dim=1)
 
     notes = []

@@ -10,7 +10,7 @@ import argparse
 import torch
 
 from kvops import _cute
-from kvops.triattention.score import KV_DTYPES, layer_addresses, score, scorer_spec
+from kvops.triattention.score import KV_DTYPES, score, scorer_args, scorer_spec
 
 from .bench_triattention import qwen3_workload
 from .common import device_copy_gbps, graphed, time_us
@@ -33,8 +33,7 @@ def main() -> None:
     G, F, T = raw.shape[2] // pool.shape[2], weights[0].shape[-1], pool.shape[3]
     for knobs in CONFIGS:
         fn = scorer_spec(pool.dtype, F, G, T, **knobs).build(_cute.arch(pool.device))
-        args = (layer_addresses(pools), table, P, N, phase, *weights, raw, stats, pool.stride(0), pool.stride(2),
-                pool.stride(3), pool.shape[0])
+        args = scorer_args(pools, table, P, N, phase, *weights, raw, stats)
         us = time_us(graphed(lambda: fn(*args)), iters=10)
         err = ((raw - first).abs() / first.abs().clamp_min(1)).max().item()
         gbps = k_bytes / us / 1e3

@@ -3,6 +3,8 @@
 #include <Python.h>
 #include <torch/library.h>
 
+#include <string>
+
 extern "C" {
 // A plain module: importing kvops._C runs the static registrations below and in each family. CUDA_KERNELS says
 // whether this build holds the CUDA kernels (`kvops info` reports it).
@@ -22,31 +24,39 @@ PyObject* PyInit__C(void) {
 }
 }
 
+namespace {
+// Every schema, in one list: TORCH_LIBRARY below defines them, and a build without CUDA kernels answers each
+// one's CUDA calls (its name is the schema up to the '(').
+constexpr const char* kSchemas[] = {
+    // NVFP4 primitives: 16-element blocks, E4M3 block scales, one fp32 global scale.
+    "nvfp4_quantize(Tensor x, Tensor? global_scale=None) -> (Tensor packed, Tensor scales)",
+    "nvfp4_dequantize(Tensor packed, Tensor scales, Tensor? global_scale, ScalarType dtype) -> Tensor",
+    // Cold-page codec: pools -> one fixed-size blob per page (plan from kvops/nvfp4/layout.py).
+    "nvfp4_encode_pages_(Tensor[] pools, Tensor(a!) cold_pages, Tensor page_pairs, int[] plan, "
+        "bool validate=False) -> ()",
+    // refused: int32 [1] on the pools' device, += 1 per (page, pool, plane) left untouched because its blob's
+    // global scale is not positive and finite (a slot never encoded, or corrupt).
+    "nvfp4_decode_pages_(Tensor cold_pages, Tensor(a!)[] pools, Tensor page_pairs, int[] plan, "
+        "bool validate=False, Tensor(b!)? refused=None) -> ()",
+    // Compaction: position destination_bases[r] + m of each (layer, plane, head) stream receives source m of the
+    // stream's move list, list row layer_row_base[l] + head_row_stride[l] * head (lists from kvops/compaction/pack.py);
+    // with moves (the shape of sources), only the list indices the row of moves names (ascending, -1 ends it).
+    "compaction_compact_layers_(Tensor(a!)[] pools, Tensor page_table, Tensor sources, Tensor new_lengths, "
+        "Tensor destination_bases, int[] layer_row_base, int[] head_row_stride, Tensor? moves=None) -> ()",
+    // Fill-order move lists (kvops/compaction/pack.py): sources, moves and new_lengths from the decisions, every
+    // list row of every request.
+    "compaction_fill_lists_(Tensor kept, Tensor scored_lengths, Tensor tail_lengths, Tensor destination_bases, "
+        "Tensor(a!) sources, Tensor(b!) new_lengths, Tensor(c!) moves) -> ()",
+    // Top-k over rows of at most 4096 keys (kvops.topk's semantics, docs/topk.md): one warp per row on the GPU.
+    "topk_short_rows_(Tensor scores, Tensor lengths, Tensor? offsets, int k, Tensor(a!) out) -> ()",
+    // Decode attention over a paged cache (csrc/attention/attention.h states it): query [R, Hq, q, D] -> [R, q, Hq, D].
+    "attention_decode(Tensor query, Tensor k_cache, Tensor v_cache, Tensor page_table, Tensor lengths, "
+        "Tensor? starts, float scale, float k_scale=1.0, float v_scale=1.0, int num_splits=0) -> Tensor",
+};
+}  // namespace
+
 TORCH_LIBRARY(kvops, m) {
-  // NVFP4 primitives: 16-element blocks, E4M3 block scales, one fp32 global scale.
-  m.def("nvfp4_quantize(Tensor x, Tensor? global_scale=None) -> (Tensor packed, Tensor scales)");
-  m.def("nvfp4_dequantize(Tensor packed, Tensor scales, Tensor? global_scale, ScalarType dtype) -> Tensor");
-  // Cold-page codec: pools -> one fixed-size blob per page (plan from kvops/nvfp4/layout.py).
-  m.def("nvfp4_encode_pages_(Tensor[] pools, Tensor(a!) cold_pages, Tensor page_pairs, int[] plan, "
-        "bool validate=False) -> ()");
-  // refused: int32 [1] on the pools' device, += 1 per (page, pool, plane) left untouched because its blob's
-  // global scale is not positive and finite (a slot never encoded, or corrupt).
-  m.def("nvfp4_decode_pages_(Tensor cold_pages, Tensor(a!)[] pools, Tensor page_pairs, int[] plan, "
-        "bool validate=False, Tensor(b!)? refused=None) -> ()");
-  // Compaction: position destination_bases[r] + m of each (layer, plane, head) stream receives source m of the
-  // stream's move list, list row layer_row_base[l] + head_row_stride[l] * head (lists from kvops/compaction/pack.py);
-  // with moves (the shape of sources), only the list indices the row of moves names (ascending, -1 ends it).
-  m.def("compaction_compact_layers_(Tensor(a!)[] pools, Tensor page_table, Tensor sources, Tensor new_lengths, "
-        "Tensor destination_bases, int[] layer_row_base, int[] head_row_stride, Tensor? moves=None) -> ()");
-  // Fill-order move lists (kvops/compaction/pack.py): sources, moves and new_lengths from the decisions, every
-  // list row of every request.
-  m.def("compaction_fill_lists_(Tensor kept, Tensor scored_lengths, Tensor tail_lengths, Tensor destination_bases, "
-        "Tensor(a!) sources, Tensor(b!) new_lengths, Tensor(c!) moves) -> ()");
-  // Top-k over rows of at most 4096 keys (kvops/topk.py's semantics): one warp per row on the GPU.
-  m.def("topk_short_rows_(Tensor scores, Tensor lengths, Tensor? offsets, int k, Tensor(a!) out) -> ()");
-  // Decode attention over a paged cache (csrc/attention/attention.h states it): query [R, Hq, q, D] -> [R, q, Hq, D].
-  m.def("attention_decode(Tensor query, Tensor k_cache, Tensor v_cache, Tensor page_table, Tensor lengths, "
-        "Tensor? starts, float scale, float k_scale=1.0, float v_scale=1.0, int num_splits=0) -> Tensor");
+  for (const char* schema : kSchemas) m.def(schema);
 }
 
 #ifndef KVOPS_WITH_CUDA
@@ -60,9 +70,9 @@ void not_built(const c10::OperatorHandle& op, torch::jit::Stack*) {
 }  // namespace
 
 TORCH_LIBRARY_IMPL(kvops, CUDA, m) {
-  for (const char* name : {"nvfp4_quantize", "nvfp4_dequantize", "nvfp4_encode_pages_", "nvfp4_decode_pages_",
-                           "compaction_compact_layers_", "compaction_fill_lists_", "topk_short_rows_",
-                           "attention_decode"})
-    m.impl(name, torch::CppFunction::makeFromBoxedFunction<&not_built>());
+  for (const char* schema : kSchemas) {
+    const std::string name(schema);
+    m.impl(name.substr(0, name.find('(')).c_str(), torch::CppFunction::makeFromBoxedFunction<&not_built>());
+  }
 }
 #endif

@@ -10,7 +10,9 @@ except ImportError as e:  # pragma: no cover
     ) from e
 
 from . import attention, cache, codecs, compaction, config, nvfp4, triattention  # noqa: E402
-from .topk import topk  # noqa: E402  (the op: kvops.topk(...); the module's other names via `from kvops.topk import`)
+# kvops.topk is the op, kvops.topk(...): this binds the name to the function over the package kvops/topk/, whose
+# modules are imported by name (`from kvops.topk import reference`); kvops/topk/__init__.py says why.
+from .topk import topk  # noqa: E402
 from ._targets import VERSION as __version__  # noqa: E402, F401
 
 __all__ = ["attention", "cache", "codecs", "compaction", "config", "nvfp4", "topk", "triattention"]

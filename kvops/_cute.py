@@ -3,18 +3,20 @@
 Each kernel class is a ``Spec`` whose ``build(arch)`` compiles it with ``--enable-tvm-ffi`` for one GPU arch against
 fake tensors of symbolic shape (no GPU needed), so the result takes torch tensors directly and runs on the caller's
 current stream. ``python -m kvops._cute_build`` (run by setup.py at install) exports every shipped spec for sm_90a
-and sm_100a and links them into one library, ``kvops/_cute_kernels.so``; symbols carry a hash of the kernel sources,
-so a library built from other sources is not used. A spec that library lacks (another arch, another shape class, an
-install without it, edited sources) is compiled once into a persistent cache (``KVOPS_CACHE_DIR``, default
-``~/.cache/kvops``), keyed by the DSL and TVM-FFI versions and a hash of the kernel sources, written atomically under
-a file lock so that concurrent processes compile it once; later processes load it in milliseconds. ``python -m kvops
-warmup`` fills it. Nothing compiles inside a CUDA-graph capture.
+and sm_100a and links them into one library, ``kvops/_cute_kernels.so``; symbols carry a hash of the kernel sources
+(``kernel_sources``: found from what imports cutlass, not listed), so a library built from other sources is not
+used. A spec that library lacks (another arch, another shape class, an install without it, edited sources) is
+compiled once into a persistent cache (``KVOPS_CACHE_DIR``, default ``~/.cache/kvops``), keyed by the DSL and
+TVM-FFI versions and a hash of the kernel sources, written atomically under a file lock so that concurrent
+processes compile it once; later processes load it in milliseconds. ``python -m kvops warmup`` fills it. Nothing
+compiles inside a CUDA-graph capture.
 """
 
 from __future__ import annotations
 
 import fcntl
 import functools
+import ast
 import hashlib
 import os
 import subprocess
@@ -29,8 +31,6 @@ from ._targets import ARCHS  # noqa: F401  (kvops._cute.ARCHS: what the install 
 
 MIN_DSL = (4, 8, 1)  # compiles without a GPU (--gpu-arch) and exports TVM-FFI objects
 LIBRARY = Path(__file__).with_name("_cute_kernels.so")
-# The files whose text decides what a spec compiles to (part of the persistent cache key).
-SOURCES = ("_cute.py", "topk.py", "topk_cute.py", "triattention/score.py", "triattention/score_cute.py")
 
 _functions: dict[tuple[str, str], object] = {}
 _library: list = []  # [the loaded prebuilt library, or None]
@@ -101,13 +101,67 @@ def ffi_compile(kernel, args: Sequence, target: str):
                         options=f"--enable-tvm-ffi --gpu-arch {target}")
 
 
+def _walk(nodes, in_function: bool = False):
+    """(node, whether it lies inside a function) for every node under `nodes`."""
+    for node in nodes:
+        yield node, in_function
+        yield from _walk(ast.iter_child_nodes(node), in_function or isinstance(
+            node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.Lambda)))
+
+
+def _imports(path: Path, module: str, modules: dict[str, Path]) -> tuple[bool, set[str]]:
+    """(whether the module `module` at `path` imports cutlass anywhere, the modules of `modules` it imports outside
+    functions). ``from X import name`` imports the module X.name when there is one, else X (which holds name)."""
+    package = module if path.name == "__init__.py" else module.rpartition(".")[0]
+    cutlass, named = False, set()
+    for node, in_function in _walk(ast.parse(path.read_bytes()).body):
+        if isinstance(node, ast.Import):
+            cutlass |= any(a.name.split(".")[0] == "cutlass" for a in node.names)
+            found = {a.name for a in node.names}
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                parts = package.split(".")
+                base = ".".join(parts[:len(parts) - node.level + 1] + ([base] if base else []))
+            cutlass |= base.split(".")[0] == "cutlass"
+            found = {f"{base}.{a.name}" if f"{base}.{a.name}" in modules else base for a in node.names}
+        else:
+            continue
+        if not in_function:
+            named |= found & modules.keys()
+    return cutlass, named
+
+
+def kernel_sources() -> list[Path]:
+    """The files whose text decides what a spec compiles to, found rather than listed (a list kept by hand could
+    miss one): this file and every module of the package that imports cutlass (the CuTe kernels, which need it,
+    and the modules that define specs, whose builders make their fake arguments from its types), with the kvops
+    modules they import outside functions, transitively (what their code reads when it is imported)."""
+    root = Path(__file__).parent
+    modules = {}
+    for path in root.rglob("*.py"):
+        rel = path.relative_to(root.parent).with_suffix("")
+        modules[".".join(rel.parts[:-1] if rel.name == "__init__" else rel.parts)] = path
+    imports = functools.cache(lambda name: _imports(modules[name], name, modules))
+    todo = [__name__, *(name for name, path in modules.items()
+                        if b"cutlass" in path.read_bytes() and imports(name)[0])]
+    found: set[str] = set()
+    while todo:
+        name = todo.pop()
+        if name not in found:
+            found.add(name)
+            todo.extend(imports(name)[1])
+    return sorted(modules[name] for name in found)
+
+
 @functools.cache
 def sources_hash() -> str:
-    """A short hash of SOURCES: in every exported symbol, so a library or cache entry built from other kernel
-    sources (an editable install edited since) is never used."""
+    """A short hash of kernel_sources() (their paths in the package and their bytes): in every exported symbol, so
+    a library or cache entry built from other kernel sources (an editable install edited since) is never used."""
+    root = Path(__file__).parent
     digest = hashlib.sha256()
-    for name in SOURCES:
-        digest.update((Path(__file__).parent / name).read_bytes())
+    for path in kernel_sources():
+        digest.update(path.relative_to(root).as_posix().encode() + b"\0" + path.read_bytes() + b"\0")
     return digest.hexdigest()[:12]
 
 

@@ -8,7 +8,7 @@ import torch
 from conftest import DEVICES, bytes_of, opcheck, poison_, requires_cuda, run_python
 from kvops.compaction import (build_compaction_params, compact, compact_layers_, decision_row, decision_rows,
                               pack_move_sources, stream_rows)
-from kvops.compaction.pack import _pack_torch
+from kvops.compaction.reference import pack_move_sources_torch
 from kvops.compaction.reference import compact_reference, fill_order
 
 LAYOUTS = ("hnd", "nhd", "vllm")
@@ -250,24 +250,25 @@ def test_pack_triton_interpreter_matches_torch():
     against the torch path."""
     code = (
         "import torch, kvops\n"
-        "from kvops.compaction.pack import _pack_kernel, _pack_torch, pack_move_sources\n"
+        "from kvops.compaction.pack import _pack_kernel, pack_move_sources\n"
+        "from kvops.compaction.reference import pack_move_sources_torch\n"
         "kept = torch.randint(0, 999, (3, 4, 37), dtype=torch.int32)\n"
         "i = lambda *v: torch.tensor(v, dtype=torch.int32)\n"
         "args = (kept, i(900, 950, 990), i(0, 9, 3), i(5, 6, 7))\n"
         "a = torch.full((3, 5, 37 + 600), 7, dtype=torch.int32); b = a.clone()\n"
         "na, nb = i(0, 0, 0), i(1, 1, 1)\n"
         "pack_move_sources(*args, a, na)\n"
-        "_pack_torch(*args, b, nb)\n"
+        "pack_move_sources_torch(*args, b, nb)\n"
         "assert torch.equal(a, b) and torch.equal(na, nb), 'triton and torch packs differ'\n"
         "args = (kept, i(900, 950, 990), i(0, 601, -2), i(5, 6, 7))  # tails the lists cannot hold\n"
         "pack_move_sources(*args, a, na)\n"
-        "_pack_torch(*args, b, nb)\n"
+        "pack_move_sources_torch(*args, b, nb)\n"
         "assert torch.equal(a, b) and torch.equal(na, nb), 'triton and torch packs differ on refused tails'\n"
         "assert (a[1:] == -1).all() and na.tolist() == [5 + 37, 950 + 601, 990], na\n"
         "# a base above scored - K, and a length before the round past int32 (saturated)\n"
         "args = (kept, i(900, 950, 2**31 - 2), i(0, 9, 3), i(5, 2**31 - 40, 2**31 - 40))\n"
         "pack_move_sources(*args, a, na)\n"
-        "_pack_torch(*args, b, nb)\n"
+        "pack_move_sources_torch(*args, b, nb)\n"
         "assert torch.equal(a, b) and torch.equal(na, nb), 'triton and torch packs differ on refused bases'\n"
         "assert (a[1:] == -1).all() and na.tolist() == [5 + 37, 950 + 9, 2**31 - 1], na\n"
         "# decisions that keep the contract: kept[m] >= base + m, below the scored length\n"
@@ -275,13 +276,13 @@ def test_pack_triton_interpreter_matches_torch():
         "args = (kept, i(905, 950, 990), i(0, 9, 3), i(5, 6, 7))\n"
         "ma, mb = torch.full_like(a, 7), torch.full_like(a, 8)\n"
         "pack_move_sources(*args, a, na, ma)\n"
-        "_pack_torch(*args, b, nb, mb)\n"
+        "pack_move_sources_torch(*args, b, nb, mb)\n"
         "assert torch.equal(a, b) and torch.equal(na, nb), 'triton and torch fill packs differ'\n"
         "assert torch.equal(ma, mb), 'triton and torch moves differ'\n"
         "assert not torch.equal(a[:, :4, :37], kept), 'fill lists equal the ordered ones'\n"
         "args = (kept, i(905, 950, 990), i(0, 601, 3), i(5, 6, 7))  # request 1 refused: no moves\n"
         "pack_move_sources(*args, a, na, ma)\n"
-        "_pack_torch(*args, b, nb, mb)\n"
+        "pack_move_sources_torch(*args, b, nb, mb)\n"
         "assert torch.equal(a, b) and torch.equal(ma, mb) and (ma[1] == -1).all(), 'refused fill packs differ'\n")
     run_python(code, TRITON_INTERPRET="1")
 
@@ -346,7 +347,7 @@ def test_fill_lists_native_matches_torch(device, window, rows, K):
     torch.ops.kvops.compaction_fill_lists_(kept, scored, tail, base, sources, new_lengths, moves)
     want_sources, want_moves = torch.full(shape, 7, dtype=torch.int32), torch.full(shape, 7, dtype=torch.int32)
     want_lengths = torch.zeros(R, dtype=torch.int32)
-    _pack_torch(*(t.cpu() for t in (kept, scored, tail, base)), want_sources, want_lengths, want_moves)
+    pack_move_sources_torch(*(t.cpu() for t in (kept, scored, tail, base)), want_sources, want_lengths, want_moves)
     assert torch.equal(new_lengths.cpu(), want_lengths)
     assert torch.equal(sources.cpu(), want_sources)
     assert torch.equal(moves.cpu(), want_moves)

@@ -171,3 +171,33 @@ def test_warmup_refuses_a_gpu_kvops_builds_no_kernels_for(monkeypatch, capsys):
     with pytest.raises(SystemExit) as e:
         warmup([])
     assert e.value.code == 2 and "this GPU is sm_80a" in capsys.readouterr().err
+
+
+# issue 31: the kernel sources are found, not listed
+
+def test_the_kernel_sources_are_found_from_what_imports_cutlass():
+    """Every file with CuTe code or a spec is hashed (a kernel file cannot be missed), with the kvops modules those
+    import outside functions; modules no kernel depends on are not (editing them keeps the library valid)."""
+    import re
+    from pathlib import Path
+
+    root = Path(_cute.__file__).parent
+    found = {p.relative_to(root).as_posix() for p in _cute.kernel_sources()}
+    for path in root.rglob("*.py"):
+        text = path.read_text()
+        if re.search(r"@cute\.(jit|kernel)|\bSpec\(|^\s*(import|from) cutlass", text, re.M):
+            assert path.relative_to(root).as_posix() in found, path
+    assert {"_cute.py", "topk/ops.py", "topk/radix_cute.py", "topk/short_rows.py", "topk/reference.py",
+            "triattention/score.py", "triattention/score_cute.py"} <= found
+    assert not found & {"__main__.py", "manager.py", "config.py", "compaction/compact.py", "triattention/select.py"}
+
+
+def test_the_kernel_sources_follow_module_level_imports(tmp_path):
+    """_imports: cutlass anywhere counts; kvops imports count outside functions, a submodule by its own name."""
+    from pathlib import Path
+
+    mod = tmp_path / "m.py"
+    mod.write_text("from .. import _cute\nfrom .x import y\nimport kvops.z\n"
+                   "def f():\n    import cutlass\n    from . import w\n")
+    modules = {name: Path(name) for name in ("kvops", "kvops._cute", "kvops.p.x", "kvops.z", "kvops.p.w")}
+    assert _cute._imports(mod, "kvops.p.m", modules) == (True, {"kvops._cute", "kvops.p.x", "kvops.z"})

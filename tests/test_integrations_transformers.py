@@ -304,7 +304,7 @@ def test_write_slots_op(device):
     want[:, 0, :, [5, 2]], want[:, 1, :, [5, 2]] = k, v
     _write_slots(pool, slots, k, v)
     assert torch.equal(pool, want)
-    torch.library.opcheck(_write_slots, (pool, slots, k, v))
+    torch.library.opcheck(torch.ops.kvops.transformers_write_slots_.default, (pool, slots, k, v))
 
 
 def test_static_cache_refuses_a_step_it_cannot_take():

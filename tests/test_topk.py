@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from conftest import DEVICES, opcheck, poison_, requires_cuda, run_python
-from kvops.topk import topk, topk_reference
+from kvops.topk import sort_keys, topk, topk_reference
 
 
 def _tie_heavy(rows, N, device):
@@ -21,6 +21,110 @@ def _tie_heavy(rows, N, device):
 def _shifted(indices, offsets):
     """Indices plus their row's offset, -1 padding kept (what topk returns with offsets)."""
     return indices if offsets is None else torch.where(indices >= 0, indices + offsets.cpu().view(-1, 1), indices)
+
+
+def _special_bits() -> torch.Tensor:
+    """int32 fp32 patterns: zeros of both signs, infinities, NaNs of every sign and several payloads, the smallest
+    and largest normals and subnormals, then random patterns (every exponent)."""
+    special = [0, -2**31, 0x7F800000, -0x00800000, 0x7FC00000, 0x7F800001, 0x7FFFFFFF, -1, -0x00400000,
+               -0x007FFFFF, 1, -2**31 + 1, 0x007FFFFF, 0x00800000, 0x7F7FFFFF, -0x00800001, 0x3F800000, -0x40800000]
+    return torch.cat([torch.tensor(special, dtype=torch.int32),
+                      torch.randint(-2**31, 2**31, (4096 - len(special),), dtype=torch.int64).to(torch.int32)])
+
+
+def test_the_key_rule():
+    """reference.sort_keys, the one key every class ranks by: unsigned 32-bit, larger for a larger float, NaN lowest
+    (0) whatever its sign and payload, -0.0 equal to +0.0; its order is topk_reference's."""
+    bits = _special_bits()
+    scores = bits.view(torch.float32)
+    keys = sort_keys(scores)
+    assert keys.dtype == torch.int64 and int(keys.min()) >= 0 and int(keys.max()) < 2**32
+    assert (keys[torch.isnan(scores)] == 0).all() and (keys[~torch.isnan(scores)] > 0).all()
+    assert sort_keys(torch.tensor([-0.0, 0.0])).unique().numel() == 1
+    finite = ~torch.isnan(scores)
+    order = scores[finite].double().argsort()
+    assert (keys[finite][order].diff() >= 0).all()  # monotone in the value
+    assert (keys[finite][order].diff() > 0).sum() == scores[finite].double().unique().numel() - 1  # and strict
+    n = torch.tensor([bits.numel()])
+    for k in (1, 17, 1000, bits.numel()):
+        assert torch.equal(topk(scores[None], n.int(), k), topk_reference(scores[None], n, k))
+
+
+def test_the_key_rule_in_triton():
+    """short_rows.sort_key, the Triton copy of the key rule, run by the interpreter, against reference.sort_keys."""
+    run_python(
+        "import torch, triton, triton.language as tl\n"
+        "from kvops.topk.reference import sort_keys\n"
+        "from kvops.topk.short_rows import sort_key\n"
+        "from test_topk import _special_bits\n"
+        "@triton.jit\n"
+        "def keys(bits, out, n, BLOCK: tl.constexpr):\n"
+        "    at = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)\n"
+        "    tl.store(out + at, sort_key(tl.load(bits + at, mask=at < n)).to(tl.int64), mask=at < n)\n"
+        "bits = _special_bits()\n"
+        "out = torch.empty(bits.shape, dtype=torch.int64)\n"
+        "keys[(triton.cdiv(bits.numel(), 1024),)](bits, out, bits.numel(), BLOCK=1024)\n"
+        "assert torch.equal(out, sort_keys(bits.view(torch.float32)))\n",
+        TRITON_INTERPRET="1", PYTHONPATH=os.pathsep.join([os.path.dirname(__file__), os.environ.get("PYTHONPATH", "")]))
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_the_key_rule_in_every_class(device):
+    """Random fp32 bit patterns (NaNs of many payloads, subnormals, both zeros) through the native class
+    (csrc/topk/topk.h's ukey) and kvops.topk (on the GPU: the CuTe class for these few long rows, radix_cute.py's
+    _ukey) against the reference."""
+    from kvops.topk import short_rows_native
+
+    bits = _special_bits()
+    scores = torch.stack([bits, bits.flip(0), bits.roll(7), torch.randint(-3, 3, (4096,), dtype=torch.int32)])
+    scores = scores.view(torch.float32).to(device)
+    lengths = torch.tensor([4096, 4000, 17, 4096], dtype=torch.int32, device=device)
+    for k in (1, 300, 2048):
+        want = topk_reference(scores.cpu(), lengths.cpu(), k)
+        out = torch.empty(4, k, dtype=torch.int32, device=device)
+        short_rows_native(scores, lengths, None, k, out)
+        assert torch.equal(out.cpu(), want), k
+        assert torch.equal(topk(scores, lengths, k).cpu(), want), k
+
+
+@requires_cuda
+def test_the_key_rule_in_cute():
+    """radix_cute._ukey, the CuTe copy of the key rule, in a one-line kernel, against reference.sort_keys."""
+    import cutlass
+    import cutlass.cute as cute
+    from cutlass.cute.runtime import from_dlpack
+
+    from kvops.topk.radix_cute import _ukey
+
+    @cute.kernel
+    def kernel(mBits: cute.Tensor, mOut: cute.Tensor):
+        tidx, _, _ = cute.arch.thread_idx()
+        bidx, _, _ = cute.arch.block_idx()
+        i = bidx * 256 + tidx
+        if i < mBits.shape[0]:
+            mOut[i] = _ukey(mBits[i])
+
+    @cute.jit
+    def launch(mBits: cute.Tensor, mOut: cute.Tensor):
+        kernel(mBits, mOut).launch(grid=[(mBits.shape[0] + 255) // 256, 1, 1], block=[256, 1, 1])
+
+    bits = _special_bits().cuda()
+    out = torch.empty_like(bits)
+    cute.compile(launch, from_dlpack(bits), from_dlpack(out))(from_dlpack(bits), from_dlpack(out))
+    torch.cuda.synchronize()
+    assert cutlass is not None and torch.equal(out.cpu().long() & 0xFFFFFFFF, sort_keys(bits.cpu().view(torch.float32)))
+
+
+def test_kvops_topk_is_the_op_and_the_package_imports():
+    """kvops.topk is the function; the package's modules import by name."""
+    import sys
+
+    import kvops
+    import kvops.topk.reference  # noqa: F401
+    from kvops.topk import ops, reference
+
+    assert kvops.topk is ops.topk is sys.modules["kvops.topk"].topk and callable(kvops.topk)
+    assert reference.topk_reference is topk_reference and reference is sys.modules["kvops.topk.reference"]
 
 
 def test_reference_written_out():
@@ -71,7 +175,7 @@ def test_short_rows_cuda(N, k, path, with_offsets):
     """The short-row classes (N <= SHORT_ROW, a row per SM or more) at serving shapes: many rows of budget + beta
     keys, through kvops.topk (which routes these rows to the native class) and through each class directly. The
     tie-heavy tests above (a few rows) take the CuTe class at the same widths."""
-    from kvops.topk import _short_rows, _short_rows_kernel, _short_rows_native
+    from kvops.topk import short_rows, short_rows_native
 
     rows = 1152
     scores = torch.randn(rows, N, device="cuda")
@@ -83,9 +187,9 @@ def test_short_rows_cuda(N, k, path, with_offsets):
     offsets = torch.randint(0, 1 << 20, (rows,), dtype=torch.int32, device="cuda") if with_offsets else None
     out = poison_(torch.empty(rows, k, dtype=torch.int32, device="cuda"))
     if path == "triton":
-        _short_rows(scores, lengths, offsets, k, out, _short_rows_kernel)
+        short_rows(scores, lengths, offsets, k, out)
     elif path == "native":
-        _short_rows_native(scores, lengths, offsets, k, out)
+        short_rows_native(scores, lengths, offsets, k, out)
     else:
         topk(scores, lengths, k, out, offsets)
     assert torch.equal(out.cpu(), _shifted(topk(scores.cpu(), lengths.cpu(), k), offsets))
@@ -97,7 +201,7 @@ def test_short_rows_triton_interpreter():
     lengths of 0, 1 and below k; with and without offsets."""
     run_python(
         "import torch\n"
-        "from kvops.topk import _short_rows, _short_rows_kernel, topk_reference\n"
+        "from kvops.topk import short_rows, topk_reference\n"
         "for N, k in ((7, 3), (2176, 2048), (2176, 128), (1000, 64), (300, 400), (1, 1)):\n"
         "    s = torch.randint(-4, 5, (6, N)).float() * 0.5\n"
         "    s[torch.rand(6, N) < 0.05] = float('nan')\n"
@@ -109,11 +213,11 @@ def test_short_rows_triton_interpreter():
         "    s[5] = 2.0\n"
         "    n = torch.tensor([N, 0, 1, N, N // 2, N], dtype=torch.int32)\n"
         "    out = torch.full((6, k), 99, dtype=torch.int32)\n"
-        "    _short_rows(s, n, None, k, out, _short_rows_kernel)\n"
+        "    short_rows(s, n, None, k, out)\n"
         "    ref = topk_reference(s, n, k)\n"
         "    assert torch.equal(out, ref), (N, k)\n"
         "    offsets = torch.randint(-9, 9000, (6,), dtype=torch.int32)\n"
-        "    _short_rows(s, n, offsets, k, out, _short_rows_kernel)\n"
+        "    short_rows(s, n, offsets, k, out)\n"
         "    assert torch.equal(out, torch.where(ref >= 0, ref + offsets[:, None], ref)), (N, k)\n",
         TRITON_INTERPRET="1")
 
@@ -192,7 +296,7 @@ def test_bad_arguments(device):
 def test_short_rows_native_matches_reference(device, N, k):
     """kvops::topk_short_rows_ (csrc/topk, one warp per row on the GPU): tie-heavy rows, one shared top digit,
     all-equal rows, lengths 0, 1 and ragged."""
-    from kvops.topk import _short_rows_native
+    from kvops.topk import short_rows_native
 
     rows = 40 if device == "cuda" else 6
     scores = _tie_heavy(rows, N, device)
@@ -204,7 +308,7 @@ def test_short_rows_native_matches_reference(device, N, k):
     lengths = lengths.to(device)
     offsets = torch.randint(-50, 1 << 20, (rows,), dtype=torch.int32, device=device)
     out = poison_(torch.empty(rows, k, dtype=torch.int32, device=device))
-    _short_rows_native(scores, lengths, offsets, k, out)
+    short_rows_native(scores, lengths, offsets, k, out)
     assert torch.equal(out.cpu(), _shifted(topk_reference(scores.cpu(), lengths.cpu(), k), offsets))
     for o in (None, offsets):
         opcheck(torch.ops.kvops.topk_short_rows_.default, (scores, lengths, o, k, out))
@@ -213,44 +317,44 @@ def test_short_rows_native_matches_reference(device, N, k):
 @requires_cuda
 def test_short_rows_native_after_a_narrower_launch():
     """A narrower row asks for less shared memory; a wider one after it must still launch (the opt-in only grows)."""
-    from kvops.topk import _short_rows_native
+    from kvops.topk import short_rows_native
 
     for N in (4096, 3000, 4096):
         scores = _tie_heavy(8, N, "cuda")
         lengths = torch.full((8,), N, dtype=torch.int32, device="cuda")
         out = poison_(torch.empty(8, 300, dtype=torch.int32, device="cuda"))
-        _short_rows_native(scores, lengths, None, 300, out)
+        short_rows_native(scores, lengths, None, 300, out)
         assert torch.equal(out.cpu(), topk_reference(scores.cpu(), lengths.cpu(), 300))
 
 
 @pytest.mark.parametrize("device", DEVICES)
 def test_short_rows_native_bad_arguments(device):
-    from kvops.topk import _short_rows_native
+    from kvops.topk import short_rows_native
 
     s = torch.randn(4, 100, device=device)
     n = torch.full((4,), 100, dtype=torch.int32, device=device)
     out = torch.empty(4, 10, dtype=torch.int32, device=device)
     with pytest.raises(TypeError, match="scores must be float32"):
-        _short_rows_native(s.double(), n, None, 10, out)
+        short_rows_native(s.double(), n, None, 10, out)
     with pytest.raises(TypeError, match="lengths and out must be int32"):
-        _short_rows_native(s, n.long(), None, 10, out)
+        short_rows_native(s, n.long(), None, 10, out)
     with pytest.raises(ValueError, match="at most 4096 keys"):
-        _short_rows_native(torch.randn(4, 4097, device=device), n, None, 10, out)
+        short_rows_native(torch.randn(4, 4097, device=device), n, None, 10, out)
     with pytest.raises(ValueError, match="lengths must be contiguous"):
-        _short_rows_native(s, n[:3], None, 10, out)
+        short_rows_native(s, n[:3], None, 10, out)
     with pytest.raises(ValueError, match="out must be contiguous"):
-        _short_rows_native(s, n, None, 9, out)
+        short_rows_native(s, n, None, 9, out)
     with pytest.raises(ValueError, match="k must be in"):
-        _short_rows_native(s, n, None, 0, out[:, :0])
+        short_rows_native(s, n, None, 0, out[:, :0])
     square = torch.randn(4, 10, device=device)
     with pytest.raises(ValueError, match="out overlaps"):
-        _short_rows_native(square, n, None, 10, square.view(torch.int32))
+        short_rows_native(square, n, None, 10, square.view(torch.int32))
     with pytest.raises(TypeError, match="offsets must be int32"):
-        _short_rows_native(s, n, n.long(), 10, out)
+        short_rows_native(s, n, n.long(), 10, out)
     with pytest.raises(ValueError, match="offsets must be contiguous"):
-        _short_rows_native(s, n, n[:3], 10, out)
+        short_rows_native(s, n, n[:3], 10, out)
     with pytest.raises(ValueError, match="out overlaps offsets"):
-        _short_rows_native(s, n, out.view(-1)[:4], 10, out)
+        short_rows_native(s, n, out.view(-1)[:4], 10, out)
 
 
 # ---- issue 30: bad input, second pass ----------------------------------------------------------------------

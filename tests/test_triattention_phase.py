@@ -32,9 +32,10 @@ def test_matches_float64_reference(device, name):
 
 
 def test_triton_interpreter_matches_torch():
-    code = ("import torch, kvops\nfrom kvops.triattention.phase import mean_phase, _mean_phase_torch\n"
+    code = ("import torch, kvops\nfrom kvops.triattention.phase import mean_phase\n"
+            "from kvops.triattention.reference import mean_phase_torch\n"
             "p = torch.randint(0, 2**24, (9,)); w = torch.rand(40)\n"
-            "a = mean_phase(p, w); b = torch.empty_like(a); _mean_phase_torch(p, w, b)\n"
+            "a = mean_phase(p, w); b = torch.empty_like(a); mean_phase_torch(p, w, b)\n"
             "assert (a - b).abs().max() < 1e-6, (a - b).abs().max()\n")
     run_python(code, TRITON_INTERPRET="1")
 

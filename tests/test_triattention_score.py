@@ -124,7 +124,8 @@ def test_reduce_against_reference(mode, normalize, device):
 def test_reduce_triton_kernel_in_the_interpreter():
     """The Triton reduce itself on the CPU (TRITON_INTERPRET=1), against the op's torch path."""
     code = ("import torch, kvops\n"
-            "from kvops.triattention.reduce import reduce_rows, _reduce_torch\n"
+            "from kvops.triattention.reduce import reduce_rows\n"
+            "from kvops.triattention.reference import reduce_torch\n"
             "from kvops.triattention.score import CHUNK\n"
             "from kvops.triattention.reduce import union_splits\n"
             "for R in (2, 6):  # the union split over 3 layer blocks (2 x 3 column blocks < 16 programs), then not\n"
@@ -138,7 +139,7 @@ def test_reduce_triton_kernel_in_the_interpreter():
             "        for normalize in (True, False):\n"
             "            got = reduce_rows(raw, stats, N, P, mode, 2, normalize, ks)\n"
             "            want = torch.empty_like(got)\n"
-            "            _reduce_torch(raw, stats, P, N, want, mode, 2, normalize, None if normalize else ks)\n"
+            "            reduce_torch(raw, stats, P, N, want, mode, 2, normalize, None if normalize else ks)\n"
             "            assert torch.allclose(got, want, rtol=1e-5, atol=1e-5), (R, mode, normalize)\n")
     run_python(code, TRITON_INTERPRET="1")
 

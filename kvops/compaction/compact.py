@@ -15,8 +15,8 @@ from typing import Sequence
 import torch
 
 from .._checks import check_bool, check_choice, check_device, check_disjoint, check_int, check_int32, check_no_meta_mix
-from .._dispatch import call
-from .pack import _pack_launch, _pack_op
+from .pack import _pack_op
+from .rows import MODES, decision_row, decision_rows  # noqa: F401  (re-exported: the decision layouts)
 
 
 def compact_layers_(pools: Sequence[torch.Tensor], page_table: torch.Tensor, sources: torch.Tensor,
@@ -86,31 +86,6 @@ class CompactionParams:
 
 
 ORDERS = ("ordered", "fill")  # how kept tokens land below the new length (kvops/compaction/pack.py)
-MODES = ("union", "per_head", "per_layer_perhead")  # decision layouts: a keep set per request, per KV head, or
-                                                    # per (layer, KV head)
-
-
-def decision_rows(mode: str, layers: int, heads: int) -> int:
-    """Rows per request of a decision in `mode`: 1, `heads` or `layers * heads`."""
-    check_choice("decision_rows", "mode", mode, MODES)
-    check_int("decision_rows", "layers", layers, 1)
-    check_int("decision_rows", "heads", heads, 1)
-    return {"union": 1, "per_head": heads, "per_layer_perhead": layers * heads}[mode]
-
-
-def decision_row(rows: int, layers: int, heads: int, layer: int, head: int) -> int:
-    """The row of a decision with `rows` rows per request that (layer, KV head) keeps: row 0 (union), row `head`
-    (per KV head) or row ``layer * heads + head`` (per layer and KV head)."""
-    for name, value in (("rows", rows), ("layers", layers), ("heads", heads)):
-        check_int("decision_row", name, value, 1)
-    check_int("decision_row", "layer", layer, 0, layers - 1)
-    check_int("decision_row", "head", head, 0, heads - 1)
-    if rows not in (1, heads, layers * heads):
-        raise ValueError(f"kept has {rows} rows per request; expected 1 (union), {heads} (one per KV head) or "
-                         f"{layers * heads} (one per layer and KV head)")
-    return 0 if rows == 1 else head if rows == heads else layer * heads + head
-
-
 def _layer_windows(what: str, layer_windows, layers: int) -> list[int]:
     """One non-negative int per layer (0 = full attention), or None for all 0."""
     windows = [0] * layers if layer_windows is None else layer_windows
@@ -253,8 +228,8 @@ def compact(params: CompactionParams, request_count: int | None = None, *, valid
         check_decisions(params, R)
     moves = None if params.moves is None else params.moves[:R]
     # the bound buffers were checked by build_compaction_params: straight to the ops
-    call(_pack_op, _pack_launch, params.kept[:R], params.scored_lengths[:R], params.tail_lengths[:R],
-         params.destination_bases[:R], params.sources[:R], params.new_lengths[:R], moves)
+    _pack_op(params.kept[:R], params.scored_lengths[:R], params.tail_lengths[:R],
+             params.destination_bases[:R], params.sources[:R], params.new_lengths[:R], moves)
     torch.ops.kvops.compaction_compact_layers_(params.pools, params.page_table[:R], params.sources[:R],
                                                params.new_lengths[:R], params.destination_bases[:R],
                                                list(params.layer_row_base), list(params.head_row_stride), moves)

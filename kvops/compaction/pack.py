@@ -37,10 +37,10 @@ import triton
 import triton.language as tl
 
 from .._checks import check_disjoint, check_int32, check_no_meta_mix, overlap
-from .._dispatch import call, python_op, triton_launcher
+from .._dispatch import python_op, triton_launcher
+from .reference import pack_move_sources_torch
 
 _BLOCK = 512
-INT32_MAX = 2**31 - 1
 
 
 @triton.jit
@@ -71,51 +71,6 @@ def _pack_kernel(kept, kept_stride_r, kept_stride_row, scored_lengths, tail_leng
         tl.store(new_lengths + r, length.to(tl.int32))
 
 
-def _fill_torch(kept, scored_lengths, tail_lengths, destination_bases, capacity):
-    """The fill-mode lists of the decision rows, [R, rows, capacity] (the kernel's rule, with searchsorted)."""
-    R, rows, K = kept.shape
-    i = torch.arange(capacity, device=kept.device)
-    scored, tail, base = (t.long()[:, None, None] for t in (scored_lengths, tail_lengths, destination_bases))
-    n, big = K + tail, torch.iinfo(torch.int64).max
-    U = torch.where(i < K, torch.nn.functional.pad(kept.long(), (0, capacity - K)), scored + i - K)
-    U = torch.where(i < n, U, big)                                                   # kept + tail, ascending
-    s = (U < base + n).sum(-1, keepdim=True)                                         # how many stay
-    d = base + i
-    lo = torch.searchsorted(torch.where(i < s, U, big).contiguous(), d.expand(R, rows, capacity).contiguous())
-    stays = (lo < s) & (U.gather(-1, lo.clamp(max=capacity - 1)) == d)
-    mover = U.gather(-1, (s + i - lo).clamp(0, capacity - 1))
-    return torch.where(i < n, torch.where(stays, d, mover), -1).int()
-
-
-def _moves_torch(sources, destination_bases, new_lengths):
-    """moves of every list row: the ascending indices m < n whose source is not base + m, then -1."""
-    i = torch.arange(sources.shape[2], device=sources.device)
-    base = destination_bases[:, None, None]
-    moving = (i < (new_lengths[:, None, None] - base)) & (sources != base + i) & (sources >= 0)
-    ascending = torch.where(moving, i, sources.shape[2]).sort(-1).values  # the moving indices first
-    return ascending.masked_fill_(i >= moving.sum(-1, keepdim=True), -1)
-
-
-def _pack_torch(kept, scored_lengths, tail_lengths, destination_bases, sources, new_lengths, moves=None):
-    R, rows, K = kept.shape
-    m = torch.arange(sources.shape[2], device=kept.device, dtype=torch.int32)
-    scored, tail = scored_lengths[:, None], tail_lengths[:, None]
-    tail_part = torch.where(m[K:] < K + tail, scored + m[K:] - K, -1)  # [R, capacity - K]
-    sources[:, :rows, :K] = kept
-    if sources.shape[1] > rows:
-        sources[:, rows, :K] = scored - K + m[:K]
-    sources[:, :, K:] = tail_part[:, None, :]
-    if moves is not None:
-        sources[:, :rows] = _fill_torch(kept, scored_lengths, tail_lengths, destination_bases, sources.shape[2])
-    scored, tail, base = scored_lengths.long(), tail_lengths.long(), destination_bases.long()  # no overflow
-    before = scored + tail.clamp(min=0)
-    refused = (tail < 0) | (tail > sources.shape[2] - K) | (base < 0) | (base + K > scored) | (before > INT32_MAX)
-    sources.masked_fill_(refused[:, None, None], -1)
-    new_lengths.copy_(torch.where(refused, before.clamp(0, INT32_MAX), base + K + tail))
-    if moves is not None:
-        moves.copy_(_moves_torch(sources, destination_bases, new_lengths))
-
-
 def _pack_launch(kept: torch.Tensor, scored_lengths: torch.Tensor, tail_lengths: torch.Tensor,
              destination_bases: torch.Tensor, sources: torch.Tensor, new_lengths: torch.Tensor,
              moves: Optional[torch.Tensor]) -> None:
@@ -127,7 +82,7 @@ def _pack_launch(kept: torch.Tensor, scored_lengths: torch.Tensor, tail_lengths:
         return
     launch = triton_launcher(_pack_kernel, kept.device)
     if launch is None:
-        _pack_torch(kept, scored_lengths, tail_lengths, destination_bases, sources, new_lengths)
+        pack_move_sources_torch(kept, scored_lengths, tail_lengths, destination_bases, sources, new_lengths)
         return
     grid = (R, sources.shape[1], max(1, triton.cdiv(capacity, _BLOCK)))  # >= 1: new_lengths even when K + max_tail == 0
     launch[grid](kept, kept.stride(0), kept.stride(1), scored_lengths, tail_lengths,
@@ -180,4 +135,4 @@ def pack_move_sources(kept: torch.Tensor, scored_lengths: torch.Tensor, tail_len
                 if out is not None and overlap(out, t):
                     raise ValueError(f"{what}: {out_name} shares memory with {in_name}; the outputs must not "
                                      f"alias the inputs")
-    call(_pack_op, _pack_launch, kept, scored_lengths, tail_lengths, destination_bases, sources, new_lengths, moves)
+    _pack_op(kept, scored_lengths, tail_lengths, destination_bases, sources, new_lengths, moves)

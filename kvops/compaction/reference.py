@@ -1,6 +1,10 @@
-"""Plain-torch reference of compaction semantics: gather everything, then scatter, out of place.
+"""Plain-torch references of compaction, the oracles the tests compare against.
 
-Independent of the move lists and the kernels: it reads the decision directly.
+- ``compact_reference`` (with ``fill_order``): the semantics, gather everything then scatter, out of place;
+  independent of the move lists and the kernels (it reads the decision directly).
+- ``pack_move_sources_torch`` (with ``fill_lists_torch`` and ``moves_torch``): the move lists of pack.py in
+  batched torch, the rule the Triton kernel and kvops::compaction_fill_lists_ follow (and the CPU path of
+  ``kvops::compaction_pack_move_sources_`` in order).
 """
 
 from __future__ import annotations
@@ -9,7 +13,9 @@ from typing import Sequence
 
 import torch
 
-from .compact import decision_row
+from .rows import decision_row
+
+INT32_MAX = 2**31 - 1
 
 
 def fill_order(kept_positions: list[int], base: int) -> list[int]:
@@ -50,3 +56,49 @@ def compact_reference(pools: Sequence[torch.Tensor], page_table: torch.Tensor, k
                 values = src_bytes[layer][pt[src // T], :, head, src % T]
                 out[layer][pt[dst // T], :, head, dst % T] = values
     return out, (destination_bases + K + tail_lengths).to(torch.int32)
+
+
+def fill_lists_torch(kept, scored_lengths, tail_lengths, destination_bases, capacity):
+    """The fill-mode lists of the decision rows, [R, rows, capacity] (the kernel's rule, with searchsorted)."""
+    R, rows, K = kept.shape
+    i = torch.arange(capacity, device=kept.device)
+    scored, tail, base = (t.long()[:, None, None] for t in (scored_lengths, tail_lengths, destination_bases))
+    n, big = K + tail, torch.iinfo(torch.int64).max
+    U = torch.where(i < K, torch.nn.functional.pad(kept.long(), (0, capacity - K)), scored + i - K)
+    U = torch.where(i < n, U, big)                                                   # kept + tail, ascending
+    s = (U < base + n).sum(-1, keepdim=True)                                         # how many stay
+    d = base + i
+    lo = torch.searchsorted(torch.where(i < s, U, big).contiguous(), d.expand(R, rows, capacity).contiguous())
+    stays = (lo < s) & (U.gather(-1, lo.clamp(max=capacity - 1)) == d)
+    mover = U.gather(-1, (s + i - lo).clamp(0, capacity - 1))
+    return torch.where(i < n, torch.where(stays, d, mover), -1).int()
+
+
+def moves_torch(sources, destination_bases, new_lengths):
+    """moves of every list row: the ascending indices m < n whose source is not base + m, then -1."""
+    i = torch.arange(sources.shape[2], device=sources.device)
+    base = destination_bases[:, None, None]
+    moving = (i < (new_lengths[:, None, None] - base)) & (sources != base + i) & (sources >= 0)
+    ascending = torch.where(moving, i, sources.shape[2]).sort(-1).values  # the moving indices first
+    return ascending.masked_fill_(i >= moving.sum(-1, keepdim=True), -1)
+
+
+def pack_move_sources_torch(kept, scored_lengths, tail_lengths, destination_bases, sources, new_lengths, moves=None):
+    """pack_move_sources in batched torch: writes sources, new_lengths and (fill order) moves as pack.py states."""
+    R, rows, K = kept.shape
+    m = torch.arange(sources.shape[2], device=kept.device, dtype=torch.int32)
+    scored, tail = scored_lengths[:, None], tail_lengths[:, None]
+    tail_part = torch.where(m[K:] < K + tail, scored + m[K:] - K, -1)  # [R, capacity - K]
+    sources[:, :rows, :K] = kept
+    if sources.shape[1] > rows:
+        sources[:, rows, :K] = scored - K + m[:K]
+    sources[:, :, K:] = tail_part[:, None, :]
+    if moves is not None:
+        sources[:, :rows] = fill_lists_torch(kept, scored_lengths, tail_lengths, destination_bases, sources.shape[2])
+    scored, tail, base = scored_lengths.long(), tail_lengths.long(), destination_bases.long()  # no overflow
+    before = scored + tail.clamp(min=0)
+    refused = (tail < 0) | (tail > sources.shape[2] - K) | (base < 0) | (base + K > scored) | (before > INT32_MAX)
+    sources.masked_fill_(refused[:, None, None], -1)
+    new_lengths.copy_(torch.where(refused, before.clamp(0, INT32_MAX), base + K + tail))
+    if moves is not None:
+        moves.copy_(moves_torch(sources, destination_bases, new_lengths))

@@ -12,8 +12,8 @@ import triton
 import triton.language as tl
 
 from .._checks import check_device, check_float32
-from .._dispatch import call, python_op, triton_launcher
-from .reference import PHASE_OFFSETS
+from .._dispatch import python_op, triton_launcher
+from .reference import PHASE_OFFSETS, mean_phase_torch
 
 _BLOCK_F = 64
 
@@ -38,17 +38,10 @@ def _mean_phase_kernel(round_starts, omega, phase, F, NUM_OFFSETS: tl.constexpr,
     tl.store(row + F + f, (s / NUM_OFFSETS).to(tl.float32), mask=live)
 
 
-def _mean_phase_torch(round_starts: torch.Tensor, omega: torch.Tensor, phase: torch.Tensor) -> None:
-    offsets = torch.tensor(PHASE_OFFSETS, dtype=torch.float64, device=omega.device)
-    angle = (round_starts.double()[:, None, None] + offsets[None, :, None]) * omega.double()[None, None, :]
-    phase[:, 0].copy_(angle.cos().mean(1))
-    phase[:, 1].copy_(angle.sin().mean(1))
-
-
 def _mean_phase_launch(round_starts: torch.Tensor, omega: torch.Tensor, phase: torch.Tensor) -> None:
     launch = triton_launcher(_mean_phase_kernel, round_starts.device)
     if launch is None:
-        _mean_phase_torch(round_starts, omega, phase)
+        mean_phase_torch(round_starts, omega, phase)
         return
     F = omega.shape[0]
     launch[(round_starts.shape[0], triton.cdiv(F, _BLOCK_F))](round_starts, omega, phase, F,
@@ -87,5 +80,5 @@ def mean_phase(round_starts: torch.Tensor, omega: torch.Tensor, phase: torch.Ten
         phase = torch.empty(shape, dtype=torch.float32, device=device)
     else:
         check_float32(what, device, phase=(phase, shape))
-    call(_mean_phase_op, _mean_phase_launch, round_starts, omega.contiguous(), phase)
+    _mean_phase_op(round_starts, omega.contiguous(), phase)
     return phase

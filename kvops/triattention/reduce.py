@@ -16,38 +16,10 @@ import triton
 import triton.language as tl
 
 from .._checks import check_float32, check_int, check_int32
-from .._dispatch import call, python_op, triton_launcher
+from .._dispatch import python_op, triton_launcher
 from ..compaction.compact import MODES, decision_rows
+from .reference import reduce_torch
 from .score import CHUNK, STATS
-
-
-def _reduce_torch(raw, stats, prompt_lengths, cache_lengths, rows, mode, num_kv_heads, normalize, k_scale=None):
-    R, L, Hq, n = raw.shape
-    count = (cache_lengths - prompt_lengths).clamp(0, n)
-    valid = torch.arange(n, device=raw.device)[None, :] < count[:, None]             # [R, n]
-    s = torch.where(valid[:, None, None], raw, 0)
-    finite = torch.isfinite(s)
-    s = torch.where(finite, s, 0)
-    if k_scale is not None:  # [L, Hkv]: query head h scores KV head h // G
-        s = s * k_scale.repeat_interleave(Hq // num_kv_heads, 1)[None, :, :, None]
-    if normalize:
-        nc = stats.shape[3]
-        written = (count[:, None] > torch.arange(nc, device=raw.device)[None] * CHUNK)[:, None, None, :]
-        m, m2, cnt = (torch.where(written, stats[..., i], 0) for i in range(STATS))  # [R, L, Hq, nc]
-        total = cnt.sum(-1).clamp(min=1)
-        mean = (m * cnt).sum(-1) / total
-        var = (m2 + cnt * (m - mean[..., None]) ** 2).sum(-1) / total
-        s = (s - mean[..., None]) / var.sqrt().clamp_min(1e-6)[..., None]
-    G = Hq // num_kv_heads
-    grouped = s.view(R, L, num_kv_heads, G, n).amax(3)                                 # [R, L, Hkv, n]
-    poisoned = ~finite.view(R, L, num_kv_heads, G, n).all(3)                          # [R, L, Hkv, n]
-    if mode == "union":
-        out, poisoned = grouped.amax((1, 2))[:, None], poisoned.any(2).any(1)[:, None]
-    elif mode == "per_head":
-        out, poisoned = grouped.mean(1), poisoned.any(1)
-    else:
-        out, poisoned = grouped.reshape(R, -1, n), poisoned.reshape(R, -1, n)
-    rows.copy_(torch.where(valid[:, None] & ~poisoned, out, -float("inf")))
 
 
 @triton.jit
@@ -150,7 +122,7 @@ def _reduce_launch(raw: torch.Tensor, stats: torch.Tensor, prompt_lengths: torch
     # (row_mode: a custom op's argument may not be called `mode`, a keyword of torch's dispatch-mode machinery)
     launch = triton_launcher(_reduce_kernel, raw.device)
     if launch is None:
-        _reduce_torch(raw, stats, prompt_lengths, cache_lengths, rows, row_mode, num_kv_heads, normalize, k_scale)
+        reduce_torch(raw, stats, prompt_lengths, cache_lengths, rows, row_mode, num_kv_heads, normalize, k_scale)
         return
     R, L, Hq, n = raw.shape
     moments = raw.new_empty(R, L * Hq, 2) if normalize else raw  # (unread without normalization)
@@ -214,6 +186,6 @@ def reduce_unchecked(raw, stats, cache_lengths, prompt_lengths, mode, num_kv_hea
     R, L, _, n = raw.shape
     rows = torch.empty((R, decision_rows(mode, L, num_kv_heads), n), dtype=torch.float32, device=raw.device)
     if R and n:
-        call(_reduce_op, _reduce_launch, raw, stats, prompt_lengths, cache_lengths, rows, mode, num_kv_heads,
-             normalize, None if normalize else k_scale)
+        _reduce_op(raw, stats, prompt_lengths, cache_lengths, rows, mode, num_kv_heads, normalize,
+                   None if normalize else k_scale)
     return rows

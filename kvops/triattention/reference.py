@@ -1,7 +1,10 @@
-"""Float64 plain-torch reference of TriAttention selection (docs/triattention.md states the semantics).
+"""Plain-torch references of TriAttention selection (docs/triattention.md states the semantics), the oracles the
+tests compare against.
 
-Independent of every kernel: it gathers K through the page table position by position and evaluates the
-formulas as written.
+- ``*_reference`` and ``select_reference``: float64 and independent of every kernel: they gather K through the
+  page table position by position and evaluate the formulas as written.
+- ``mean_phase_torch``, ``score_torch`` and ``reduce_torch``: each op in batched float32 torch, with the kernels'
+  outputs and layouts (the scorer's chunk partials): what the ops run on the CPU, and the kernels' oracles.
 """
 
 from __future__ import annotations
@@ -10,9 +13,10 @@ from typing import Sequence
 
 import torch
 
-from ..compaction.compact import MODES
+from ..compaction.rows import MODES
 from .calibration import Calibration
-from ..topk import topk_reference
+from ..topk.reference import topk_reference
+from .score import CHUNK, STATS
 
 PHASE_OFFSETS = tuple(2 ** i for i in range(17))  # O = {1, 2, 4, ..., 65536}
 
@@ -98,3 +102,81 @@ def select_reference(k_pools, page_table, cache_lengths, prompt_lengths, round_s
         picked = topk_reference(rows, torch.full((rows.shape[0],), N - P), budget)
         kept.append(torch.where(picked >= 0, picked + P, picked))
     return torch.stack(kept), row_scores
+
+
+def mean_phase_torch(round_starts: torch.Tensor, omega: torch.Tensor, phase: torch.Tensor) -> None:
+    """kvops::triattention_mean_phase_ in float64 torch: phase[:, 0] = C, phase[:, 1] = S (mean_phase_reference)."""
+    offsets = torch.tensor(PHASE_OFFSETS, dtype=torch.float64, device=omega.device)
+    angle = (round_starts.double()[:, None, None] + offsets[None, :, None]) * omega.double()[None, None, :]
+    phase[:, 0].copy_(angle.cos().mean(1))
+    phase[:, 1].copy_(angle.sin().mean(1))
+
+
+def score_torch(k_pools, page_table, prompt_lengths, cache_lengths, phase, q_real, q_imag, q_extra, raw, stats):
+    """kvops::triattention_score_ in batched float32 torch: writes raw and the chunk partials in stats as the
+    CuTe scorer does (score.py states the layout), leaving what the kernel leaves unwritten."""
+    R, L, Hq, n = raw.shape
+    Hkv, T = k_pools[0].shape[2], k_pools[0].shape[3]
+    G, F = Hq // Hkv, q_real.shape[-1]
+    j = torch.arange(n, device=raw.device)
+    count = (cache_lengths - prompt_lengths).clamp(0, n)
+    valid = j[None, :] < count[:, None]                                             # [R, n]
+    pos = prompt_lengths.long()[:, None] + j[None, :]
+    cols = pos // T
+    pages = page_table.long().gather(1, cols.clamp(0, page_table.shape[1] - 1))
+    present = (cols < page_table.shape[1]) & (pages >= 0) & (pages < k_pools[0].shape[0])  # else absent: NaN
+    pages = torch.where(present, pages, 0)
+    slots = pos % T
+    C, S = phase[:, 0, None, :], phase[:, 1, None, :]                               # [R, 1, F]
+    for layer in range(L):
+        keys = k_pools[layer][pages, 0, :, slots].float()                          # [R, n, Hkv, D]
+        kr, ki = keys[..., :F], keys[..., F:2 * F]
+        qr, qi = q_real[layer][None], q_imag[layer][None]                          # [1, Hq, F]
+        a = (qr * C - qi * S).view(R, Hkv, G, F)
+        b = (qr * S + qi * C).view(R, Hkv, G, F)
+        s = (torch.einsum("rngf,rgif->rgin", kr, a) + torch.einsum("rngf,rgif->rgin", ki, b)
+             + torch.einsum("rngf,gif->rgin", torch.sqrt(kr * kr + ki * ki), q_extra[layer].view(Hkv, G, F)))
+        s = torch.where(present[:, None], s.reshape(R, Hq, n), float("nan"))
+        raw[:, layer] = torch.where(valid[:, None], s, raw[:, layer])  # like the kernel
+    # partials over the finite scores; chunks with no decode token keep whatever they held (the kernel does not
+    # write them)
+    nc = stats.shape[3]
+    width = (count[:, None] - torch.arange(nc, device=raw.device)[None] * CHUNK).clamp(0, CHUNK)  # [R, nc]
+    padded = torch.nn.functional.pad(raw, (0, nc * CHUNK - n)).view(R, L, Hq, nc, CHUNK)
+    live = (torch.arange(CHUNK, device=raw.device) < width[:, None, None, :, None]) & torch.isfinite(padded)
+    cnt = live.sum(-1).float()
+    mean = torch.where(live, padded, 0).sum(-1) / cnt.clamp(min=1)
+    m2 = torch.where(live, (padded - mean[..., None]) ** 2, 0).sum(-1)
+    written = (width > 0)[:, None, None, :, None]
+    stats.copy_(torch.where(written, torch.stack([mean, m2, cnt], -1), stats))
+
+
+def reduce_torch(raw, stats, prompt_lengths, cache_lengths, rows, mode, num_kv_heads, normalize, k_scale=None):
+    """kvops::triattention_reduce_ in batched float32 torch: writes the mode's row scores into rows from score()'s
+    outputs, merging the chunk partials as the Triton kernels do (reduce.py states the rule)."""
+    R, L, Hq, n = raw.shape
+    count = (cache_lengths - prompt_lengths).clamp(0, n)
+    valid = torch.arange(n, device=raw.device)[None, :] < count[:, None]             # [R, n]
+    s = torch.where(valid[:, None, None], raw, 0)
+    finite = torch.isfinite(s)
+    s = torch.where(finite, s, 0)
+    if k_scale is not None:  # [L, Hkv]: query head h scores KV head h // G
+        s = s * k_scale.repeat_interleave(Hq // num_kv_heads, 1)[None, :, :, None]
+    if normalize:
+        nc = stats.shape[3]
+        written = (count[:, None] > torch.arange(nc, device=raw.device)[None] * CHUNK)[:, None, None, :]
+        m, m2, cnt = (torch.where(written, stats[..., i], 0) for i in range(STATS))  # [R, L, Hq, nc]
+        total = cnt.sum(-1).clamp(min=1)
+        mean = (m * cnt).sum(-1) / total
+        var = (m2 + cnt * (m - mean[..., None]) ** 2).sum(-1) / total
+        s = (s - mean[..., None]) / var.sqrt().clamp_min(1e-6)[..., None]
+    G = Hq // num_kv_heads
+    grouped = s.view(R, L, num_kv_heads, G, n).amax(3)                                 # [R, L, Hkv, n]
+    poisoned = ~finite.view(R, L, num_kv_heads, G, n).all(3)                          # [R, L, Hkv, n]
+    if mode == "union":
+        out, poisoned = grouped.amax((1, 2))[:, None], poisoned.any(2).any(1)[:, None]
+    elif mode == "per_head":
+        out, poisoned = grouped.mean(1), poisoned.any(1)
+    else:
+        out, poisoned = grouped.reshape(R, -1, n), poisoned.reshape(R, -1, n)
+    rows.copy_(torch.where(valid[:, None] & ~poisoned, out, -float("inf")))

@@ -17,12 +17,15 @@ import triton
 
 from .. import _cute
 from .._checks import check_device, check_float32, check_int, check_int32
-from .._dispatch import eager_bypass
+from .._dispatch import python_op
 
 CHUNK = 1024  # decode tokens per statistics partial (and per scorer CTA)
 STATS = 3     # per partial: mean, M2 and count of the chunk's finite scores
-# What the CuTe scorer reads (KV_TYPES in score_cute.py, by index): fp8 keys widen to fp32 in registers.
-KV_DTYPES = (torch.bfloat16, torch.float16, torch.float8_e4m3fn, torch.float8_e5m2)
+# The KV dtypes the scorer reads, each with the name of its cutlass type (the CuTe scorer's element type; fp8 keys
+# widen to fp32 in registers).
+KV_DTYPES = {torch.bfloat16: "BFloat16", torch.float16: "Float16", torch.float8_e4m3fn: "Float8E4M3FN",
+             torch.float8_e5m2: "Float8E5M2"}
+
 
 def lane_split(num_freqs: int, group: int, freqs_per_lane: int | None = None) -> tuple[int, int]:
     """The CuTe scorer's (frequencies per lane, lanes per token): by default 8 frequencies (one 16-byte bf16 load per rotary half)
@@ -41,55 +44,12 @@ def check_scorer_class(what: str, num_freqs: int, group: int) -> int:
     return fpl
 
 
-def _score_torch(k_pools, page_table, prompt_lengths, cache_lengths, phase, q_real, q_imag, q_extra, raw, stats):
-    R, L, Hq, n = raw.shape
-    Hkv, T = k_pools[0].shape[2], k_pools[0].shape[3]
-    G, F = Hq // Hkv, q_real.shape[-1]
-    j = torch.arange(n, device=raw.device)
-    count = (cache_lengths - prompt_lengths).clamp(0, n)
-    valid = j[None, :] < count[:, None]                                             # [R, n]
-    pos = prompt_lengths.long()[:, None] + j[None, :]
-    cols = pos // T
-    pages = page_table.long().gather(1, cols.clamp(0, page_table.shape[1] - 1))
-    present = (cols < page_table.shape[1]) & (pages >= 0) & (pages < k_pools[0].shape[0])  # else absent: NaN
-    pages = torch.where(present, pages, 0)
-    slots = pos % T
-    C, S = phase[:, 0, None, :], phase[:, 1, None, :]                               # [R, 1, F]
-    for layer in range(L):
-        keys = k_pools[layer][pages, 0, :, slots].float()                          # [R, n, Hkv, D]
-        kr, ki = keys[..., :F], keys[..., F:2 * F]
-        qr, qi = q_real[layer][None], q_imag[layer][None]                          # [1, Hq, F]
-        a = (qr * C - qi * S).view(R, Hkv, G, F)
-        b = (qr * S + qi * C).view(R, Hkv, G, F)
-        s = (torch.einsum("rngf,rgif->rgin", kr, a) + torch.einsum("rngf,rgif->rgin", ki, b)
-             + torch.einsum("rngf,gif->rgin", torch.sqrt(kr * kr + ki * ki), q_extra[layer].view(Hkv, G, F)))
-        s = torch.where(present[:, None], s.reshape(R, Hq, n), float("nan"))
-        raw[:, layer] = torch.where(valid[:, None], s, raw[:, layer])  # like the kernel
-    # partials over the finite scores; chunks with no decode token keep whatever they held (the kernel does not
-    # write them)
-    nc = stats.shape[3]
-    width = (count[:, None] - torch.arange(nc, device=raw.device)[None] * CHUNK).clamp(0, CHUNK)  # [R, nc]
-    padded = torch.nn.functional.pad(raw, (0, nc * CHUNK - n)).view(R, L, Hq, nc, CHUNK)
-    live = (torch.arange(CHUNK, device=raw.device) < width[:, None, None, :, None]) & torch.isfinite(padded)
-    cnt = live.sum(-1).float()
-    mean = torch.where(live, padded, 0).sum(-1) / cnt.clamp(min=1)
-    m2 = torch.where(live, (padded - mean[..., None]) ** 2, 0).sum(-1)
-    written = (width > 0)[:, None, None, :, None]
-    stats.copy_(torch.where(written, torch.stack([mean, m2, cnt], -1), stats))
-
-
-@torch.library.custom_op("kvops::triattention_score_", mutates_args={"raw", "stats"})
-def _score_op(k_pools: list[torch.Tensor], page_table: torch.Tensor,
-              prompt_lengths: torch.Tensor, cache_lengths: torch.Tensor, phase: torch.Tensor, q_real: torch.Tensor,
-              q_imag: torch.Tensor, q_extra: torch.Tensor, raw: torch.Tensor, stats: torch.Tensor) -> None:
-    _score_torch(k_pools, page_table, prompt_lengths, cache_lengths, phase, q_real, q_imag, q_extra, raw, stats)
-
-
 @functools.cache  # one Spec per shape class: the eager call path looks it up, it does not build one
 def scorer_spec(dtype: torch.dtype, num_freqs: int, group: int, page_size: int, **knobs) -> _cute.Spec:
     """The scorer's shape class as an ahead-of-time spec (kvops/_cute.py). knobs: Scorer's launch knobs (threads,
     unroll, freqs_per_lane; the defaults when none are given), for the sweep in benchmarks/tune_scorer.py."""
     def build(target: str):
+        import cutlass
         from cutlass import Float32, Int32, Int64
 
         from .score_cute import Scorer
@@ -97,14 +57,13 @@ def scorer_spec(dtype: torch.dtype, num_freqs: int, group: int, page_size: int, 
         f32, i32 = (lambda n: _cute.fake(Float32, n, 4)), (lambda n: _cute.fake(Int32, n, 4))  # noqa: E731
         args = [_cute.fake(Int64, 1, 8), i32(2), i32(1), i32(1), *(f32(3) for _ in range(4)), f32(4), f32(5),
                 Int64(0), Int64(0), Int64(0), Int32(1)]
-        return _cute.ffi_compile(Scorer(KV_DTYPES.index(dtype), num_freqs, group, page_size, CHUNK, **knobs), args,
-                                 target)
+        scorer = Scorer(getattr(cutlass, KV_DTYPES[dtype]), num_freqs, group, page_size, CHUNK, **knobs)
+        return _cute.ffi_compile(scorer, args, target)
 
     tuned = "".join(f"_{k}{v}" for k, v in sorted(knobs.items()))
     return _cute.Spec(f"score_{str(dtype).removeprefix('torch.')}_f{num_freqs}_g{group}_t{page_size}{tuned}", build)
 
 
-@_score_op.register_kernel("cuda")
 def _score_cuda(k_pools, page_table, prompt_lengths, cache_lengths, phase, q_real, q_imag, q_extra, raw, stats):
     pool = k_pools[0]
     G, F, T = raw.shape[2] // pool.shape[2], q_real.shape[-1], pool.shape[3]
@@ -113,13 +72,26 @@ def _score_cuda(k_pools, page_table, prompt_lengths, cache_lengths, phase, q_rea
                          f"{[hex(p.data_ptr()) for p in k_pools if p.data_ptr() % 16][:4]}")
     if raw.shape[0] and raw.shape[3]:
         fn = _cute.ffi_function(scorer_spec(pool.dtype, F, G, T), _cute.arch(pool.device))
-        fn(layer_addresses(k_pools), page_table, prompt_lengths, cache_lengths, phase, q_real, q_imag, q_extra,
-           raw, stats, pool.stride(0), pool.stride(2), pool.stride(3), pool.shape[0])
+        fn(*scorer_args(k_pools, page_table, prompt_lengths, cache_lengths, phase, q_real, q_imag, q_extra, raw,
+                        stats))
 
 
-@_score_op.register_fake
-def _score_fake(k_pools, page_table, prompt_lengths, cache_lengths, phase, q_real, q_imag, q_extra, raw, stats):
-    return None
+def scorer_args(k_pools, page_table, prompt_lengths, cache_lengths, phase, q_real, q_imag, q_extra, raw,
+                stats) -> tuple:
+    """The CuTe scorer's TVM-FFI arguments for the op's arguments, in the order scorer_spec compiles them: the
+    layers' base addresses, the tensors, then the pools' page, head and token strides and page count."""
+    pool = k_pools[0]
+    return (layer_addresses(k_pools), page_table, prompt_lengths, cache_lengths, phase, q_real, q_imag, q_extra, raw,
+            stats, pool.stride(0), pool.stride(2), pool.stride(3), pool.shape[0])
+
+
+@python_op("triattention_score_", mutates_args={"raw", "stats"}, cuda=_score_cuda)
+def _score_op(k_pools: list[torch.Tensor], page_table: torch.Tensor,
+              prompt_lengths: torch.Tensor, cache_lengths: torch.Tensor, phase: torch.Tensor, q_real: torch.Tensor,
+              q_imag: torch.Tensor, q_extra: torch.Tensor, raw: torch.Tensor, stats: torch.Tensor) -> None:
+    from .reference import score_torch  # here: the reference imports this module's CHUNK and STATS
+
+    score_torch(k_pools, page_table, prompt_lengths, cache_lengths, phase, q_real, q_imag, q_extra, raw, stats)
 
 
 def check_pools(what: str, k_pools: Sequence[torch.Tensor], num_layers: int, num_query_heads: int,
@@ -218,6 +190,5 @@ def score_unchecked(k_pools, page_table, cache_lengths, prompt_lengths, phase, w
     raw = torch.empty((R, L, Hq, max_decode), dtype=torch.float32, device=page_table.device)
     stats = torch.empty((R, L, Hq, triton.cdiv(max_decode, CHUNK), STATS), dtype=torch.float32,
                         device=page_table.device)
-    (_score_cuda if eager_bypass(raw) else _score_op)(list(k_pools), page_table, prompt_lengths, cache_lengths,
-                                                      phase, *weights, raw, stats)
+    _score_op(list(k_pools), page_table, prompt_lengths, cache_lengths, phase, *weights, raw, stats)
     return raw, stats

@@ -22,9 +22,6 @@ from cutlass.cutlass_dsl import T, dsl_user_op
 
 from .score import lane_split
 
-KV_TYPES = (cutlass.BFloat16, cutlass.Float16, cutlass.Float8E4M3FN, cutlass.Float8E5M2)  # by index (KV_DTYPES)
-
-
 @dsl_user_op
 def sqrt_approx(x: Float32, *, loc=None, ip=None) -> Float32:
     """One MUFU.SQRT, whatever the DSL's lowering of cute.math.sqrt(fastmath=True) (4.3.5 emitted the IEEE
@@ -57,13 +54,13 @@ class Scorer:
     compile-time constants in every DSL version, where Python ints passed as kernel arguments (and locals read
     inside dynamic loops) became runtime values in 4.3.5."""
 
-    def __init__(self, kv_code: int, num_freqs: int, group: int, page_size: int, chunk: int, *, threads: int = 64,
+    def __init__(self, kv_type, num_freqs: int, group: int, page_size: int, chunk: int, *, threads: int = 64,
                  unroll: int = 4, freqs_per_lane: int | None = None):
         # The shape class (KV dtype, F, G, page size), the layout of the statistics (chunk: decode tokens per CTA
         # and per partial), and the launch knobs (threads per CTA; unroll: tokens per lane group per pipeline
         # stage, whose successors' loads fly while these are scored; frequencies per lane), all part of the
         # compile key. The defaults are the sweep's choice (docs/triattention.md, "Speed").
-        self.dtype = KV_TYPES[kv_code]
+        self.dtype = kv_type  # the keys' cutlass type (score.py's KV_DTYPES)
         self.F, self.G, self.T, self.CHUNK = num_freqs, group, page_size, chunk
         self.FPL, self.LANES = lane_split(num_freqs, group, freqs_per_lane)
         self.THREADS, self.WARPS, self.UNROLL = threads, threads // 32, unroll

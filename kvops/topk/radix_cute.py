@@ -1,4 +1,5 @@
-"""Radix top-k over rows of ragged lengths, in CuTe DSL (one CTA of 1024 threads per row).
+"""kvops.topk's CuTe class: radix top-k over rows of ragged lengths, in CuTe DSL (one CTA of 1024 threads per
+row).
 
 Keys are the fp32 bit patterns made order-preserving as unsigned ints (NaN lowest, -0 == +0). The k-th largest
 key T is found in three radix passes of 11, 11 and 10 bits with shared-memory histograms:
@@ -55,7 +56,9 @@ def _smem_add(ptr: cute.Pointer, value: Int32, *, loc=None, ip=None) -> Int32:
 
 @cute.jit
 def _ukey(bits: Int32) -> Int32:
-    """Order-preserving key as unsigned bits (held in an Int32): larger float -> larger unsigned key."""
+    """Order-preserving key as unsigned bits (held in an Int32): larger float -> larger unsigned key. The one
+    rule of kvops/topk/reference.py's sort_keys, written in CuTe DSL (short_rows.py's sort_key and
+    csrc/topk/topk.h's ukey mirror it; the tests check each against it)."""
     key = bits ^ ((bits >> 31) & 0x7FFFFFFF)  # signed order: negative floats get their magnitude flipped
     if key == -1:  # -0.0 ranks with +0.0
         key = Int32(0)

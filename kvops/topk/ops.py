@@ -1,0 +1,165 @@
+"""kvops::topk_ and its entry point kvops.topk: per-row top-k over rows of ragged lengths, ascending indices,
+lowest index wins ties (docs/topk.md).
+
+Three shape classes on the GPU, chosen from the shape, all on the current stream:
+- many rows of up to SHORT_ROW keys (at least NATIVE_ROWS_PER_SM per SM; the steady-state round of
+  per-(layer, head) decisions: thousands of rows of budget + beta keys): kvops::topk_short_rows_ (csrc/topk), one
+  warp per row with its keys in registers, 8-bit digits over shared-memory histograms, several rows per CTA;
+- fewer rows, but at least one per SM: the Triton kernel in short_rows.py, one small program per row, its keys in
+  registers (its threshold search bit by bit), many programs per SM;
+- otherwise: the CuTe DSL radix select in radix_cute.py (one 1024-thread CTA per row, the row staged in shared
+  memory; faster for a few rows), one kernel per staging-copy width (shapes are dynamic), built ahead of time
+  (kvops/_cute.py).
+CPU: reference.py's topk_torch (the Triton kernel under TRITON_INTERPRET=1). Semantics (all): for row r, the
+indices of the k largest of scores[r, :lengths[r]] in ascending order; ties go to the lowest index; NaN ranks
+below -inf; -0.0 equals +0.0; a row shorter than k is padded with -1.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+from .. import _cute
+from .._checks import check_bool, check_device, check_int, check_int32, check_no_meta_mix, overlap
+from .._dispatch import python_op, triton_launcher
+from .reference import topk_torch
+from .short_rows import _short_rows_kernel, short_row_warps, short_rows
+
+MAX_K = 2**31 - 1  # indices are int32
+SHORT_ROW = 4096    # the widest row the short-row classes serve (csrc/topk/topk.h's kShortRow)
+NATIVE_ROWS_PER_SM = 4  # from here the warp-per-row class beats the Triton one (H200, rows of 2176 keys: level
+                        # with it at 2.2 rows per SM, 1.8x faster at 8.7)
+
+
+def short_rows_native(scores: torch.Tensor, lengths: torch.Tensor, offsets: torch.Tensor | None, k: int,
+                      out: torch.Tensor) -> None:
+    """kvops::topk_short_rows_ (csrc/topk), the native class: one warp per row of at most SHORT_ROW keys, its keys
+    in registers; arguments as kvops.topk takes them, k >= 1 (checked by the op)."""
+    torch.ops.kvops.topk_short_rows_(scores, lengths, offsets, k, out)
+
+
+@torch.library.register_fake("kvops::topk_short_rows_")
+def _short_rows_native_fake(scores, lengths, offsets, k, out):
+    check_no_meta_mix("topk_short_rows_", scores, lengths, offsets, out)
+
+
+def topk_spec(vector: bool) -> _cute.Spec:
+    """The CuTe class as an ahead-of-time spec (kvops/_cute.py). vector: rows start 16-byte aligned with a row
+    stride that is a multiple of 4 keys (16-byte staging copies)."""
+    def build(target: str):
+        from cutlass import Int32
+
+        from .radix_cute import TopK
+
+        scores = _cute.fake(Int32, 2, align=16 if vector else 4, divisibility=4 if vector else 1)
+        return _cute.ffi_compile(TopK(vector), [scores, _cute.fake(Int32, 1, 4), _cute.fake(Int32, 2, 4), Int32(0)],
+                                 target)
+
+    return _cute.Spec(f"topk_{'vector' if vector else 'scalar'}", build)
+
+
+SPECS = {vector: topk_spec(vector) for vector in (True, False)}
+
+
+def _topk_cuda(scores, lengths, offsets, k, out):
+    device = scores.device
+    rows, N = scores.shape
+    sms = torch.cuda.get_device_properties(device).multi_processor_count
+    if N <= SHORT_ROW and rows >= NATIVE_ROWS_PER_SM * sms and k >= 1:
+        short_rows_native(scores, lengths, offsets, k, out)
+        return
+    if N <= SHORT_ROW and rows >= sms:
+        short_rows(scores, lengths, offsets, k, out, short_row_warps(rows, sms))
+        return
+    vector = scores.data_ptr() % 16 == 0 and scores.stride(0) % 4 == 0 and scores.shape[1] % 4 == 0
+    # the kernel reads the fp32 bit patterns
+    _cute.ffi_function(SPECS[vector], _cute.arch(device))(scores.view(torch.int32), lengths, out, k)
+    if offsets is not None:  # fewer rows than SMs here: one small elementwise pass
+        out.copy_(torch.where(out >= 0, out + offsets.view(-1, 1), out))
+
+
+@python_op("topk_", mutates_args={"out"}, cuda=_topk_cuda)
+def _topk_op(scores: torch.Tensor, lengths: torch.Tensor, offsets: torch.Tensor | None, k: int,
+             out: torch.Tensor) -> None:
+    if triton_launcher(_short_rows_kernel, scores.device) is not None and scores.shape[1] <= SHORT_ROW:
+        short_rows(scores, lengths, offsets, k, out)  # the Triton kernel on the CPU, for tests
+        return
+    topk_torch(scores, lengths, offsets, k, out)
+
+
+def topk(scores: torch.Tensor, lengths: torch.Tensor, k: int, out: torch.Tensor | None = None,
+         offsets: torch.Tensor | None = None, validate: bool = False) -> torch.Tensor:
+    """Per row, the ascending indices of the k largest of ``scores[row, :lengths[row]]``.
+
+    Parameters
+    ----------
+    scores : torch.Tensor
+        float32 ``[rows, N]`` with a contiguous last dim. Ties go to the lowest index, NaN ranks below -inf and
+        -0.0 equals +0.0.
+    lengths : torch.Tensor
+        int32 ``[rows]`` on the same device, read on the device and clamped to [0, N].
+    k : int
+        Indices per row, >= 0; a row shorter than k is padded with -1.
+    out : torch.Tensor, optional
+        A bound int32 ``[rows, k]`` buffer to write (graph-capturable once warm); must not share memory with the
+        inputs.
+    offsets : torch.Tensor, optional
+        int32 ``[rows]`` on the same device, added to every index a row keeps (not to the -1 padding): e.g. the
+        cache position of the row's first scored token. Each must lie in [0, 2**31 - N], so that a kept index
+        (< N) plus its offset is a position that fits int32 and never -1. Host offsets are checked on every call;
+        device offsets are read on the device, like lengths, and trusted (a check would be a sync) unless
+        `validate` or ``KVOPS_DEBUG=1``; outside the range they give indices that wrap or read as padding.
+    validate : bool
+        Read device offsets back and check their range (a sync); raises ValueError naming the row.
+
+    Returns
+    -------
+    torch.Tensor
+        int32 ``[rows, k]`` (``out`` when given).
+    """
+    what = "topk"
+    device = check_device(what, scores=scores)
+    if scores.dtype != torch.float32 or scores.dim() != 2:
+        raise ValueError(f"{what}: scores must be a 2-D float32 tensor, got {scores.dtype} {tuple(scores.shape)}")
+    if scores.stride(1) != 1 and scores.shape[1] > 1:
+        raise ValueError(f"{what}: scores needs a contiguous last dim, got strides {scores.stride()}")
+    check_int32(what, device, lengths=(lengths, 1))
+    if lengths.shape[0] != scores.shape[0]:
+        raise ValueError(f"{what}: lengths must be int32 [{scores.shape[0]}] (one per row), got {tuple(lengths.shape)}")
+    if offsets is not None:
+        check_int32(what, device, offsets=(offsets, 1))
+        if offsets.shape[0] != scores.shape[0]:
+            raise ValueError(f"{what}: offsets must be int32 [{scores.shape[0]}] (one per row), got "
+                             f"{tuple(offsets.shape)}")
+    check_int(what, "k", k, 0, MAX_K)
+    check_bool(what, "validate", validate)
+    if offsets is not None and (offsets.device.type == "cpu" or validate or os.environ.get("KVOPS_DEBUG") == "1"):
+        _check_offsets(what, offsets, scores.shape[1])
+    shape = (scores.shape[0], k)
+    if out is None:
+        out = torch.empty(shape, dtype=torch.int32, device=device)
+    else:
+        check_int32(what, device, out=(out, 2))
+        if tuple(out.shape) != shape or not out.is_contiguous():
+            raise ValueError(f"{what}: out must be a contiguous int32 {list(shape)} tensor, got {tuple(out.shape)}")
+        if out.shape[0] and any(overlap(out, t) for t in (scores, lengths, offsets) if t is not None):
+            raise ValueError(f"{what}: out shares memory with scores, lengths or offsets")
+    if k and scores.shape[0]:
+        _topk_op(scores, lengths, offsets, k, out)
+    return out
+
+
+def _check_offsets(what: str, offsets: torch.Tensor, N: int) -> None:
+    """Every offset in [0, 2**31 - N]: an index below N plus it fits int32 and is never -1 (reads it back: host
+    offsets cost no sync; device ones only under validate). Eager only: a traced call has no values."""
+    if torch.compiler.is_compiling() or offsets.numel() == 0:
+        return
+    limit = MAX_K - max(N - 1, 0)
+    host = offsets.cpu()
+    bad = (host < 0) | (host > limit)
+    if bool(bad.any()):
+        row = int(bad.nonzero()[0])
+        raise ValueError(f"{what}: offsets[{row}] = {int(host[row])} is outside [0, {limit}]: a kept index "
+                         f"(< N = {N}) plus its offset must fit int32 and never be -1 (the padding)")
