@@ -12,9 +12,11 @@ kvops' ``TriAttentionSelector`` on the keys the model computed under the masks o
 (a separate part from the evaluation windows) unless ``--calibration`` names one. Rounds follow the manager: every
 ``beta`` tokens once the decode tokens exceed ``budget``.
 
-Methods: ``full``; ``triattention`` in ``union``, ``per_head`` and ``per_layer_perhead`` modes (a mask per layer
-reaches each layer's attention through a forward pre-hook); ``recent`` (the last budget tokens), ``sinks`` (4 sink
-tokens + the last budget - 4) and ``random`` (budget random decode tokens, redrawn each round). Then, on the first
+Methods (``Policy``; by default ``METHODS``): ``full``; ``triattention`` in ``union``, ``per_head`` and
+``per_layer_perhead`` modes (a mask per layer reaches each layer's attention through a forward pre-hook);
+``recent`` (the last budget tokens), ``sinks`` (4 sink tokens + the last budget - 4), ``random`` (budget random
+decode tokens, redrawn each round) and ``oracle`` (the ceiling: what the full cache's next queries attend to most),
+each with keep-policy options (``+wW`` newest W kept, ``+sS`` sinks, ``+lA.B`` layers on recency). Then, on the first
 ``--cache-windows`` windows, real caches in bf16 decode token by token (``evaluate_caches``): ``full_cache``,
 ``triattention_<mode>_cache`` and ``triattention_<mode>_nvfp4`` (one NVFP4 offload/onboard cycle halfway), with
 decode tokens/s. Every row reports agreement, loss, perplexity and the KV each sequence holds. On a random-weight
@@ -89,8 +91,10 @@ class Policy:
         return name + (f"+l{'.'.join(map(str, self.recent_layers))}" if self.recent_layers else "")
 
 
-METHODS = ("full", "triattention_union", "triattention_per_head", "triattention_per_layer_perhead", "recent",
-           "sinks", "random")
+METHODS = ("full", "triattention_union", "triattention_per_head", "triattention_per_layer_perhead",
+           "triattention_per_head+l0", "recent", "sinks", "random", "oracle+l0")
+# --quick: fewer windows and calibration tokens, no token-by-token decoding through real caches
+QUICK = dict(calibration_tokens=16384, windows=4, window=2048, budgets="128,256,512", cache_windows=0)
 
 
 def rounds(n: int, prompt: int, budget: int, beta: int):
@@ -385,10 +389,15 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--cache-windows", type=int, default=1,
                     help="windows also decoded token by token through real caches in bf16 (full, TriAttention, "
                          "TriAttention after an NVFP4 offload/onboard cycle), with tokens/s; 0: none")
+    ap.add_argument("--quick", action="store_true",
+                    help="about 3 minutes on two CPU cores: " + ", ".join(f"--{k.replace('_', '-')} {v}"
+                                                                      for k, v in QUICK.items()))
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     ap.add_argument("--csv")
     ap.add_argument("--plot")
     a = ap.parse_args(argv)
+    if a.quick:
+        vars(a).update(QUICK)
     try:
         methods = [Policy.parse(m) for m in a.methods.split(",")]
     except ValueError as e:
