@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # One command on the GPU machine (device tool): build in place, run the tests, run the benchmarks.
-#   carry: [".whl"]   (nvidia-cutlass-dsl 4.8.1 archive + apache-tvm-ffi wheel from ../shared/device/fetch-wheels.sh)
+#   carry: [".whl"]   (an nvidia-cutlass-dsl archive and an apache-tvm-ffi wheel, when the machine lacks them)
 # Results land in $OUT (pytest.log, bench.csv, bench.md, build.log).
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -21,7 +21,7 @@ shared_libstdcxx() {  # $1: a C++ compiler; true when a shared library it builds
   local dir ok
   dir=$(mktemp -d)
   printf '#include <stdexcept>\nvoid kvops_probe(int x) { if (x) throw std::runtime_error("probe"); }\n' > "$dir/p.cpp"
-  "$1" -shared -fPIC -o "$dir/p.so" "$dir/p.cpp" 2>/dev/null && readelf -d "$dir/p.so" | grep -q 'NEEDED.*libstdc++'
+  "$1" -shared -fPIC -o "$dir/p.so" "$dir/p.cpp" 2>/dev/null && ldd "$dir/p.so" | grep -q 'libstdc++'
   ok=$?
   rm -rf "$dir"
   return $ok

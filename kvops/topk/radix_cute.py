@@ -262,8 +262,7 @@ def _sweep_global(mBits: cute.Tensor, row: Int32, n: Int32, tidx: Int32, keys: c
 class TopK:
     """The kernel for one staging-copy width. vector: 16-byte copies; the caller vouches that every row starts
     16-byte aligned and that the row length rounded up to 4 stays inside the tensor. (A class attribute, not a
-    Constexpr kernel argument: attributes are constants in every DSL version; 4.3.5 passed Constexpr arguments
-    through as dynamic values.)"""
+    kernel argument: an attribute is a compile-time constant, so each width is its own specialized kernel.)"""
 
     def __init__(self, vector: bool):
         self.vector = vector

@@ -24,8 +24,9 @@ from .score import lane_split
 
 @dsl_user_op
 def sqrt_approx(x: Float32, *, loc=None, ip=None) -> Float32:
-    """One MUFU.SQRT, whatever the DSL's lowering of cute.math.sqrt(fastmath=True) (4.3.5 emitted the IEEE
-    sequence with a slow-path branch: about 8 more instructions per call, a third of the scorer's main loop)."""
+    """One MUFU.SQRT, pinned as inline PTX so that the main loop's instruction count does not depend on how a DSL
+    release lowers cute.math.sqrt(fastmath=True) (an IEEE sequence with a slow-path branch costs about 8 more
+    instructions per call, a third of the scorer's main loop)."""
     return Float32(llvm.inline_asm(T.f32(), [Float32(x).ir_value(loc=loc, ip=ip)], "sqrt.approx.ftz.f32 $0, $1;",
                                    "=f,f", has_side_effects=False, is_align_stack=False,
                                    asm_dialect=llvm.AsmDialect.AD_ATT))
@@ -50,9 +51,9 @@ def _block_sum2(a: Float32, b: Float32, lane: Int32, warp: Int32, sRed: cute.Ten
 
 
 class Scorer:
-    """One compiled shape class. Its constants are attributes, read as self.X where used: attributes are
-    compile-time constants in every DSL version, where Python ints passed as kernel arguments (and locals read
-    inside dynamic loops) became runtime values in 4.3.5."""
+    """One compiled shape class. Its constants are attributes, read as self.X where used: an attribute is a
+    compile-time constant wherever the kernel reads it (inside dynamic loops too), so each class is fully
+    specialized and its constants are part of the compile key."""
 
     def __init__(self, kv_type, num_freqs: int, group: int, page_size: int, chunk: int, *, threads: int = 64,
                  unroll: int = 4, freqs_per_lane: int | None = None):
