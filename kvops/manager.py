@@ -27,6 +27,7 @@ from ._targets import CAPABILITIES as SUPPORTED_ARCHS  # noqa: F401  (the archs 
 from .compaction import ORDERS, build_compaction_params, compact, decision_rows
 from .config import KVCacheCompressionConfig, NVFP4ColdPageConfig, TriAttentionConfig
 from .distributed import capturable, check_group, check_same_on_ranks, rank_kv_heads
+from .nvfp4 import PageBlobCodec
 from .triattention import TriAttentionSelector
 
 
@@ -363,8 +364,26 @@ class TriAttentionRound:
 
 
 class NVFP4ColdPageManager(KVCacheCompressionManager):
-    """Storage-bound: the physical KV length never changes; pages leaving the GPU go through the NVFP4 codec of
-    the cache's host tier (configure the cache with ``codec_specs=[config.row_spec()] * num_layers``)."""
+    """Storage-bound: the physical KV length never changes and the hooks move nothing; pages leaving the GPU go
+    through the NVFP4 codec of the cache's host tier. At admission it checks that a cache with a codec
+    (``kv_cache.codec``, a ``PageBlobCodec``: ``PagedKVCache``'s host tier) encodes every layer with the config's
+    row spec, so that no page goes cold in another format than the config names (build the cache with
+    ``codec_specs=[config.row_spec()] * num_layers``). An engine cache without one runs the codec itself
+    (``kvops.codecs``)."""
+
+    def __init__(self, config: NVFP4ColdPageConfig, kv_cache, model_config: Mapping[str, Any]):
+        if not isinstance(config, NVFP4ColdPageConfig):
+            raise TypeError(f"NVFP4ColdPageManager: config must be an NVFP4ColdPageConfig, got "
+                            f"{type(config).__name__}")
+        codec = getattr(kv_cache, "codec", None)
+        if isinstance(codec, PageBlobCodec):
+            want = config.row_spec()
+            for layer, spec in enumerate(codec.specs):
+                if spec != want:
+                    raise ValueError(f"NVFP4ColdPageManager: the cache's host tier encodes layer {layer} as {spec}, "
+                                     f"the config as {want}: build the cache with "
+                                     f"codec_specs=[config.row_spec()] * num_layers")
+        super().__init__(config, kv_cache, model_config)
 
 
 def _model_head_dim(model_config: Mapping[str, Any]) -> int | None:

@@ -1,6 +1,7 @@
 """Managers on the reference cache: admission, due rounds, logical positions, and the round's effect."""
 
 import random
+import types
 
 import pytest
 import torch
@@ -24,8 +25,13 @@ def calibration(tmp_path):
     return str(path)
 
 
-def _cache():
-    return PagedKVCache(2, 2, 32, 8, num_pages=64, host_slots=8)
+def _cache(codec_specs=None):
+    return PagedKVCache(2, 2, 32, 8, num_pages=64, host_slots=8, codec_specs=codec_specs)
+
+
+def _cold_cache(config=NVFP4ColdPageConfig(row_size=32)):
+    """A cache whose host tier encodes with `config` (what NVFP4ColdPageManager admits)."""
+    return _cache([config.row_spec()] * 2)
 
 
 def _kv(n):
@@ -168,7 +174,7 @@ def test_admission(calibration):
     cache.block_reuse = True
     with pytest.raises(ValueError, match="block reuse"):
         create_compression_manager(tri, cache, MODEL)
-    assert isinstance(create_compression_manager(NVFP4ColdPageConfig(row_size=32), cache, MODEL),
+    assert isinstance(create_compression_manager(NVFP4ColdPageConfig(row_size=32), _cold_cache(), MODEL),
                       NVFP4ColdPageManager)
     cache.block_reuse, cache.speculative_decoding = False, True
     with pytest.raises(ValueError, match="speculative decoding"):
@@ -457,10 +463,11 @@ def test_model_head_dim_is_checked_against_the_cache_and_the_row_size(calibratio
     no_head_dim = {k: v for k, v in MODEL.items() if k != "head_dim"}
     with pytest.raises(ValueError, match="head_dim is 32, the model's KV rows hold 16"):  # 64 // 4 heads
         create_compression_manager(NVFP4ColdPageConfig(row_size=32), _cache(), {**no_head_dim, "hidden_size": 64})
-    create_compression_manager(NVFP4ColdPageConfig(row_size=32), _cache(), {**no_head_dim, "hidden_size": 128})
+    create_compression_manager(NVFP4ColdPageConfig(row_size=32), _cold_cache(), {**no_head_dim, "hidden_size": 128})
     mla = dict(num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=1, kv_lora_rank=512,
                qk_rope_head_dim=64, head_dim=192)
-    create_compression_manager(NVFP4ColdPageConfig(row_size=576), PagedKVCache(2, 1, 576, 8, num_pages=2), mla)
+    wide = NVFP4ColdPageConfig(row_size=576)
+    create_compression_manager(wide, PagedKVCache(2, 1, 576, 8, num_pages=2, codec_specs=[wide.row_spec()] * 2), mla)
     for cache in (None, object()):
         with pytest.raises(TypeError, match="kv_cache must be a paged KV cache"):
             create_compression_manager(tri, cache, MODEL)
@@ -689,9 +696,23 @@ def test_random_hooks_and_churn_match_a_shadow_model(calibration, mode):
                 assert manager.logical_position(r) == length(r) + mgr[r]["compressed"]
 
 
+def test_the_nvfp4_manager_admits_a_cache_whose_codec_is_its_config():
+    """A host tier that would offload in another format than the config (lossless, the default; another RoPE
+    range kept lossless) is refused at admission, naming the layer; a cache without a codec (an engine's) is not checked."""
+    config = NVFP4ColdPageConfig(row_size=32)
+    lossless_rope = NVFP4ColdPageConfig(row_size=32, rope_range=(16, 16), skip_rope_quantization=True)
+    for specs, layer in ((None, 0), ([config.row_spec(), lossless_rope.row_spec()], 1)):
+        with pytest.raises(ValueError, match=f"encodes layer {layer} as .* build the cache with codec_specs"):
+            create_compression_manager(config, _cache(specs), MODEL)
+    with pytest.raises(TypeError, match="config must be an NVFP4ColdPageConfig, got TriAttentionConfig"):
+        NVFP4ColdPageManager(TriAttentionConfig(calibration_path="qwen3-8b"), _cold_cache(), MODEL)
+    engine = types.SimpleNamespace(pools=_cache().pools, num_kv_heads=2, head_dim=32, device="cpu")
+    assert isinstance(create_compression_manager(config, engine, MODEL), NVFP4ColdPageManager)
+
+
 def test_the_default_hooks_check_their_argument_types():
     """A manager that keeps no per-request state (NVFP4 cold pages) still refuses what no engine could mean."""
-    manager = create_compression_manager(NVFP4ColdPageConfig(row_size=32), _cache(), MODEL)
+    manager = create_compression_manager(NVFP4ColdPageConfig(row_size=32), _cold_cache(), MODEL)
     what = "NVFP4ColdPageManager.on_"
     cases = [
         (lambda: manager.on_request_init(("a", 3)), f"{what}request_init: request must be a Request"),
