@@ -39,6 +39,7 @@ def _rank_main(rank: int, world: int, rendezvous: str, fn, args) -> None:
     dist.init_process_group(backend, init_method=f"file://{rendezvous}", rank=rank, world_size=world)
     try:
         fn(rank, world, dist.group.WORLD, *args[1:])
+        dist.barrier()  # no rank tears its group down while another still talks to it
     finally:
         dist.destroy_process_group()
 
