@@ -19,12 +19,22 @@ Rows:
               K read once plus, read and written, the bytes fill order must move, at the copy bandwidth.
   round_steady_policy  the whole round (fill) at R=32 under keep-policy options (4 sink tokens, a recent window
               of 64, layer 0 on recency, and all three) against the same round without them.
+  first_round  the whole round (fill, R=1 of the steady shape) in a fresh process with empty Triton, kvops and CUDA
+              caches, once per mode, eager (no graph), timed from after `import kvops` and the workload's
+              allocation to the round's end; baseline: the same round again in that process (warm). The note gives
+              `import kvops` beyond `import torch`, and what Triton's cache held afterwards (nothing: no kernel
+              compiled).
   round_steady_tp1  the whole union round (fill) at R=32 with a one-rank NCCL process group (tensor parallelism:
               the all-reduce of the union rows runs, recorded in the graph) against the same round without one.
 """
 
 from __future__ import annotations
 
+import json
+import os
+import subprocess
+import sys
+import tempfile
 from types import SimpleNamespace
 
 import torch
@@ -53,6 +63,7 @@ def run(quick: bool = False) -> tuple[list[Row], list[str]]:
     rows_out.append(Row.make(FAMILY, "mean_phase", "R=32 F=64", "float32", us, phase.numel() * 4, copy_gbps / 2))
     notes = _round(rows_out, copy_gbps, quick)
     notes += _kv_dtypes(rows_out, copy_gbps, quick)
+    notes += _first_round(rows_out, copy_gbps)
     notes += _round_steady(rows_out, copy_gbps, quick)
     notes += _round_tp(rows_out, copy_gbps, quick)
     notes += _round_policy(rows_out, copy_gbps, quick)
@@ -204,6 +215,52 @@ def _round_steady(rows_out: list[Row], copy_gbps: float, quick: bool) -> list[st
         w = None
         torch.cuda.empty_cache()
     return notes
+
+
+_FIRST_ROUND = """
+import json, sys, time
+t0 = time.perf_counter()
+import torch
+t1 = time.perf_counter()
+import kvops
+t2 = time.perf_counter()
+from benchmarks.bench_triattention import steady_workload, steady_round
+w = steady_workload(1)
+torch.cuda.synchronize()
+out = {"import_kvops_s": t2 - t1}
+for mode in ("per_layer_perhead", "union"):
+    for when in ("first", "warm"):
+        t = time.perf_counter()
+        steady_round(w, mode, "fill", cuda_graphs=False)
+        torch.cuda.synchronize()
+        out[f"{mode}_{when}_us"] = (time.perf_counter() - t) * 1e6
+print(json.dumps(out))
+"""
+
+
+def _first_round(rows_out: list[Row], copy_gbps: float) -> list[str]:
+    """The first rounds of a fresh process with empty caches (module docstring: first_round)."""
+    with tempfile.TemporaryDirectory() as tmp:
+        caches = {name: os.path.join(tmp, name) for name in ("TRITON_CACHE_DIR", "KVOPS_CACHE_DIR", "CUDA_CACHE_PATH")}
+        for path in caches.values():
+            os.makedirs(path)
+        root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+        env = {**os.environ, **caches, "PYTHONPATH": os.pathsep.join(filter(None, [root, os.environ.get("PYTHONPATH")]))}
+        done = subprocess.run([sys.executable, "-c", _FIRST_ROUND], env=env, cwd=root, capture_output=True, text=True,
+                              timeout=600)
+        if done.returncode:
+            return [f"first_round failed: {done.stderr[-2000:]}"]
+        out = json.loads(done.stdout.strip().splitlines()[-1])
+        compiled = sum(len(files) for _, _, files in os.walk(caches["TRITON_CACHE_DIR"]))
+    w = SimpleNamespace(L=36, Hkv=8, D=128, budget=2048, beta=128)
+    k_bytes = w.L * (w.budget + w.beta) * w.Hkv * w.D * 2
+    for mode in ("per_layer_perhead", "union"):
+        rows_out.append(Row.make(FAMILY, "first_round", f"R=1 1024+2176 L=36 Hkv=8 {mode} fill, fresh process",
+                                 "bfloat16", out[f"{mode}_first_us"], k_bytes, copy_gbps, "the same round, warm",
+                                 out[f"{mode}_warm_us"]))
+    return [f"first_round: import kvops {out['import_kvops_s']:.2f} s beyond torch; first per_layer_perhead round "
+            f"{out['per_layer_perhead_first_us'] / 1e6:.3f} s, then the first union round "
+            f"{out['union_first_us'] / 1e6:.3f} s; Triton's cache afterwards: {compiled} files."]
 
 
 def _round_tp(rows_out: list[Row], copy_gbps: float, quick: bool) -> list[str]:

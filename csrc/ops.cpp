@@ -47,6 +47,17 @@ constexpr const char* kSchemas[] = {
     // list row of every request.
     "compaction_fill_lists_(Tensor kept, Tensor scored_lengths, Tensor tail_lengths, Tensor destination_bases, "
         "Tensor(a!) sources, Tensor(b!) new_lengths, Tensor(c!) moves) -> ()",
+    // TriAttention around the CuTe scorer (csrc/triattention/triattention.h states both): a round's mean-phase
+    // coefficients, and the scorer's raw scores and chunk partials reduced to the mode's decision rows (with the
+    // top-k's per-row lengths and offsets when asked).
+    "triattention_mean_phase_(Tensor round_starts, Tensor omega, Tensor(a!) phase) -> ()",
+    "triattention_reduce_(Tensor raw, Tensor stats, Tensor prompt_lengths, Tensor cache_lengths, Tensor(a!) rows, "
+        "str row_mode, int num_kv_heads, bool normalize, Tensor? k_scale=None, Tensor(b!)? row_lengths=None, "
+        "Tensor(c!)? row_offsets=None) -> ()",
+    // Triton kernels built ahead of time (csrc/triton_aot.cpp, kvops/_triton.py): a cubin registered once, then
+    // launched with its arguments in order (pointers from tensors, then ints and floats by its params string).
+    "_triton_register(str symbol, str function, Tensor cubin, str params, int num_warps, int shared) -> ()",
+    "_triton_launch(str symbol, int[] grid, Tensor(a!)?[] tensors, int[] ints, float[] floats) -> ()",
     // Top-k over rows of at most 4096 keys (kvops.topk's semantics, docs/topk.md): one warp per row on the GPU.
     "topk_short_rows_(Tensor scores, Tensor lengths, Tensor? offsets, int k, Tensor(a!) out) -> ()",
     // Decode attention over a paged cache (csrc/attention/attention.h states it): query [R, Hq, q, D] -> [R, q, Hq, D].

@@ -24,12 +24,17 @@ def info(argv=None) -> int:
 
     print(f"kvops {kvops.__version__}, torch {torch.__version__} (CUDA {torch.version.cuda}), "
           f"triton {version('triton')}, nvidia-cutlass-dsl {version('nvidia-cutlass-dsl')}")
-    from kvops import _C, _cute
+    from kvops import _C, _cute, _triton
 
     print("built: C++ CPU kernels; CUDA kernels " + ("yes" if _C.CUDA_KERNELS else
                                                      "no (built without nvcc or KVOPS_NO_CUDA=1)")
           + "; CuTe library " + ("yes" if _cute.LIBRARY.is_file() else
                                   "no (KVOPS_NO_CUTE=1: CuTe kernels compile on first use)"))
+    prebuilt = _triton.installed()
+    print(f"prebuilt Triton kernels: {len(prebuilt)}" + ("" if prebuilt else " (built without CUDA kernels: they "
+                                                          "compile with Triton on first use)"))
+    for entry in prebuilt:
+        print(f"  {entry['symbol']} {entry['arch']} (triton {entry['triton']}, {entry['shared']} B shared memory)")
     if not torch.cuda.is_available():
         print("GPU: none; every op runs on the CPU (C++ kernels and torch)")
         return 0
@@ -40,7 +45,9 @@ def info(argv=None) -> int:
     supported = (major, minor) in SUPPORTED_ARCHS
     print(f"  NVFP4 codec, compaction (native CUDA): {'yes' if supported else 'no kernel for this arch'} "
           "(a build without nvcc raises a clear error on first use)")
-    print("  TriAttention mean phase, pack, reduce (Triton): yes; scorer, top-k (CuTe DSL): "
+    print(f"  TriAttention mean phase and reduce, short-row top-k (native CUDA), compaction pack (Triton, "
+          f"{'prebuilt' if any(e['arch'] == _cute.arch(torch.device('cuda')) for e in prebuilt) else 'JIT'}): "
+          f"{'yes' if supported else 'no kernel for this arch'}; scorer, top-k (CuTe DSL): "
           + ("yes" if supported else "not for this arch"))
     return 0
 

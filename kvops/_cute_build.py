@@ -19,6 +19,7 @@ from pathlib import Path
 import torch
 
 from . import _cute
+from ._targets import install_archs
 from ._files import read_json_object
 from .topk import SPECS as TOPK_SPECS
 from ._checks import check_int
@@ -33,16 +34,6 @@ SCORER_CLASSES = [(dtype, 64, group, page) for dtype in KV_DTYPES for group in (
 
 def shipped_specs() -> list[_cute.Spec]:
     return [*TOPK_SPECS.values(), *(scorer_spec(*c) for c in SCORER_CLASSES)]
-
-
-def install_archs() -> tuple[str, ...]:
-    """The archs the install builds: _cute.ARCHS, narrowed by TORCH_CUDA_ARCH_LIST as kvops._C is (e.g. "9.0a" for
-    a Hopper-only build: sm_90a; entries below sm_90, where the kernels do not run, are left out)."""
-    listed = os.environ.get("TORCH_CUDA_ARCH_LIST")
-    if not listed:
-        return _cute.ARCHS
-    wanted = {f"sm_{v.split('+')[0].replace('.', '').rstrip('a')}a" for v in listed.replace(";", " ").split()}
-    return tuple(a for a in _cute.ARCHS if a in wanted)
 
 
 def build(out: Path, archs: tuple[str, ...] | None = None, jobs: int | None = None) -> None:

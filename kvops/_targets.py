@@ -13,3 +13,16 @@ def capability(arch: str) -> tuple[int, int]:
 
 
 CAPABILITIES = tuple(capability(a) for a in ARCHS)
+
+
+def install_archs() -> tuple[str, ...]:
+    """The archs the install builds the CuTe and Triton kernels for: ARCHS, narrowed by TORCH_CUDA_ARCH_LIST as
+    kvops._C is (e.g. "9.0a" for a Hopper-only build: sm_90a; entries below sm_90, where the kernels do not run,
+    are left out)."""
+    import os
+
+    listed = os.environ.get("TORCH_CUDA_ARCH_LIST")
+    if not listed:
+        return ARCHS
+    wanted = {f"sm_{v.split('+')[0].replace('.', '').rstrip('a')}a" for v in listed.replace(";", " ").split()}
+    return tuple(a for a in ARCHS if a in wanted)

@@ -187,7 +187,7 @@ def test_the_kernel_sources_are_found_from_what_imports_cutlass():
         text = path.read_text()
         if re.search(r"@cute\.(jit|kernel)|\bSpec\(|^\s*(import|from) cutlass", text, re.M):
             assert path.relative_to(root).as_posix() in found, path
-    assert {"_cute.py", "topk/ops.py", "topk/radix_cute.py", "topk/short_rows.py", "topk/reference.py",
+    assert {"_cute.py", "topk/ops.py", "topk/radix_cute.py", "topk/reference.py",
             "triattention/score.py", "triattention/score_cute.py"} <= found
     assert not found & {"__main__.py", "manager.py", "config.py", "compaction/compact.py", "triattention/select.py"}
 

@@ -3,9 +3,9 @@
 import pytest
 import torch
 
-from conftest import DEVICES, opcheck, poison_, requires_cuda, run_python
+from conftest import DEVICES, opcheck, poison_, requires_cuda
 from kvops.triattention.phase import mean_phase
-from kvops.triattention.reference import mean_phase_reference
+from kvops.triattention.reference import mean_phase_reference, mean_phase_torch
 from kvops.triattention.rope import rope_parameters
 
 OMEGAS = {"qwen3": rope_parameters(dict(head_dim=128, rope_theta=1e6))[0],
@@ -31,13 +31,15 @@ def test_matches_float64_reference(device, name):
     assert torch.equal(mean_phase(p.int(), omega), phase)  # int32 starts, allocated output
 
 
-def test_triton_interpreter_matches_torch():
-    code = ("import torch, kvops\nfrom kvops.triattention.phase import mean_phase\n"
-            "from kvops.triattention.reference import mean_phase_torch\n"
-            "p = torch.randint(0, 2**24, (9,)); w = torch.rand(40)\n"
-            "a = mean_phase(p, w); b = torch.empty_like(a); mean_phase_torch(p, w, b)\n"
-            "assert (a - b).abs().max() < 1e-6, (a - b).abs().max()\n")
-    run_python(code, TRITON_INTERPRET="1")
+@pytest.mark.parametrize("device", DEVICES)
+def test_matches_the_batched_torch_path(device):
+    """The op (csrc/triattention, CPU or CUDA) against reference.mean_phase_torch, int64 and int32 starts."""
+    p, w = torch.randint(0, 2**24, (9,), device=device), torch.rand(40, device=device)
+    b = torch.empty(9, 2, 40, device=device)
+    mean_phase_torch(p, w, b)
+    for starts in (p, p.int()):
+        a = mean_phase(starts, w, poison_(torch.empty_like(b)))
+        assert (a - b).abs().max() < 1e-6, (a - b).abs().max()
 
 
 @pytest.mark.parametrize("device", DEVICES)
@@ -76,3 +78,8 @@ def test_bad_arguments(device):
         mean_phase(p, omega.double())
     with pytest.raises(ValueError, match="phase must be"):
         mean_phase(p, omega, torch.empty(4, 2, 3, device=device))
+    phase = torch.empty(4, 2, omega.shape[0], device=device)
+    with pytest.raises(ValueError, match="phase shares memory with omega"):  # the op itself checks too
+        torch.ops.kvops.triattention_mean_phase_(p, phase[0, 0], phase)
+    with pytest.raises(ValueError, match="round_starts must be a contiguous 1-D"):
+        torch.ops.kvops.triattention_mean_phase_(p.view(2, 2), omega, phase)

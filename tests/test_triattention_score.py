@@ -1,5 +1,5 @@
 """The TriAttention scoring ops: raw scores and chunk statistics from the paged pools (CuTe DSL on the GPU), and
-the normalize-and-reduce (Triton), each against the float64 reference."""
+the normalize-and-reduce (csrc/triattention), each against the float64 reference."""
 
 import pytest
 import torch
@@ -8,8 +8,9 @@ import triton
 from conftest import (DEVICES, SYNTHETIC, bytes_of, opcheck, paged_pools, poison_, requires_cuda, run_python,
                       synthetic_calibration)
 from kvops.triattention import SHIPPED, load_calibration, mean_phase
-from kvops.triattention.reference import normalize_reference, raw_scores_reference, reduce_reference, gather_keys
-from kvops.triattention.reduce import reduce_rows
+from kvops.triattention.reference import (gather_keys, normalize_reference, raw_scores_reference, reduce_reference,
+                                         reduce_torch)
+from kvops.triattention.reduce import reduce_rows, reduce_unchecked
 from kvops.triattention.score import CHUNK, STATS, score
 
 
@@ -121,27 +122,31 @@ def test_reduce_against_reference(mode, normalize, device):
         assert torch.isinf(rows[r, :, count:]).all() and (rows[r, :, count:] < 0).all()
 
 
-def test_reduce_triton_kernel_in_the_interpreter():
-    """The Triton reduce itself on the CPU (TRITON_INTERPRET=1), against the op's torch path."""
-    code = ("import torch, kvops\n"
-            "from kvops.triattention.reduce import reduce_rows\n"
-            "from kvops.triattention.reference import reduce_torch\n"
-            "from kvops.triattention.score import CHUNK\n"
-            "from kvops.triattention.reduce import union_splits\n"
-            "for R in (2, 6):  # the union split over 3 layer blocks (2 x 3 column blocks < 16 programs), then not\n"
-            "    assert union_splits(R, 3, 3, 16) == (3 if R == 2 else 1)\n"
-            "    raw = torch.randn(R, 3, 4, CHUNK + 188); raw[0, 1, 2, 5] = float('nan'); raw[1, 2, 0, 9] = float('inf')\n"
-            "    stats = torch.randn(R, 3, 4, 2, 3).abs(); stats[..., 2] = torch.randint(1, 1000, (R, 3, 4, 2))\n"
-            "    P = torch.randint(0, 5, (R,), dtype=torch.int32)\n"
-            "    N = P + torch.tensor([CHUNK + 188, CHUNK + 1, 7, 0, CHUNK, 1][:R], dtype=torch.int32)\n"
-            "    ks = torch.rand(3, 2) + 0.5  # the keys' scale per (layer, KV head), read without normalization\n"
-            "    for mode in ('union', 'per_head', 'per_layer_perhead'):\n"
-            "        for normalize in (True, False):\n"
-            "            got = reduce_rows(raw, stats, N, P, mode, 2, normalize, ks)\n"
-            "            want = torch.empty_like(got)\n"
-            "            reduce_torch(raw, stats, P, N, want, mode, 2, normalize, None if normalize else ks)\n"
-            "            assert torch.allclose(got, want, rtol=1e-5, atol=1e-5), (R, mode, normalize)\n")
-    run_python(code, TRITON_INTERPRET="1")
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("R", [1, 2, 66])
+def test_reduce_op_matches_the_batched_torch_path(device, R):
+    """The op (csrc/triattention) against reference.reduce_torch: every mode, with and without normalization, the
+    keys' scale, non-finite scores, and counts of 0, 1 and past a chunk. On the GPU, 1 and 2 requests split a union
+    row over blocks of layers; 66 requests of 3 column groups fill the SMs without splitting. The top-k's per-row
+    lengths and offsets come out too."""
+    torch.manual_seed(R)
+    L, Hkv, G, n = 3, 2, 2, CHUNK + 188
+    raw = torch.randn(R, L, Hkv * G, n, device=device) * 3
+    raw[0, 1, 2, 5] = float("nan")
+    raw[-1, 2, 0, 9] = float("inf")
+    stats = torch.randn(R, L, Hkv * G, 2, STATS, device=device).abs()
+    stats[..., 2] = torch.randint(1, 1000, (R, L, Hkv * G, 2), device=device).float()
+    P = torch.randint(0, 5, (R,), dtype=torch.int32, device=device)
+    N = P + torch.tensor([CHUNK + 188, CHUNK + 1, 7, 0, CHUNK, 1] * 11, dtype=torch.int32, device=device)[:R]
+    ks = torch.rand(L, Hkv, device=device) + 0.5  # the keys' scale per (layer, KV head), read without normalization
+    for mode in ("union", "per_head", "per_layer_perhead"):
+        for normalize in (True, False):
+            got, lengths, offsets = reduce_unchecked(raw, stats, N, P, mode, Hkv, normalize, ks, topk_args=True)
+            want = torch.empty_like(got)
+            reduce_torch(raw, stats, P, N, want, mode, Hkv, normalize, None if normalize else ks)
+            assert torch.allclose(got, want, rtol=1e-5, atol=1e-5), (R, mode, normalize)
+            assert torch.equal(lengths, (N - P).clamp(0, n)[:, None].expand_as(lengths))
+            assert torch.equal(offsets, P[:, None].expand_as(offsets))
 
 
 @pytest.mark.parametrize("device", DEVICES)
@@ -150,7 +155,7 @@ def test_opcheck(device):
     pools, table, N, P = paged_pools(cal, [3, 0], [40, 600], 8, device)
     weights = tuple(w.to(device) for w in cal.score_weights())
     phase = mean_phase(N.long() + 5, cal.omega.to(device))
-    n = 610
+    n = CHUNK + 610
     raw = torch.randn(2, cal.num_layers, cal.num_query_heads, n, device=device)
     stats = torch.randn(2, cal.num_layers, cal.num_query_heads, 2, STATS, device=device)
     opcheck(torch.ops.kvops.triattention_score_.default, (pools, table, P, N, phase, *weights, raw, stats))
@@ -158,8 +163,12 @@ def test_opcheck(device):
     opcheck(torch.ops.kvops.triattention_reduce_.default, (raw, stats.abs(), P, N, rows, "per_head",
                                                            cal.num_kv_heads, True))
     k_scale = torch.rand(cal.num_layers, cal.num_kv_heads, device=device) + 0.5
-    opcheck(torch.ops.kvops.triattention_reduce_.default, (raw, stats.abs(), P, N, rows[:, :1], "union",
+    union = torch.empty(2, 1, n, device=device)
+    opcheck(torch.ops.kvops.triattention_reduce_.default, (raw, stats.abs(), P, N, union, "union",
                                                            cal.num_kv_heads, False, k_scale))
+    lengths = torch.empty(2, 2, cal.num_kv_heads, dtype=torch.int32, device=device)
+    opcheck(torch.ops.kvops.triattention_reduce_.default, (raw, stats.abs(), P, N, rows, "per_head",
+                                                           cal.num_kv_heads, True, None, lengths[0], lengths[1]))
 
 
 @pytest.mark.parametrize("device", DEVICES)

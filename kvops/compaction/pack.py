@@ -36,6 +36,7 @@ import torch
 import triton
 import triton.language as tl
 
+from .. import _triton
 from .._checks import check_disjoint, check_int32, check_no_meta_mix, overlap
 from .._dispatch import python_op, triton_launcher
 from .reference import pack_move_sources_torch
@@ -71,6 +72,13 @@ def _pack_kernel(kept, kept_stride_r, kept_stride_row, scored_lengths, tail_leng
         tl.store(new_lengths + r, length.to(tl.int32))
 
 
+# built ahead of time (kvops/_triton.py): one variant
+_PACK = _triton.Kernel("compaction_pack", _pack_kernel, {
+    "kept": "*i32", "kept_stride_r": "i64", "kept_stride_row": "i64", "scored_lengths": "*i32",
+    "tail_lengths": "*i32", "destination_bases": "*i32", "sources": "*i32", "new_lengths": "*i32", "rows": "i32",
+    "K": "i32", "capacity": "i32"}, variants=[{"BLOCK": _BLOCK}])
+
+
 def _pack_launch(kept: torch.Tensor, scored_lengths: torch.Tensor, tail_lengths: torch.Tensor,
              destination_bases: torch.Tensor, sources: torch.Tensor, new_lengths: torch.Tensor,
              moves: Optional[torch.Tensor]) -> None:
@@ -80,7 +88,7 @@ def _pack_launch(kept: torch.Tensor, scored_lengths: torch.Tensor, tail_lengths:
         torch.ops.kvops.compaction_fill_lists_(kept, scored_lengths, tail_lengths, destination_bases, sources,
                                                new_lengths, moves)
         return
-    launch = triton_launcher(_pack_kernel, kept.device)
+    launch = triton_launcher(_PACK, kept.device)
     if launch is None:
         pack_move_sources_torch(kept, scored_lengths, tail_lengths, destination_bases, sources, new_lengths)
         return

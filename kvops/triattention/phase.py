@@ -1,4 +1,5 @@
-"""Mean-phase coefficients of a scoring round: C_f and S_f for every due request.
+"""Mean-phase coefficients of a scoring round: C_f and S_f for every due request (``kvops::triattention_mean_phase_``,
+csrc/triattention: CUDA and CPU).
 
 C_f = mean over o in O of cos((p + o) w_f), S_f likewise with sin, O = {1, 2, 4, ..., 65536}, p the round
 start. Positions reach 2^24 and beyond, where an fp32 angle has lost every digit of its phase, so the angle
@@ -8,47 +9,13 @@ and its cos/sin are computed in float64 (one tiny launch per round: R x 17 x F),
 from __future__ import annotations
 
 import torch
-import triton
-import triton.language as tl
 
-from .._checks import check_device, check_float32
-from .._dispatch import python_op, triton_launcher
-from .reference import PHASE_OFFSETS, mean_phase_torch
-
-_BLOCK_F = 64
+from .._checks import check_device, check_float32, check_no_meta_mix
 
 
-@triton.jit
-def _mean_phase_kernel(round_starts, omega, phase, F, NUM_OFFSETS: tl.constexpr, BLOCK_F: tl.constexpr):
-    r = tl.program_id(0)
-    f = tl.program_id(1) * BLOCK_F + tl.arange(0, BLOCK_F)
-    live = f < F
-    w = tl.load(omega + f, mask=live, other=0.0).to(tl.float64)
-    p = tl.load(round_starts + r).to(tl.float64)
-    c = tl.zeros([BLOCK_F], dtype=tl.float64)
-    s = tl.zeros([BLOCK_F], dtype=tl.float64)
-    o = 1.0
-    for _ in tl.static_range(NUM_OFFSETS):
-        angle = (p + o) * w
-        c += tl.cos(angle)
-        s += tl.sin(angle)
-        o *= 2.0
-    row = phase + r.to(tl.int64) * 2 * F
-    tl.store(row + f, (c / NUM_OFFSETS).to(tl.float32), mask=live)
-    tl.store(row + F + f, (s / NUM_OFFSETS).to(tl.float32), mask=live)
-
-
-def _mean_phase_launch(round_starts: torch.Tensor, omega: torch.Tensor, phase: torch.Tensor) -> None:
-    launch = triton_launcher(_mean_phase_kernel, round_starts.device)
-    if launch is None:
-        mean_phase_torch(round_starts, omega, phase)
-        return
-    F = omega.shape[0]
-    launch[(round_starts.shape[0], triton.cdiv(F, _BLOCK_F))](round_starts, omega, phase, F,
-                                                              NUM_OFFSETS=len(PHASE_OFFSETS), BLOCK_F=_BLOCK_F)
-
-
-_mean_phase_op = python_op("triattention_mean_phase_", mutates_args={"phase"})(_mean_phase_launch)
+@torch.library.register_fake("kvops::triattention_mean_phase_")
+def _mean_phase_fake(round_starts, omega, phase):
+    check_no_meta_mix("triattention_mean_phase_", round_starts, omega, phase)
 
 
 def mean_phase(round_starts: torch.Tensor, omega: torch.Tensor, phase: torch.Tensor | None = None) -> torch.Tensor:
@@ -80,5 +47,5 @@ def mean_phase(round_starts: torch.Tensor, omega: torch.Tensor, phase: torch.Ten
         phase = torch.empty(shape, dtype=torch.float32, device=device)
     else:
         check_float32(what, device, phase=(phase, shape))
-    _mean_phase_op(round_starts, omega.contiguous(), phase)
+    torch.ops.kvops.triattention_mean_phase_(round_starts.contiguous(), omega.contiguous(), phase)
     return phase

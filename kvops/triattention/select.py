@@ -164,16 +164,17 @@ class TriAttentionSelector:
             _check_round(what, k_pools, page_table, cache_lengths, prompt_lengths, max_decode)
         omega, weights, k_scale = self._calibration_on(device)
         R = page_table.shape[0]
-        phase = mean_phase(round_starts, omega)
-        scores = score_rows(k_pools, page_table, cache_lengths, prompt_lengths, phase, cal, self.mode,
-                            max_decode, self.normalize_scores, weights, k_scale)
-        count = (cache_lengths - prompt_lengths).clamp_(0, max_decode)  # int32, one per request
+        # four launches: mean phase, score, reduce (which also writes the top-k's per-row lengths and offsets: the
+        # decode count and the prompt), top-k; no elementwise op between them
+        raw, stats = score_unchecked(k_pools, page_table, cache_lengths, prompt_lengths, mean_phase(round_starts, omega),
+                                     weights, max_decode)
+        scores, lengths, offsets = reduce_unchecked(raw, stats, cache_lengths, prompt_lengths, self.mode,
+                                                    cal.num_kv_heads, self.normalize_scores, k_scale, topk_args=True)
         if group is not None and self.mode == "union":
-            all_reduce_union_rows_(scores, count, group)
-        per_row = torch.stack((count, prompt_lengths)).view(2, R, 1).expand(2, R, self.rows).contiguous()
+            all_reduce_union_rows_(scores, lengths.view(R), group)
         # decode index i is cache position prompt + i: the top-k adds the row's prompt length as it writes
-        picked = topk(scores.view(R * self.rows, scores.shape[-1]), per_row[0].view(-1), self.budget,
-                      offsets=per_row[1].view(-1), validate=validate)
+        picked = topk(scores.view(R * self.rows, scores.shape[-1]), lengths.view(-1), self.budget,
+                      offsets=offsets.view(-1), validate=validate)
         return picked.view(R, self.rows, self.budget)
 
 
