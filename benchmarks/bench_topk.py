@@ -7,15 +7,15 @@ Rows:
               16k-128k contexts; rows of 2176 keys are the steady-state round's (budget 2048 + beta 128): one per
               request (union) or 288 per request (per_layer_perhead, Qwen3-8B) at 1, 4, 8 and 32 requests.
   topk_eager  the same call without a graph (includes Python and DLPack argument overhead).
-  topk_triton, topk_native  short rows, a row per SM or more: each short-row class called directly (the Triton
-              register kernel; kvops::topk_short_rows_, one warp per row), from a CUDA graph.
+  topk_native  rows of at most 4096 keys: kvops::topk_short_rows_ (one warp per row) called directly, from a CUDA
+              graph, also at fewer rows than SMs, where kvops.topk takes the CuTe class.
 """
 
 from __future__ import annotations
 
 import torch
 
-from kvops.topk import SHORT_ROW, short_row_warps, short_rows, short_rows_native, topk
+from kvops.topk import SHORT_ROW, short_rows_native, topk
 
 from .common import Row, device_copy_gbps, graphed, time_us
 
@@ -24,12 +24,11 @@ FAMILY = "topk"
 
 def run(quick: bool = False) -> tuple[list[Row], list[str]]:
     copy_gbps = device_copy_gbps()
-    sms = torch.cuda.get_device_properties(0).multi_processor_count
     iters = 5 if quick else 50
     rows_out: list[Row] = []
     shapes = [(64, 32768, 2048), (9216, 2176, 2048)] if quick else [
         (rows, N, k) for k in (2048, 8192) for N in (16384, 32768, 131072) for rows in (32, 64, 256)] + [
-        (rows, 2176, 2048) for rows in (32, 288, 1152, 2304, 9216)]
+        (rows, 2176, 2048) for rows in (1, 8, 32, 132, 288, 1152, 2304, 9216)]
     for rows, N, k in shapes:
         scores = torch.randn(rows, N, device="cuda")
         lengths = torch.full((rows,), N, dtype=torch.int32, device="cuda")
@@ -39,10 +38,7 @@ def run(quick: bool = False) -> tuple[list[Row], list[str]]:
         eager = time_us(lambda: topk(scores, lengths, k, out), iters=iters)
         shape = f"rows={rows} N={N} k={k}"
         timed = [("topk", ours), ("topk_eager", eager)]
-        if N <= SHORT_ROW and rows >= sms:
-            warps = short_row_warps(rows, sms)
-            timed.append(("topk_triton", time_us(graphed(
-                lambda: short_rows(scores, lengths, None, k, out, warps)), iters=iters)))
+        if N <= SHORT_ROW:
             timed.append(("topk_native", time_us(graphed(lambda: short_rows_native(scores, lengths, None, k, out)),
                                                  iters=iters)))
         for routine, us in timed:

@@ -1,6 +1,7 @@
 #include "host_checks.h"
 
 #include <ATen/MemoryOverlap.h>
+#include <torch/library.h>
 
 #include <algorithm>
 #include <utility>
@@ -29,5 +30,27 @@ void check_own_memory(const at::Tensor& t, const char* what, const std::string& 
                     name, " has elements that share memory (shape ", t.sizes(), ", strides ", t.strides(),
                     ": e.g. an expand()); it is written in place, so every element needs its own memory");
 }
+
+namespace {
+// kvops::_same_layout_addresses: the per-layer pools of a round, checked in one call (a Python loop over 36
+// layers' shapes and strides costs more than the round's other host work): every tensor has tensors[0]'s sizes,
+// strides, dtype and device (a ValueError names `name`[i] otherwise); returns their addresses.
+std::vector<int64_t> same_layout_addresses(const std::vector<at::Tensor>& tensors, const std::string& name) {
+  std::vector<int64_t> addresses;
+  addresses.reserve(tensors.size());
+  for (size_t i = 0; i < tensors.size(); ++i) {
+    const at::Tensor& t = tensors[i];
+    TORCH_CHECK_VALUE(i == 0 || (t.sizes() == tensors[0].sizes() && t.strides() == tensors[0].strides() &&
+                                 t.scalar_type() == tensors[0].scalar_type() && t.device() == tensors[0].device()),
+                      name, "[", i, "] differs from ", name, "[0] in shape, strides, dtype or device (", t.sizes(),
+                      " ", t.strides(), " ", t.scalar_type(), " on ", t.device(), " against ", tensors[0].sizes(),
+                      " ", tensors[0].strides(), " ", tensors[0].scalar_type(), " on ", tensors[0].device(), ")");
+    addresses.push_back(reinterpret_cast<int64_t>(t.data_ptr()));
+  }
+  return addresses;
+}
+}  // namespace
+
+TORCH_LIBRARY_IMPL(kvops, CompositeExplicitAutograd, m) { m.impl("_same_layout_addresses", &same_layout_addresses); }
 
 }  // namespace kvops

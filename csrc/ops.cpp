@@ -58,6 +58,8 @@ constexpr const char* kSchemas[] = {
     // launched with its arguments in order (pointers from tensors, then ints and floats by its params string).
     "_triton_register(str symbol, str function, Tensor cubin, str params, int num_warps, int shared) -> ()",
     "_triton_launch(str symbol, int[] grid, Tensor(a!)?[] tensors, int[] ints, float[] floats) -> ()",
+    // Host check of a round's per-layer pools (csrc/host_checks.cpp): one layout, their addresses.
+    "_same_layout_addresses(Tensor[] tensors, str name) -> int[]",
     // Top-k over rows of at most 4096 keys (kvops.topk's semantics, docs/topk.md): one warp per row on the GPU.
     "topk_short_rows_(Tensor scores, Tensor lengths, Tensor? offsets, int k, Tensor(a!) out) -> ()",
     // Decode attention over a paged cache (csrc/attention/attention.h states it): query [R, Hq, q, D] -> [R, q, Hq, D].

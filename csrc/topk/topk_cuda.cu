@@ -1,4 +1,5 @@
-// CUDA backend of kvops::topk_short_rows_: one warp per row of at most 4096 keys, four rows per CTA.
+// CUDA backend of kvops::topk_short_rows_: one warp per row of at most 4096 keys, up to four rows per CTA (fewer
+// when the rows are few, so that they spread over every SM).
 //
 // The warp holds the row's keys in registers (order-preserving unsigned patterns, key t of a lane at index
 // 32 t + lane), ITEMS a lane, a compile-time class of the row width. The k-th largest key T shares every bit
@@ -23,7 +24,7 @@ namespace topk {
 
 namespace {
 
-constexpr int kWarps = 4;      // rows per CTA
+constexpr int kWarps = 4;      // rows per CTA, at most
 constexpr int kBins = 256;     // 8-bit digits
 constexpr int kDummy = kBins;  // where keys that no longer match count
 constexpr int kPerLane = 32;   // keys a lane lists in shared memory (4 KB a warp)
@@ -79,7 +80,7 @@ __global__ void __launch_bounds__(kWarps * 32, min_ctas(ITEMS))
   __shared__ __align__(16) uint32_t hists[kWarps][kBins + 4];  // + the dummy bin, rows kept 16-byte aligned
   __shared__ uint32_t lists[kWarps][kPerLane * 32];
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
-  const int row = blockIdx.x * kWarps + warp;
+  const int row = blockIdx.x * int(blockDim.x >> 5) + warp;
   if (row >= rows) return;
   uint32_t *hist = hists[warp], *list = lists[warp];
   const uint32_t below = (1u << lane) - 1;
@@ -168,8 +169,10 @@ template <int ITEMS>
 void launch(const at::Tensor& scores, const at::Tensor& lengths, const std::optional<at::Tensor>& offsets, int64_t k,
             at::Tensor& out) {
   const int rows = int(scores.size(0));
+  // rows a CTA: kWarps once there are that many per SM; fewer rows get fewer a CTA, one CTA per SM at least
+  const int warps = std::max(1, std::min(kWarps, rows / sm_count()));
   prepare_kernel(short_rows_kernel<ITEMS>, "topk_short_rows_");
-  short_rows_kernel<ITEMS><<<(rows + kWarps - 1) / kWarps, kWarps * 32, 0, c10::cuda::getCurrentCUDAStream()>>>(
+  short_rows_kernel<ITEMS><<<(rows + warps - 1) / warps, warps * 32, 0, c10::cuda::getCurrentCUDAStream()>>>(
       reinterpret_cast<const int32_t*>(scores.const_data_ptr<float>()), scores.stride(0),
       lengths.const_data_ptr<int32_t>(), offsets ? offsets->const_data_ptr<int32_t>() : nullptr,
       out.data_ptr<int32_t>(), rows, int(scores.size(1)), int(k));

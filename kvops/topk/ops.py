@@ -1,36 +1,33 @@
 """kvops::topk_ and its entry point kvops.topk: per-row top-k over rows of ragged lengths, ascending indices,
 lowest index wins ties (docs/topk.md).
 
-Three shape classes on the GPU, chosen from the shape, all on the current stream:
-- many rows of up to SHORT_ROW keys (at least NATIVE_ROWS_PER_SM per SM; the steady-state round of
-  per-(layer, head) decisions: thousands of rows of budget + beta keys): kvops::topk_short_rows_ (csrc/topk), one
-  warp per row with its keys in registers, 8-bit digits over shared-memory histograms, several rows per CTA;
-- fewer rows, but at least one per SM: the Triton kernel in short_rows.py, one small program per row, its keys in
-  registers (its threshold search bit by bit), many programs per SM;
+Two shape classes on the GPU, chosen from the shape, both built ahead of time and on the current stream:
+- at least one row per SM, each of up to SHORT_ROW keys (the steady-state rounds: hundreds to thousands of rows of
+  budget + beta keys): kvops::topk_short_rows_ (csrc/topk), one warp per row with its keys in registers, 8-bit
+  digits over shared-memory histograms, up to four rows per CTA (fewer when the rows are few, so that they reach
+  every SM);
 - otherwise: the CuTe DSL radix select in radix_cute.py (one 1024-thread CTA per row, the row staged in shared
   memory; faster for a few rows), one kernel per staging-copy width (shapes are dynamic), built ahead of time
   (kvops/_cute.py).
-CPU: reference.py's topk_torch (the Triton kernel under TRITON_INTERPRET=1). Semantics (all): for row r, the
-indices of the k largest of scores[r, :lengths[r]] in ascending order; ties go to the lowest index; NaN ranks
-below -inf; -0.0 equals +0.0; a row shorter than k is padded with -1.
+CPU: reference.py's topk_torch. Semantics (all): for row r, the indices of the k largest of
+scores[r, :lengths[r]] in ascending order; ties go to the lowest index; NaN ranks below -inf; -0.0 equals +0.0; a
+row shorter than k is padded with -1.
 """
 
 from __future__ import annotations
 
+import functools
 import os
 
 import torch
 
 from .. import _cute
 from .._checks import check_bool, check_device, check_int, check_int32, check_no_meta_mix, overlap
-from .._dispatch import python_op, triton_launcher
+from .._dispatch import python_op
 from .reference import topk_torch
-from .short_rows import _short_rows_kernel, short_row_warps, short_rows
 
 MAX_K = 2**31 - 1  # indices are int32
-SHORT_ROW = 4096    # the widest row the short-row classes serve (csrc/topk/topk.h's kShortRow)
-NATIVE_ROWS_PER_SM = 4  # from here the warp-per-row class beats the Triton one (H200, rows of 2176 keys: level
-                        # with it at 2.2 rows per SM, 1.8x faster at 8.7)
+SHORT_ROW = 4096    # the widest row the short-row class serves (csrc/topk/topk.h's kShortRow)
 
 
 def short_rows_native(scores: torch.Tensor, lengths: torch.Tensor, offsets: torch.Tensor | None, k: int,
@@ -54,8 +51,8 @@ def topk_spec(vector: bool) -> _cute.Spec:
         from .radix_cute import TopK
 
         scores = _cute.fake(Int32, 2, align=16 if vector else 4, divisibility=4 if vector else 1)
-        return _cute.ffi_compile(TopK(vector), [scores, _cute.fake(Int32, 1, 4), _cute.fake(Int32, 2, 4), Int32(0)],
-                                 target)
+        return _cute.ffi_compile(TopK(vector), [scores, _cute.fake(Int32, 1, 4), _cute.fake(Int32, 1, 4), Int32(0),
+                                                _cute.fake(Int32, 2, 4), Int32(0)], target)
 
     return _cute.Spec(f"topk_{'vector' if vector else 'scalar'}", build)
 
@@ -63,29 +60,28 @@ def topk_spec(vector: bool) -> _cute.Spec:
 SPECS = {vector: topk_spec(vector) for vector in (True, False)}
 
 
+@functools.cache
+def _sm_count(index: int) -> int:
+    return torch.cuda.get_device_properties(index).multi_processor_count
+
+
 def _topk_cuda(scores, lengths, offsets, k, out):
     device = scores.device
     rows, N = scores.shape
-    sms = torch.cuda.get_device_properties(device).multi_processor_count
-    if N <= SHORT_ROW and rows >= NATIVE_ROWS_PER_SM * sms and k >= 1:
+    if N <= SHORT_ROW and rows >= _sm_count(device.index if device.index is not None else torch.cuda.current_device()) \
+            and k >= 1:
         short_rows_native(scores, lengths, offsets, k, out)
         return
-    if N <= SHORT_ROW and rows >= sms:
-        short_rows(scores, lengths, offsets, k, out, short_row_warps(rows, sms))
-        return
     vector = scores.data_ptr() % 16 == 0 and scores.stride(0) % 4 == 0 and scores.shape[1] % 4 == 0
-    # the kernel reads the fp32 bit patterns
-    _cute.ffi_function(SPECS[vector], _cute.arch(device))(scores.view(torch.int32), lengths, out, k)
-    if offsets is not None:  # fewer rows than SMs here: one small elementwise pass
-        out.copy_(torch.where(out >= 0, out + offsets.view(-1, 1), out))
+    # the kernel reads the fp32 bit patterns; without offsets it is handed the lengths, which it does not read
+    _cute.ffi_function(SPECS[vector], _cute.arch(device))(scores.view(torch.int32), lengths,
+                                                         lengths if offsets is None else offsets,
+                                                         int(offsets is not None), out, k)
 
 
 @python_op("topk_", mutates_args={"out"}, cuda=_topk_cuda)
 def _topk_op(scores: torch.Tensor, lengths: torch.Tensor, offsets: torch.Tensor | None, k: int,
              out: torch.Tensor) -> None:
-    if triton_launcher(_short_rows_kernel, scores.device) is not None and scores.shape[1] <= SHORT_ROW:
-        short_rows(scores, lengths, offsets, k, out)  # the Triton kernel on the CPU, for tests
-        return
     topk_torch(scores, lengths, offsets, k, out)
 
 
@@ -146,6 +142,15 @@ def topk(scores: torch.Tensor, lengths: torch.Tensor, k: int, out: torch.Tensor 
             raise ValueError(f"{what}: out must be a contiguous int32 {list(shape)} tensor, got {tuple(out.shape)}")
         if out.shape[0] and any(overlap(out, t) for t in (scores, lengths, offsets) if t is not None):
             raise ValueError(f"{what}: out shares memory with scores, lengths or offsets")
+    if k and scores.shape[0]:
+        _topk_op(scores, lengths, offsets, k, out)
+    return out
+
+
+def topk_unchecked(scores: torch.Tensor, lengths: torch.Tensor, k: int, offsets: torch.Tensor | None = None
+                   ) -> torch.Tensor:
+    """kvops.topk on arguments its checks have passed (the selector's fresh rows): no Python check per call."""
+    out = torch.empty((scores.shape[0], k), dtype=torch.int32, device=scores.device)
     if k and scores.shape[0]:
         _topk_op(scores, lengths, offsets, k, out)
     return out

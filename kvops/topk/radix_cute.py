@@ -57,8 +57,8 @@ def _smem_add(ptr: cute.Pointer, value: Int32, *, loc=None, ip=None) -> Int32:
 @cute.jit
 def _ukey(bits: Int32) -> Int32:
     """Order-preserving key as unsigned bits (held in an Int32): larger float -> larger unsigned key. The one
-    rule of kvops/topk/reference.py's sort_keys, written in CuTe DSL (short_rows.py's sort_key and
-    csrc/topk/topk.h's ukey mirror it; the tests check each against it)."""
+    rule of kvops/topk/reference.py's sort_keys, written in CuTe DSL (csrc/topk/topk.h's ukey mirrors it; the
+    tests check each against it)."""
     key = bits ^ ((bits >> 31) & 0x7FFFFFFF)  # signed order: negative floats get their magnitude flipped
     if key == -1:  # -0.0 ranks with +0.0
         key = Int32(0)
@@ -268,13 +268,15 @@ class TopK:
         self.vector = vector
 
     @cute.jit
-    def __call__(self, mBits: cute.Tensor, mLengths: cute.Tensor, mOut: cute.Tensor, k: Int32, stream):
+    def __call__(self, mBits: cute.Tensor, mLengths: cute.Tensor, mOffsets: cute.Tensor, with_offsets: Int32,
+                 mOut: cute.Tensor, k: Int32, stream):
         smem_bytes = (HIST + CANDIDATES + SPILL + WARPS + 4) * 4 + 256
-        self.kernel(mBits, mLengths, mOut, k).launch(grid=[mBits.shape[0], 1, 1], block=[THREADS, 1, 1],
-                                                     smem=smem_bytes, stream=stream)
+        self.kernel(mBits, mLengths, mOffsets, with_offsets, mOut, k).launch(
+            grid=[mBits.shape[0], 1, 1], block=[THREADS, 1, 1], smem=smem_bytes, stream=stream)
 
     @cute.kernel
-    def kernel(self, mBits: cute.Tensor, mLengths: cute.Tensor, mOut: cute.Tensor, k: Int32):
+    def kernel(self, mBits: cute.Tensor, mLengths: cute.Tensor, mOffsets: cute.Tensor, with_offsets: Int32,
+               mOut: cute.Tensor, k: Int32):
         tidx, _, _ = cute.arch.thread_idx()
         row, _, _ = cute.arch.block_idx()
         lane = cute.arch.lane_idx()
@@ -358,7 +360,11 @@ class TopK:
             need = remaining
 
         # Keep pass in index order: per thread, bit masks of its keys > T and == T; an exclusive scan of their
-        # counts (packed in 16-bit halves) places them; only set bits are visited.
+        # counts (packed in 16-bit halves) places them; only set bits are visited. A kept index is written plus the
+        # row's offset (mOffsets[row], when with_offsets is set).
+        offset = Int32(0)
+        if with_offsets != 0:
+            offset = mOffsets[row]
         greater_base = Int32(0)
         equal_base = Int32(0)
         for base in cutlass.range(0, n, THREADS * PER_THREAD):
@@ -386,7 +392,7 @@ class TopK:
                 slot = greater + cute.arch.popc(gmask & below) + cutlass.min(ties, need)
                 if (gmask & bit) != 0 or ties < need:
                     if slot < k:  # always true for a consistent threshold; never write past the row
-                        mOut[row, slot] = base + tidx * PER_THREAD + cute.arch.popc(below)
+                        mOut[row, slot] = base + tidx * PER_THREAD + cute.arch.popc(below) + offset
                 todo = todo ^ bit
             greater_base = greater_base + (total & 0xFFFF)
             equal_base = equal_base + (total >> 16)

@@ -1,9 +1,8 @@
 """Plain-torch statements of kvops.topk's semantics: the oracles the tests compare against, and the op's CPU path.
 
 - ``sort_keys``: the one key rule every implementation ranks by (a float's bits as an order-preserving unsigned
-  int: NaN lowest, -0.0 == +0.0). The Triton kernel (short_rows.py's ``_ukeys``), the CuTe kernel
-  (radix_cute.py's ``_ukey``) and the native one (csrc/topk/topk.h's ``ukey``) each write it in their language;
-  tests check each against this one.
+  int: NaN lowest, -0.0 == +0.0). The CuTe kernel (radix_cute.py's ``_ukey``) and the native one
+  (csrc/topk/topk.h's ``ukey``) each write it in their language; tests check each against this one.
 - ``topk_torch``: the op in batched torch sorts over those keys (what ``kvops::topk_`` runs on the CPU).
 - ``topk_reference``: the independent oracle (float64 values, Python sorts), which knows nothing of the keys.
 """

@@ -67,22 +67,24 @@ def scorer_spec(dtype: torch.dtype, num_freqs: int, group: int, page_size: int, 
 def _score_cuda(k_pools, page_table, prompt_lengths, cache_lengths, phase, q_real, q_imag, q_extra, raw, stats):
     pool = k_pools[0]
     G, F, T = raw.shape[2] // pool.shape[2], q_real.shape[-1], pool.shape[3]
-    if any(p.data_ptr() % 16 for p in k_pools):  # addresses exist only here, at run time, not while tracing
+    addresses = pool_addresses(k_pools)  # they exist only here, at run time, not while tracing
+    if any(a % 16 for a in addresses):
         raise ValueError(f"triattention score: the GPU scorer needs 16-byte aligned k_pools, got base addresses "
-                         f"{[hex(p.data_ptr()) for p in k_pools if p.data_ptr() % 16][:4]}")
+                         f"{[hex(a) for a in addresses if a % 16][:4]}")
     if raw.shape[0] and raw.shape[3]:
         fn = _cute.ffi_function(scorer_spec(pool.dtype, F, G, T), _cute.arch(pool.device))
         fn(*scorer_args(k_pools, page_table, prompt_lengths, cache_lengths, phase, q_real, q_imag, q_extra, raw,
-                        stats))
+                        stats, addresses))
 
 
 def scorer_args(k_pools, page_table, prompt_lengths, cache_lengths, phase, q_real, q_imag, q_extra, raw,
-                stats) -> tuple:
+                stats, addresses: tuple[int, ...] | None = None) -> tuple:
     """The CuTe scorer's TVM-FFI arguments for the op's arguments, in the order scorer_spec compiles them: the
-    layers' base addresses, the tensors, then the pools' page, head and token strides and page count."""
+    layers' base addresses (`addresses`: pool_addresses(k_pools), when the caller has them), the tensors, then
+    the pools' page, head and token strides and page count."""
     pool = k_pools[0]
-    return (layer_addresses(k_pools), page_table, prompt_lengths, cache_lengths, phase, q_real, q_imag, q_extra, raw,
-            stats, pool.stride(0), pool.stride(2), pool.stride(3), pool.shape[0])
+    return (layer_addresses(k_pools, addresses), page_table, prompt_lengths, cache_lengths, phase, q_real, q_imag,
+            q_extra, raw, stats, pool.stride(0), pool.stride(2), pool.stride(3), pool.shape[0])
 
 
 @python_op("triattention_score_", mutates_args={"raw", "stats"}, cuda=_score_cuda)
@@ -102,8 +104,11 @@ def check_pools(what: str, k_pools: Sequence[torch.Tensor], num_layers: int, num
     if not isinstance(k_pools, (list, tuple)) or len(k_pools) != num_layers:
         raise ValueError(f"{what}: k_pools must be a list of {num_layers} per-layer pools, got "
                          f"{len(k_pools) if isinstance(k_pools, (list, tuple)) else type(k_pools).__name__}")
-    check_device(what, k_pools=k_pools)
+    if not all(isinstance(p, torch.Tensor) for p in k_pools):
+        check_device(what, k_pools=k_pools)  # names the first non-tensor
     first = k_pools[0]
+    if first.device.type == "meta":
+        raise ValueError(f"{what}: k_pools[0] is a meta tensor; kvops ops need real data on one device")
     if first.dim() != 5:
         raise ValueError(f"{what}: k_pools must be 5-D [page, plane, kv_head, token, dim] views, got "
                          f"{tuple(getattr(first, 'shape', ()))}")
@@ -118,10 +123,14 @@ def check_pools(what: str, k_pools: Sequence[torch.Tensor], num_layers: int, num
     if first.shape[4] < 2 * num_freqs or first.stride(4) != 1:
         raise ValueError(f"{what}: k_pools need head_dim >= {2 * num_freqs} (the rotary dims) with unit dim "
                          f"stride, got {tuple(first.shape)} strides {first.stride()}")
-    layout = (first.shape, first.stride(), first.dtype, first.device)  # once: this loop runs every round
-    for layer, pool in enumerate(k_pools):
-        if (pool.shape, pool.stride(), pool.dtype, pool.device) != layout:
-            raise ValueError(f"{what}: k_pools[{layer}] differs from k_pools[0] in shape, strides, dtype or device")
+    if torch.compiler.is_compiling():  # fake tensors: no addresses; the layout alone
+        layout = (first.shape, first.stride(), first.dtype, first.device)
+        for layer, pool in enumerate(k_pools):
+            if (pool.shape, pool.stride(), pool.dtype, pool.device) != layout:
+                raise ValueError(f"{what}: k_pools[{layer}] differs from k_pools[0] in shape, strides, dtype or "
+                                 f"device")
+    else:
+        pool_addresses(k_pools, what)
     if first.is_cuda:
         fpl = check_scorer_class(what, num_freqs, group)
         if any(first.stride(d) % fpl for d in (0, 2, 3)):
@@ -130,21 +139,31 @@ def check_pools(what: str, k_pools: Sequence[torch.Tensor], num_layers: int, num
     return num_kv_heads
 
 
+def pool_addresses(k_pools: Sequence[torch.Tensor], what: str = "triattention score") -> tuple[int, ...]:
+    """The pools' base addresses, once every pool is checked to have k_pools[0]'s shape, strides, dtype and device
+    (ValueError naming the first that differs): one native call, where a Python loop over the layers would cost more
+    than the rest of a round's host work."""
+    try:
+        return tuple(torch.ops.kvops._same_layout_addresses(k_pools, "k_pools"))
+    except ValueError as e:
+        raise ValueError(f"{what}: {e}") from None
+
+
 _addresses: dict[tuple, torch.Tensor] = {}
 
 
-def layer_addresses(k_pools: Sequence[torch.Tensor]) -> torch.Tensor:
-    """int64 [L] device tensor of the pools' base addresses, made once per set of pools (a host-to-device copy,
-    so never inside a CUDA-graph capture: warm up with the pools first)."""
+def layer_addresses(k_pools: Sequence[torch.Tensor], addresses: tuple[int, ...] | None = None) -> torch.Tensor:
+    """int64 [L] device tensor of the pools' base addresses (`addresses`, when the caller has them), made once per
+    set of pools (a host-to-device copy, so never inside a CUDA-graph capture: warm up with the pools first)."""
     device = k_pools[0].device
-    key = (device, *(p.data_ptr() for p in k_pools))
+    key = (device, *(addresses or pool_addresses(k_pools)))
     if key not in _addresses:
         if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
             raise RuntimeError("triattention scorer: new pools during a CUDA-graph capture; score once with these "
                                "pools before capturing (warm-up)")
         if len(_addresses) >= 64:
             _addresses.clear()
-        _addresses[key] = torch.tensor([p.data_ptr() for p in k_pools], dtype=torch.int64).to(device)
+        _addresses[key] = torch.tensor(key[1:], dtype=torch.int64).to(device)
     return _addresses[key]
 
 

@@ -12,11 +12,11 @@ import torch
 from .._checks import check_bool, check_device, check_int
 from ..distributed import all_reduce_union_rows_, check_group, check_heads_covered, check_same_on_ranks, rank_kv_heads
 from .calibration import Calibration
-from .phase import mean_phase
 from ..compaction.compact import MODES, decision_rows
 from .reduce import reduce_unchecked
 from .score import check_round_inputs, score_unchecked
 from ..topk import topk
+from ..topk.ops import topk_unchecked
 
 
 def score_rows(k_pools: Sequence[torch.Tensor], page_table: torch.Tensor, cache_lengths: torch.Tensor,
@@ -166,15 +166,17 @@ class TriAttentionSelector:
         R = page_table.shape[0]
         # four launches: mean phase, score, reduce (which also writes the top-k's per-row lengths and offsets: the
         # decode count and the prompt), top-k; no elementwise op between them
-        raw, stats = score_unchecked(k_pools, page_table, cache_lengths, prompt_lengths, mean_phase(round_starts, omega),
-                                     weights, max_decode)
+        phase = torch.empty((R, 2, cal.num_freqs), dtype=torch.float32, device=device)
+        torch.ops.kvops.triattention_mean_phase_(round_starts.contiguous(), omega, phase)  # (it checks the dtype)
+        raw, stats = score_unchecked(k_pools, page_table, cache_lengths, prompt_lengths, phase, weights, max_decode)
         scores, lengths, offsets = reduce_unchecked(raw, stats, cache_lengths, prompt_lengths, self.mode,
                                                     cal.num_kv_heads, self.normalize_scores, k_scale, topk_args=True)
         if group is not None and self.mode == "union":
             all_reduce_union_rows_(scores, lengths.view(R), group)
         # decode index i is cache position prompt + i: the top-k adds the row's prompt length as it writes
-        picked = topk(scores.view(R * self.rows, scores.shape[-1]), lengths.view(-1), self.budget,
-                      offsets=offsets.view(-1), validate=validate)
+        args = (scores.view(R * self.rows, scores.shape[-1]), lengths.view(-1), self.budget)
+        picked = topk(*args, offsets=offsets.view(-1), validate=True) if validate else \
+            topk_unchecked(*args, offsets=offsets.view(-1))
         return picked.view(R, self.rows, self.budget)
 
 
