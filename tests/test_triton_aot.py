@@ -129,8 +129,10 @@ def test_launch_refuses_bad_arguments():
     tensors, ints = [t] * 6, [0, 0, 0, 0, 4]
     with pytest.raises(ValueError, match="no prebuilt Triton kernel"):
         launch("not_a_kernel", [1, 1, 1], tensors, ints, [])
-    with pytest.raises(ValueError, match="takes 6 tensors, 5 ints"):
+    with pytest.raises(ValueError, match="takes more ints than the 4 given"):
         launch(entry["symbol"], [1, 1, 1], tensors, ints[:4], [])
+    with pytest.raises(ValueError, match="takes 6 tensors, 5 ints and 0 floats; got 6, 6 and 0"):
+        launch(entry["symbol"], [1, 1, 1], tensors, ints + [1], [])
     with pytest.raises(ValueError, match="takes more tensors"):
         launch(entry["symbol"], [1, 1, 1], tensors[:5], ints, [])
     with pytest.raises(ValueError, match="takes CUDA tensors"):

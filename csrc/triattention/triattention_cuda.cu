@@ -1,11 +1,12 @@
 // CUDA backend of kvops::triattention_mean_phase_ and kvops::triattention_reduce_ (triattention.h states them).
 //
-// The reduce is one pass over the raw scores: a CTA owns 1024 columns (4 a thread, 16-byte loads when the rows
-// allow them) of one decision row, or of one block of layers of a union row, and walks the (layer, head) planes
-// that row reduces over. The planes' statistics are merged from the scorer's chunk partials by the CTA itself, into
-// shared memory, before its columns are read: no launch of their own, and their bytes are a few per cent of the
-// columns' (a CTA takes more columns when the rows are long, so that this stays true). A union row of few requests
-// is split over blocks of layers so that the GPU fills; a second small kernel takes the max over the blocks.
+// The reduce is two kernels when normalizing: one thread per (request, layer, head) plane merges the plane's chunk
+// partials into its mean and std (once, not once per column block), then the reduce proper reads the raw scores
+// once: a CTA owns 1024 columns (4 a thread, 16-byte loads when the rows allow them) of one decision row, or of
+// one block of layers of a union row, and walks the planes that row reduces over, eight planes' loads in flight
+// before any is used (a row walks up to L x Hq planes, so latency, not bandwidth, bounds a loop that waits on each
+// load). A union row of few requests is split over blocks of layers so that the GPU fills; a third small kernel
+// then takes the max over the blocks.
 #include <ATen/ATen.h>
 #include <c10/cuda/CUDAGuard.h>
 #include <torch/library.h>
@@ -22,8 +23,8 @@ namespace {
 
 constexpr int kThreads = 256;
 constexpr int kVec = 4;                       // columns a thread
-constexpr int kColumns = kThreads * kVec;     // columns a CTA covers per pass
-constexpr int kStagedPlanes = 2048;           // planes whose statistics a CTA holds at once (16 KB)
+constexpr int kColumns = kThreads * kVec;     // columns a CTA covers
+constexpr int kUnroll = 8;                    // planes whose loads a thread issues before using any
 
 __global__ void mean_phase_kernel(const int32_t* __restrict__ starts32, const int64_t* __restrict__ starts64,
                                   const float* __restrict__ omega, float* __restrict__ phase, int F) {
@@ -46,17 +47,30 @@ __global__ void mean_phase_kernel(const int32_t* __restrict__ starts32, const in
 
 struct ReduceArgs {
   const float* raw;
-  const float* stats;
-  const float* k_scale;  // [L, Hkv] when scaled
+  const float2* moments;  // [R, L, Hq]: each plane's (mean, std), when normalizing
+  const float* k_scale;   // [L, Hkv], when scaled
   const int32_t* prompt;
   const int32_t* cache;
-  float* out;            // rows [R, rows, n], or a split union's partial maxima [R, blocks, n]
-  int32_t* row_lengths;  // [R, rows] or nullptr
+  float* out;             // rows [R, rows, n], or a split union's partial maxima [R, blocks, n]
+  int32_t* row_lengths;   // [R, rows] or nullptr
   int32_t* row_offsets;
-  int L, Hq, G, n, nc, out_rows, blocks;
-  int passes;            // column passes a CTA makes (kColumns each)
-  bool vec;              // 16-byte loads: n % 4 == 0 and raw 16-byte aligned
+  int L, Hq, G, n, out_rows, blocks;
+  bool vec;               // 16-byte loads: n % 4 == 0 and raw 16-byte aligned
 };
+
+// Each plane's (mean, std) over its finite scores, from the scorer's chunk partials: a thread per plane.
+__global__ void __launch_bounds__(kThreads) moments_kernel(const float* __restrict__ stats,
+                                                           const int32_t* __restrict__ prompt,
+                                                           const int32_t* __restrict__ cache,
+                                                           float2* __restrict__ moments, int64_t planes,
+                                                           int planes_per_request, int nc, int n) {
+  const int64_t plane = int64_t(blockIdx.x) * kThreads + threadIdx.x;
+  if (plane >= planes) return;
+  const int r = int(plane / planes_per_request);
+  float2 m;
+  plane_moments(stats + plane * nc * kStats, nc, decode_count(cache[r], prompt[r], n), m.x, m.y);
+  moments[plane] = m;
+}
 
 __device__ __forceinline__ void load4(const float* p, int j, int count, bool vec, float (&v)[kVec]) {
   if (vec && j + kVec <= count) {
@@ -73,69 +87,58 @@ __device__ __forceinline__ void load4(const float* p, int j, int count, bool vec
 // else a union block's partial maxima (+inf still marking a poisoned column).
 template <int MODE, bool NORMALIZE, bool SCALED, bool FINAL>
 __global__ void __launch_bounds__(kThreads) reduce_kernel(const ReduceArgs a) {
-  __shared__ float2 staged[kStagedPlanes];  // (mean, std), or (scale, -) of each plane of the current chunk
   const int r = blockIdx.z, row = blockIdx.y;
   const int count = decode_count(a.cache[r], a.prompt[r], a.n);
   const Planes set = planes_of(Mode(MODE), row, row, a.blocks, a.L, a.Hq, a.G);
   const int planes = set.nl * set.nh;
-  const int chunk = (kStagedPlanes / a.G) * a.G;  // whole KV heads per staged chunk
   const int64_t request = int64_t(r) * a.L * a.Hq;
   if (FINAL && a.row_lengths && blockIdx.x == 0 && threadIdx.x == 0) {
     a.row_lengths[int64_t(r) * a.out_rows + row] = count;
     a.row_offsets[int64_t(r) * a.out_rows + row] = a.prompt[r];
   }
-  // plane p of the set: (layer l0 + p / nh, head h0 + p % nh)
-  auto plane_index = [&](int p) { return request + int64_t(set.l0 + p / set.nh) * a.Hq + set.h0 + p % set.nh; };
-  auto stage = [&](int p0, int np) {
-    if (!NORMALIZE && !SCALED) return;
-    __syncthreads();  // the previous chunk's readers are done
-    for (int i = threadIdx.x; i < np; i += kThreads) {
-      float2 v = make_float2(1.f, 1.f);
-      const int64_t plane = plane_index(p0 + i);
-      if (NORMALIZE) {
-        plane_moments(a.stats + plane * a.nc * kStats, a.nc, count, v.x, v.y);
-      } else {
-        const int layer = set.l0 + (p0 + i) / set.nh, head = set.h0 + (p0 + i) % set.nh;
-        v.x = a.k_scale[layer * (a.Hq / a.G) + head / a.G];
-      }
-      staged[i] = v;
+  const int j = blockIdx.x * kColumns + threadIdx.x * kVec;
+  if (j >= a.n) return;
+  float acc[kVec], best[kVec];
+#pragma unroll
+  for (int i = 0; i < kVec; ++i) acc[i] = MODE == kPerHead ? 0.f : -INFINITY, best[i] = -INFINITY;
+  int in_group = 0;  // planes of the current KV head's group seen so far
+  for (int p0 = 0; p0 < planes; p0 += kUnroll) {
+    float v[kUnroll][kVec];
+    int64_t plane[kUnroll];
+#pragma unroll
+    for (int u = 0; u < kUnroll; ++u) {  // every load of the step first
+      const int p = p0 + u;
+      plane[u] = request + int64_t(set.l0 + p / set.nh) * a.Hq + set.h0 + p % set.nh;
+      if (p < planes) load4(a.raw + plane[u] * a.n, j, count, a.vec, v[u]);
     }
-    __syncthreads();
-  };
-  if (planes <= chunk) stage(0, planes);
-  for (int pass = 0; pass < a.passes; ++pass) {
-    const int j = (blockIdx.x * a.passes + pass) * kColumns + threadIdx.x * kVec;
-    if (__syncthreads_or(j < a.n) == 0) break;  // (uniform: every thread stages the next chunk)
-    float acc[kVec];
 #pragma unroll
-    for (int i = 0; i < kVec; ++i) acc[i] = MODE == kPerHead ? 0.f : -INFINITY;
-    for (int p0 = 0; p0 < planes; p0 += chunk) {
-      const int np = min(chunk, planes - p0);
-      if (planes > chunk) stage(p0, np);
-      for (int g = 0; g < np; g += a.G) {  // one KV head's query heads
-        float best[kVec];
+    for (int u = 0; u < kUnroll; ++u) {
+      if (p0 + u >= planes) break;
+      float2 t = make_float2(1.f, 1.f);
+      if (NORMALIZE) t = __ldg(a.moments + plane[u]);
+      if (SCALED) {
+        const int64_t lh = plane[u] - request;  // layer * Hq + head
+        t.x = __ldg(a.k_scale + (lh / a.Hq) * (a.Hq / a.G) + (lh % a.Hq) / a.G);
+      }
 #pragma unroll
-        for (int i = 0; i < kVec; ++i) best[i] = -INFINITY;
-#pragma unroll 4
-        for (int dh = 0; dh < a.G; ++dh) {
-          float v[kVec];
-          load4(a.raw + plane_index(p0 + g + dh) * a.n, j, count, a.vec, v);
-          const float2 t = staged[g + dh];
+      for (int i = 0; i < kVec; ++i) best[i] = fmaxf(best[i], plane_score(v[u][i], NORMALIZE, SCALED, t.x, t.y));
+      if (++in_group == a.G) {  // the group's max joins the row
 #pragma unroll
-          for (int i = 0; i < kVec; ++i) best[i] = fmaxf(best[i], plane_score(v[i], NORMALIZE, SCALED, t.x, t.y));
+        for (int i = 0; i < kVec; ++i) {
+          acc[i] = MODE == kPerHead ? acc[i] + best[i] : fmaxf(acc[i], best[i]);
+          best[i] = -INFINITY;
         }
-#pragma unroll
-        for (int i = 0; i < kVec; ++i) acc[i] = MODE == kPerHead ? acc[i] + best[i] : fmaxf(acc[i], best[i]);
+        in_group = 0;
       }
     }
-    float* dst = a.out + (int64_t(r) * a.out_rows + row) * a.n;
+  }
+  float* dst = a.out + (int64_t(r) * a.out_rows + row) * a.n;
 #pragma unroll
-    for (int i = 0; i < kVec; ++i) {
-      if (j + i >= a.n) break;
-      float v = MODE == kPerHead ? acc[i] / float(a.L) : acc[i];
-      if (FINAL) v = j + i < count && v < INFINITY ? v : -INFINITY;
-      dst[j + i] = v;
-    }
+  for (int i = 0; i < kVec; ++i) {
+    if (j + i >= a.n) break;
+    float v = MODE == kPerHead ? acc[i] / float(a.L) : acc[i];
+    if (FINAL) v = j + i < count && v < INFINITY ? v : -INFINITY;
+    dst[j + i] = v;
   }
 }
 
@@ -204,18 +207,27 @@ void reduce_cuda(const at::Tensor& raw, const at::Tensor& stats, const at::Tenso
   const c10::cuda::CUDAGuard guard(raw.device());
   ReduceArgs a{};
   a.raw = raw.const_data_ptr<float>();
-  a.stats = stats.const_data_ptr<float>();
   a.k_scale = s.scaled ? k_scale->const_data_ptr<float>() : nullptr;
   a.prompt = prompt_lengths.const_data_ptr<int32_t>();
   a.cache = cache_lengths.const_data_ptr<int32_t>();
   a.row_lengths = row_lengths ? row_lengths->data_ptr<int32_t>() : nullptr;
   a.row_offsets = row_offsets ? row_offsets->data_ptr<int32_t>() : nullptr;
-  a.L = int(s.L), a.Hq = int(s.Hq), a.G = int(s.G), a.n = int(s.n), a.nc = int(s.nc);
+  a.L = int(s.L), a.Hq = int(s.Hq), a.G = int(s.G), a.n = int(s.n);
   a.vec = s.n % kVec == 0 && reinterpret_cast<uintptr_t>(a.raw) % 16 == 0;
-  // Long rows: more columns a CTA, so that merging a plane's nc partials stays a small part of reading its columns.
-  a.passes = int(std::max<int64_t>(1, s.nc / 16));
-  const int64_t groups = std::max<int64_t>(1, (s.n + int64_t(kColumns) * a.passes - 1) / (int64_t(kColumns) * a.passes));
+  const int64_t groups = std::max<int64_t>(1, (s.n + kColumns - 1) / kColumns);
   TORCH_CHECK_VALUE(groups <= std::numeric_limits<int32_t>::max(), "triattention_reduce_: rows too long");
+  const cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
+  at::Tensor moments;
+  if (s.normalize) {
+    const int64_t planes = s.R * s.L * s.Hq;
+    moments = at::empty({planes, 2}, raw.options());
+    prepare_kernel(moments_kernel, "triattention_reduce_");
+    moments_kernel<<<unsigned((planes + kThreads - 1) / kThreads), kThreads, 0, stream>>>(
+        stats.const_data_ptr<float>(), a.prompt, a.cache, reinterpret_cast<float2*>(moments.data_ptr<float>()), planes,
+        int(s.L * s.Hq), int(s.nc), int(s.n));
+    C10_CUDA_KERNEL_LAUNCH_CHECK();
+    a.moments = reinterpret_cast<const float2*>(moments.const_data_ptr<float>());
+  }
   a.blocks = s.mode == kUnion ? union_blocks(s.R, groups, s.L, sm_count()) : 1;
   if (s.mode == kUnion && a.blocks > 1) {
     const at::Tensor partial = at::empty({s.R, a.blocks, std::max<int64_t>(s.n, 1)}, raw.options());
@@ -223,10 +235,9 @@ void reduce_cuda(const at::Tensor& raw, const at::Tensor& stats, const at::Tenso
     launch_reduce<kUnion, false>(a, dim3(unsigned(groups), unsigned(a.blocks), unsigned(s.R)), s.normalize,
                                  s.scaled);
     const int64_t max_groups = std::min<int64_t>((s.n + kThreads - 1) / kThreads, 4096);
-    union_max_kernel<<<dim3(unsigned(std::max<int64_t>(1, max_groups)), unsigned(s.R)), kThreads, 0,
-                       c10::cuda::getCurrentCUDAStream()>>>(partial.const_data_ptr<float>(), a.blocks, a.prompt,
-                                                            a.cache, rows.data_ptr<float>(), a.row_lengths,
-                                                            a.row_offsets, a.n);
+    union_max_kernel<<<dim3(unsigned(std::max<int64_t>(1, max_groups)), unsigned(s.R)), kThreads, 0, stream>>>(
+        partial.const_data_ptr<float>(), a.blocks, a.prompt, a.cache, rows.data_ptr<float>(), a.row_lengths,
+        a.row_offsets, a.n);
     C10_CUDA_KERNEL_LAUNCH_CHECK();
     return;
   }
