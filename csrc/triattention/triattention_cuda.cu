@@ -2,11 +2,12 @@
 //
 // The reduce is two kernels when normalizing: one thread per (request, layer, head) plane merges the plane's chunk
 // partials into its mean and std (once, not once per column block), then the reduce proper reads the raw scores
-// once: a CTA owns 1024 columns (4 a thread, 16-byte loads when the rows allow them) of one decision row, or of
-// one block of layers of a union row, and walks the planes that row reduces over, eight planes' loads in flight
-// before any is used (a row walks up to L x Hq planes, so latency, not bandwidth, bounds a loop that waits on each
-// load). A union row of few requests is split over blocks of layers so that the GPU fills; a third small kernel
-// then takes the max over the blocks.
+// once: a CTA owns 1024 columns (8 a thread, 16-byte loads and stores when the rows allow them) of one decision
+// row, or of one block of layers of a union row. It copies the statistics of the planes that row reduces over into
+// shared memory, then walks those planes with four planes' loads (eight 16-byte loads) in flight before any is
+// used: a row walks up to L x Hq planes, so a loop that waited on each load would be bound by latency. A union row
+// of few requests is split over blocks of layers so that the GPU fills; a third small kernel then takes the max
+// over the blocks.
 #include <ATen/ATen.h>
 #include <c10/cuda/CUDAGuard.h>
 #include <torch/library.h>
@@ -21,10 +22,11 @@ namespace triattention {
 
 namespace {
 
-constexpr int kThreads = 256;
-constexpr int kVec = 4;                       // columns a thread
+constexpr int kThreads = 128;
+constexpr int kVec = 8;                       // columns a thread: two 16-byte loads a plane
 constexpr int kColumns = kThreads * kVec;     // columns a CTA covers
-constexpr int kUnroll = 8;                    // planes whose loads a thread issues before using any
+constexpr int kUnroll = 4;                    // planes whose loads a thread issues before using any
+constexpr int kStagedPlanes = 2048;           // planes whose statistics a CTA holds at once (16 KB)
 
 __global__ void mean_phase_kernel(const int32_t* __restrict__ starts32, const int64_t* __restrict__ starts64,
                                   const float* __restrict__ omega, float* __restrict__ phase, int F) {
@@ -55,7 +57,7 @@ struct ReduceArgs {
   int32_t* row_lengths;   // [R, rows] or nullptr
   int32_t* row_offsets;
   int L, Hq, G, n, out_rows, blocks;
-  bool vec;               // 16-byte loads: n % 4 == 0 and raw 16-byte aligned
+  bool vec, vec_out;      // 16-byte loads (stores): n % 4 == 0 and raw (out) 16-byte aligned
 };
 
 // Each plane's (mean, std) over its finite scores, from the scorer's chunk partials: a thread per plane.
@@ -72,10 +74,15 @@ __global__ void __launch_bounds__(kThreads) moments_kernel(const float* __restri
   moments[plane] = m;
 }
 
-__device__ __forceinline__ void load4(const float* p, int j, int count, bool vec, float (&v)[kVec]) {
+// A thread's kVec columns j.. of one plane's row `p`: two 16-byte loads when the row allows them, else scalar ones;
+// 0 at or past the decode count.
+__device__ __forceinline__ void load_columns(const float* p, int j, int count, bool vec, float (&v)[kVec]) {
   if (vec && j + kVec <= count) {
-    const float4 x = __ldg(reinterpret_cast<const float4*>(p + j));
-    v[0] = x.x, v[1] = x.y, v[2] = x.z, v[3] = x.w;
+#pragma unroll
+    for (int h = 0; h < kVec; h += 4) {
+      const float4 x = __ldg(reinterpret_cast<const float4*>(p + j + h));
+      v[h] = x.x, v[h + 1] = x.y, v[h + 2] = x.z, v[h + 3] = x.w;
+    }
   } else {
 #pragma unroll
     for (int i = 0; i < kVec; ++i) v[i] = j + i < count ? __ldg(p + j + i) : 0.f;
@@ -87,6 +94,7 @@ __device__ __forceinline__ void load4(const float* p, int j, int count, bool vec
 // else a union block's partial maxima (+inf still marking a poisoned column).
 template <int MODE, bool NORMALIZE, bool SCALED, bool FINAL>
 __global__ void __launch_bounds__(kThreads) reduce_kernel(const ReduceArgs a) {
+  __shared__ float2 staged[kStagedPlanes];  // each plane's (mean, std) or (scale, -), a chunk of planes at a time
   const int r = blockIdx.z, row = blockIdx.y;
   const int count = decode_count(a.cache[r], a.prompt[r], a.n);
   const Planes set = planes_of(Mode(MODE), row, row, a.blocks, a.L, a.Hq, a.G);
@@ -96,49 +104,64 @@ __global__ void __launch_bounds__(kThreads) reduce_kernel(const ReduceArgs a) {
     a.row_lengths[int64_t(r) * a.out_rows + row] = count;
     a.row_offsets[int64_t(r) * a.out_rows + row] = a.prompt[r];
   }
-  const int j = blockIdx.x * kColumns + threadIdx.x * kVec;
-  if (j >= a.n) return;
+  const int j = blockIdx.x * kColumns + threadIdx.x * kVec;  // (past n: the thread still stages)
   float acc[kVec], best[kVec];
 #pragma unroll
   for (int i = 0; i < kVec; ++i) acc[i] = MODE == kPerHead ? 0.f : -INFINITY, best[i] = -INFINITY;
-  int in_group = 0;  // planes of the current KV head's group seen so far
-  for (int p0 = 0; p0 < planes; p0 += kUnroll) {
-    float v[kUnroll][kVec];
-    int64_t plane[kUnroll];
-#pragma unroll
-    for (int u = 0; u < kUnroll; ++u) {  // every load of the step first
-      const int p = p0 + u;
-      plane[u] = request + int64_t(set.l0 + p / set.nh) * a.Hq + set.h0 + p % set.nh;
-      if (p < planes) load4(a.raw + plane[u] * a.n, j, count, a.vec, v[u]);
+  const int chunk = (kStagedPlanes / a.G) * a.G;  // whole KV heads a chunk
+  int layer = set.l0, head = 0, in_group = 0;     // the next plane: (layer, set.h0 + head)
+  for (int c0 = 0; c0 < planes; c0 += chunk) {
+    const int np = min(chunk, planes - c0);
+    if (NORMALIZE || SCALED) {
+      if (c0 > 0) __syncthreads();  // the previous chunk's readers are done
+      for (int i = threadIdx.x; i < np; i += kThreads) {
+        const int p = c0 + i, l = set.l0 + p / set.nh, h = set.h0 + p % set.nh;
+        staged[i] = NORMALIZE ? __ldg(a.moments + request + int64_t(l) * a.Hq + h)
+                              : make_float2(__ldg(a.k_scale + l * (a.Hq / a.G) + h / a.G), 1.f);
+      }
+      __syncthreads();
     }
+    if (j >= a.n) continue;
+    for (int p0 = 0; p0 < np; p0 += kUnroll) {
+      float v[kUnroll][kVec];
 #pragma unroll
-    for (int u = 0; u < kUnroll; ++u) {
-      if (p0 + u >= planes) break;
-      float2 t = make_float2(1.f, 1.f);
-      if (NORMALIZE) t = __ldg(a.moments + plane[u]);
-      if (SCALED) {
-        const int64_t lh = plane[u] - request;  // layer * Hq + head
-        t.x = __ldg(a.k_scale + (lh / a.Hq) * (a.Hq / a.G) + (lh % a.Hq) / a.G);
+      for (int u = 0; u < kUnroll; ++u) {  // every load of the step first
+        if (p0 + u >= np) break;
+        load_columns(a.raw + (request + int64_t(layer) * a.Hq + set.h0 + head) * a.n, j, count, a.vec, v[u]);
+        if (++head == set.nh) head = 0, ++layer;
       }
 #pragma unroll
-      for (int i = 0; i < kVec; ++i) best[i] = fmaxf(best[i], plane_score(v[u][i], NORMALIZE, SCALED, t.x, t.y));
-      if (++in_group == a.G) {  // the group's max joins the row
+      for (int u = 0; u < kUnroll; ++u) {
+        if (p0 + u >= np) break;
+        const float2 t = NORMALIZE || SCALED ? staged[p0 + u] : make_float2(1.f, 1.f);
 #pragma unroll
-        for (int i = 0; i < kVec; ++i) {
-          acc[i] = MODE == kPerHead ? acc[i] + best[i] : fmaxf(acc[i], best[i]);
-          best[i] = -INFINITY;
+        for (int i = 0; i < kVec; ++i)
+          best[i] = fmaxf(best[i], plane_score(v[u][i], NORMALIZE, SCALED, t.x, t.y));
+        if (++in_group == a.G) {  // the KV head's max joins the row
+#pragma unroll
+          for (int i = 0; i < kVec; ++i) {
+            acc[i] = MODE == kPerHead ? acc[i] + best[i] : fmaxf(acc[i], best[i]);
+            best[i] = -INFINITY;
+          }
+          in_group = 0;
         }
-        in_group = 0;
       }
     }
   }
-  float* dst = a.out + (int64_t(r) * a.out_rows + row) * a.n;
+  if (j >= a.n) return;
+  float out[kVec];
 #pragma unroll
   for (int i = 0; i < kVec; ++i) {
-    if (j + i >= a.n) break;
-    float v = MODE == kPerHead ? acc[i] / float(a.L) : acc[i];
-    if (FINAL) v = j + i < count && v < INFINITY ? v : -INFINITY;
-    dst[j + i] = v;
+    out[i] = MODE == kPerHead ? acc[i] / float(a.L) : acc[i];
+    if (FINAL) out[i] = j + i < count && out[i] < INFINITY ? out[i] : -INFINITY;
+  }
+  float* dst = a.out + (int64_t(r) * a.out_rows + row) * a.n + j;
+  if (a.vec_out && j + kVec <= a.n) {
+#pragma unroll
+    for (int h = 0; h < kVec; h += 4)
+      reinterpret_cast<float4*>(dst + h)[0] = make_float4(out[h], out[h + 1], out[h + 2], out[h + 3]);
+  } else {
+    for (int i = 0; i < kVec && j + i < a.n; ++i) dst[i] = out[i];
   }
 }
 
@@ -213,7 +236,7 @@ void reduce_cuda(const at::Tensor& raw, const at::Tensor& stats, const at::Tenso
   a.row_lengths = row_lengths ? row_lengths->data_ptr<int32_t>() : nullptr;
   a.row_offsets = row_offsets ? row_offsets->data_ptr<int32_t>() : nullptr;
   a.L = int(s.L), a.Hq = int(s.Hq), a.G = int(s.G), a.n = int(s.n);
-  a.vec = s.n % kVec == 0 && reinterpret_cast<uintptr_t>(a.raw) % 16 == 0;
+  a.vec = s.n % 4 == 0 && reinterpret_cast<uintptr_t>(a.raw) % 16 == 0;
   const int64_t groups = std::max<int64_t>(1, (s.n + kColumns - 1) / kColumns);
   TORCH_CHECK_VALUE(groups <= std::numeric_limits<int32_t>::max(), "triattention_reduce_: rows too long");
   const cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
@@ -231,7 +254,7 @@ void reduce_cuda(const at::Tensor& raw, const at::Tensor& stats, const at::Tenso
   a.blocks = s.mode == kUnion ? union_blocks(s.R, groups, s.L, sm_count()) : 1;
   if (s.mode == kUnion && a.blocks > 1) {
     const at::Tensor partial = at::empty({s.R, a.blocks, std::max<int64_t>(s.n, 1)}, raw.options());
-    a.out = partial.data_ptr<float>(), a.out_rows = a.blocks;
+    a.out = partial.data_ptr<float>(), a.out_rows = a.blocks, a.vec_out = s.n % 4 == 0;
     launch_reduce<kUnion, false>(a, dim3(unsigned(groups), unsigned(a.blocks), unsigned(s.R)), s.normalize,
                                  s.scaled);
     const int64_t max_groups = std::min<int64_t>((s.n + kThreads - 1) / kThreads, 4096);
@@ -242,6 +265,7 @@ void reduce_cuda(const at::Tensor& raw, const at::Tensor& stats, const at::Tenso
     return;
   }
   a.out = rows.data_ptr<float>(), a.out_rows = int(s.rows);
+  a.vec_out = s.n % 4 == 0 && reinterpret_cast<uintptr_t>(a.out) % 16 == 0;
   const dim3 grid(unsigned(groups), unsigned(s.mode == kUnion ? 1 : s.rows), unsigned(s.R));
   if (s.mode == kUnion) launch_reduce<kUnion, true>(a, grid, s.normalize, s.scaled);
   else if (s.mode == kPerHead) launch_reduce<kPerHead, true>(a, grid, s.normalize, s.scaled);
