@@ -104,9 +104,9 @@ def check_pools(what: str, k_pools: Sequence[torch.Tensor], num_layers: int, num
     if not isinstance(k_pools, (list, tuple)) or len(k_pools) != num_layers:
         raise ValueError(f"{what}: k_pools must be a list of {num_layers} per-layer pools, got "
                          f"{len(k_pools) if isinstance(k_pools, (list, tuple)) else type(k_pools).__name__}")
-    if not all(isinstance(p, torch.Tensor) for p in k_pools):
-        check_device(what, k_pools=k_pools)  # names the first non-tensor
     first = k_pools[0]
+    if not isinstance(first, torch.Tensor):
+        check_device(what, k_pools=k_pools)  # names it (the others: pool_addresses)
     if first.device.type == "meta":
         raise ValueError(f"{what}: k_pools[0] is a meta tensor; kvops ops need real data on one device")
     if first.dim() != 5:
@@ -147,6 +147,9 @@ def pool_addresses(k_pools: Sequence[torch.Tensor], what: str = "triattention sc
         return tuple(torch.ops.kvops._same_layout_addresses(k_pools, "k_pools"))
     except ValueError as e:
         raise ValueError(f"{what}: {e}") from None
+    except (TypeError, RuntimeError):  # something in the list is not a tensor: name it
+        check_device(what, k_pools=k_pools)
+        raise
 
 
 _addresses: dict[tuple, torch.Tensor] = {}
