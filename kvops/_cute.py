@@ -18,6 +18,7 @@ import fcntl
 import functools
 import ast
 import hashlib
+import json
 import os
 import subprocess
 import tempfile
@@ -154,15 +155,47 @@ def kernel_sources() -> list[Path]:
     return sorted(modules[name] for name in found)
 
 
+SOURCES = LIBRARY.with_name("_cute_kernels.sources.json")  # the build's sources_hash and the files it saw
+
+
+def _package_files() -> dict[str, list[int]]:
+    """Every module of the package with its size and modification time: what a saved sources_hash is valid for."""
+    root = Path(__file__).parent
+    return {p.relative_to(root).as_posix(): [(st := p.stat()).st_size, st.st_mtime_ns] for p in sorted(root.rglob("*.py"))}
+
+
 @functools.cache
 def sources_hash() -> str:
     """A short hash of kernel_sources() (their paths in the package and their bytes): in every exported symbol, so
-    a library or cache entry built from other kernel sources (an editable install edited since) is never used."""
+    a library or cache entry built from other kernel sources (an editable install edited since) is never used.
+    Finding those sources parses the package (tens of milliseconds of a first round), so the build saves the hash
+    with the size and modification time of every module (``save_sources_hash``); while none has changed, that
+    saved hash is used."""
+    files = _package_files()
+    try:
+        saved = json.loads(SOURCES.read_text())
+        if saved["files"] == files:
+            return saved["hash"]
+    except (OSError, ValueError, KeyError, TypeError):
+        pass
+    return _hash_sources()
+
+
+def _hash_sources() -> str:
     root = Path(__file__).parent
     digest = hashlib.sha256()
     for path in kernel_sources():
         digest.update(path.relative_to(root).as_posix().encode() + b"\0" + path.read_bytes() + b"\0")
     return digest.hexdigest()[:12]
+
+
+def save_sources_hash(path: Path = SOURCES) -> None:
+    """Save sources_hash() with the package's modules' sizes and modification times at `path`, beside the library
+    (the build calls it); written whole or not at all."""
+    from ._files import write_whole
+
+    data = {"hash": _hash_sources(), "files": _package_files()}
+    write_whole(str(path), lambda f: f.write(json.dumps(data).encode()))
 
 
 def symbol(spec: Spec, target: str) -> str:

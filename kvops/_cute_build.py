@@ -57,6 +57,7 @@ def build(out: Path, archs: tuple[str, ...] | None = None, jobs: int | None = No
                 objects = [o for part in pool.map(_cute_build.export_objects, shares, [tmp] * jobs, [start] * jobs)
                            for o in part]
         _cute.export_library([], out, objects)
+    _cute.save_sources_hash(out.with_name(_cute.SOURCES.name))
     print(f"{out}: {len(todo)} kernels for {', '.join(archs)} in {time.time() - start:.0f} s ({jobs} processes)")
 
 

@@ -201,3 +201,28 @@ def test_the_kernel_sources_follow_module_level_imports(tmp_path):
                    "def f():\n    import cutlass\n    from . import w\n")
     modules = {name: Path(name) for name in ("kvops", "kvops._cute", "kvops.p.x", "kvops.z", "kvops.p.w")}
     assert _cute._imports(mod, "kvops.p.m", modules) == (True, {"kvops._cute", "kvops.p.x", "kvops.z"})
+
+
+def test_the_saved_sources_hash_is_used_only_while_no_module_changed(tmp_path, monkeypatch):
+    """sources_hash() reads the build's saved hash (no parsing of the package at a first round) while every module
+    has the size and modification time the build saw, and recomputes it otherwise."""
+    import json
+
+    saved = tmp_path / "sources.json"
+    monkeypatch.setattr(_cute, "SOURCES", saved)
+    _cute.save_sources_hash(saved)
+    data = json.loads(saved.read_text())
+    assert data["hash"] == _cute._hash_sources() and "_cute.py" in data["files"]
+    try:
+        saved.write_text(json.dumps({**data, "hash": "saved-hash"}))
+        _cute.sources_hash.cache_clear()
+        assert _cute.sources_hash() == "saved-hash"
+        data["files"]["_cute.py"][1] += 1  # a module edited since the build
+        saved.write_text(json.dumps({**data, "hash": "saved-hash"}))
+        _cute.sources_hash.cache_clear()
+        assert _cute.sources_hash() == _cute._hash_sources()
+        saved.write_text("{not json")
+        _cute.sources_hash.cache_clear()
+        assert _cute.sources_hash() == _cute._hash_sources()
+    finally:
+        _cute.sources_hash.cache_clear()
