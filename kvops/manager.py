@@ -295,7 +295,7 @@ class TriAttentionManager(KVCacheCompressionManager):
 class TriAttentionRound:
     """The device half of a TriAttention round, on buffers bound once: selection -> packing -> compaction for the
     first R of up to `max_requests` due requests, on the current stream, with no host sync. With `cuda_graphs`,
-    the first round of each R runs eagerly (compiling the kernels) and is captured; later rounds of that R copy
+    the first round of each R runs eagerly (loading the kernels) and is captured; later rounds of that R copy
     their inputs into the bound buffers and replay. Capacities grow in powers of two (the manager rebinds). A
     round over no requests does nothing. The layers in `recent_layers` keep their newest scored tokens (the
     compaction's layer windows); `selector` scores the others (``policy_selector``)."""
@@ -356,7 +356,7 @@ class TriAttentionRound:
         elif R in self.graphs:
             self.graphs[R].replay()
         else:
-            self._launch(R)  # this round, eagerly; it also compiles the kernels before the capture
+            self._launch(R)  # this round, eagerly; it also loads the kernels before the capture
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph):
                 self._launch(R)  # recorded, not run

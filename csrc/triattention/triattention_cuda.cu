@@ -196,12 +196,14 @@ void mean_phase_cuda(const at::Tensor& round_starts, const at::Tensor& omega, at
   C10_CUDA_KERNEL_LAUNCH_CHECK();
 }
 
-// Layer blocks for a union row: the fewest that divide the layers and give at least one CTA per SM, so that a
-// round of few requests is not a few CTAs each walking every plane; 1 when the requests alone fill the GPU. The max
-// over blocks is exact, so the rows do not depend on it.
+// Layer blocks for a union row: the fewest that divide the layers and give at least kUnionCtasPerSm CTAs per SM,
+// so that a round of few requests is not a few CTAs each walking every plane (a walk is bound by latency, so the
+// SMs need several at once); 1 when the requests alone fill the GPU so. The max over blocks is exact, so the rows
+// do not depend on it.
+constexpr int kUnionCtasPerSm = 4;
 int union_blocks(int64_t requests, int64_t column_groups, int64_t layers, int sms) {
   for (int64_t b = 1; b <= layers; ++b)
-    if (layers % b == 0 && requests * column_groups * b >= sms) return int(b);
+    if (layers % b == 0 && requests * column_groups * b >= int64_t(sms) * kUnionCtasPerSm) return int(b);
   return int(layers);
 }
 
