@@ -10,8 +10,9 @@ import torch
 
 
 def triton_launcher(kernel, device: torch.device):
-    """`kernel` where it can run on `device`'s tensors, or None where the op's plain-torch path runs instead (CPU
-    without TRITON_INTERPRET=1)."""
+    """`kernel` (a ``kvops._triton.Kernel``: its prebuilt cubin on the GPU, Triton's interpreter on the CPU) where
+    it can run on `device`'s tensors, or None where the op's plain-torch path runs instead (CPU without
+    TRITON_INTERPRET=1)."""
     if device.type == "cpu" and os.environ.get("TRITON_INTERPRET") != "1":
         return None
     return kernel

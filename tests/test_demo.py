@@ -48,6 +48,10 @@ def test_info_and_usage(capsys):
     assert _C.CUDA_KERNELS in (0, 1)
     assert f"CUDA kernels {'yes' if _C.CUDA_KERNELS else 'no'}" in out
     assert f"CuTe library {'yes' if _cute.LIBRARY.is_file() else 'no'}" in out
+    from kvops import _triton  # every prebuilt Triton kernel, by name and arch
+
+    assert f"prebuilt Triton kernels: {len(_triton.installed())}" in out
+    assert all(f"  {e['symbol']} {e['arch']} " in out for e in _triton.installed())
     assert main([]) == 2 and main(["nope"]) == 2
 
 

@@ -214,6 +214,17 @@ def test_bad_arguments(device):
     for k_scale in (torch.ones(3, 2, dtype=torch.float64), torch.ones(3), torch.ones(2, 3).t()):
         with pytest.raises(ValueError, match=r"k_scale must be contiguous float32 \[3, 2\]"):
             reduce_rows(raw, stats, N, P, "union", 2, False, k_scale.to(raw.device))
+    # the native op checks what its callers pass it, before it writes anything
+    op, rows = torch.ops.kvops.triattention_reduce_, torch.full((1, 2, 4), 7.0, device=device)
+    topk_args = torch.zeros(2, 1, 2, dtype=torch.int32, device=device)
+    for args, match in (((raw, stats, P, N, raw.view(-1)[:8].view(1, 2, 4), "per_head", 2, True), "rows shares memory"),
+                        ((raw, stats, P, N, rows, "per_head", 2, True, None, topk_args[0]), "go together"),
+                        ((raw, stats, P, N, rows, "per_head", 2, True, None, topk_args[0], topk_args[0]),
+                         "row_lengths and row_offsets share memory"),
+                        ((raw, stats, P, N, rows[:, :1], "per_head", 2, True), "rows must have shape")):
+        with pytest.raises(ValueError, match=match):
+            op(*args)
+    assert (rows == 7).all() and (topk_args == 0).all()
 
 
 @requires_cuda

@@ -164,7 +164,7 @@ class TriAttentionSelector:
             _check_round(what, k_pools, page_table, cache_lengths, prompt_lengths, max_decode)
         omega, weights, k_scale = self._calibration_on(device)
         R = page_table.shape[0]
-        # four launches: mean phase, score, reduce (which also writes the top-k's per-row lengths and offsets: the
+        # four host calls: mean phase, score, reduce (which also writes the top-k's per-row lengths and offsets: the
         # decode count and the prompt), top-k; no elementwise op between them
         phase = torch.empty((R, 2, cal.num_freqs), dtype=torch.float32, device=device)
         torch.ops.kvops.triattention_mean_phase_(round_starts.contiguous(), omega, phase)  # (it checks the dtype)
