@@ -81,6 +81,8 @@ class Kernel:
         return lambda *args, **constexprs: self.launch(grid, args, constexprs)
 
     def launch(self, grid: tuple[int, int, int], args: Sequence, constexprs: Mapping[str, object]) -> None:
+        if len(args) != len(self.params):
+            raise TypeError(f"{self.name} takes {len(self.params)} runtime arguments, got {len(args)}")
         device = next(a.device for a in args if isinstance(a, torch.Tensor))
         if device.type == "cuda":
             key = tuple(constexprs.items())

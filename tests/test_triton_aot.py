@@ -41,6 +41,8 @@ def test_a_declaration_must_name_every_constexpr():
         _triton.Kernel("test_bad", fn, _triton.KERNELS["compaction_pack"].signature, variants=[{}])
     with pytest.raises(ValueError, match="declared twice"):
         _triton.Kernel("compaction_pack", fn, {}, variants=[])
+    with pytest.raises(TypeError, match="takes 11 runtime arguments, got 2"):
+        _triton.KERNELS["compaction_pack"][(1,)](torch.zeros(1), 3, BLOCK=512)
 
 
 def test_register_refuses_bad_arguments():
