@@ -245,7 +245,8 @@ def _first_round(rows_out: list[Row], copy_gbps: float) -> list[str]:
         for path in caches.values():
             os.makedirs(path)
         root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-        env = {**os.environ, **caches, "PYTHONPATH": os.pathsep.join(filter(None, [root, os.environ.get("PYTHONPATH")]))}
+        pythonpath = os.pathsep.join(filter(None, [root, os.environ.get("PYTHONPATH")]))
+        env = {**os.environ, **caches, "PYTHONPATH": pythonpath}
         done = subprocess.run([sys.executable, "-c", _FIRST_ROUND], env=env, cwd=root, capture_output=True, text=True,
                               timeout=600)
         if done.returncode:

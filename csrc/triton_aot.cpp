@@ -172,7 +172,9 @@ void launch(const std::string& symbol, at::IntArrayRef grid, const c10::List<std
 
 }  // namespace
 
-TORCH_LIBRARY_IMPL(kvops, CPU, m) { m.impl("_triton_register", &register_kernel); }
+// Whatever device the cubin tensor claims, the check names it (a CPU-only registration would answer a CUDA tensor
+// with a missing-kernel error).
+TORCH_LIBRARY_IMPL(kvops, CompositeExplicitAutograd, m) { m.impl("_triton_register", &register_kernel); }
 
 #ifdef KVOPS_WITH_CUDA
 TORCH_LIBRARY_IMPL(kvops, CUDA, m) { m.impl("_triton_launch", &launch); }

@@ -161,7 +161,8 @@ SOURCES = LIBRARY.with_name("_cute_kernels.sources.json")  # the build's sources
 def _package_files() -> dict[str, list[int]]:
     """Every module of the package with its size and modification time: what a saved sources_hash is valid for."""
     root = Path(__file__).parent
-    return {p.relative_to(root).as_posix(): [(st := p.stat()).st_size, st.st_mtime_ns] for p in sorted(root.rglob("*.py"))}
+    return {p.relative_to(root).as_posix(): [(st := p.stat()).st_size, st.st_mtime_ns]
+            for p in sorted(root.rglob("*.py"))}
 
 
 @functools.cache

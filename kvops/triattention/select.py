@@ -21,18 +21,19 @@ from ..topk.ops import topk_unchecked
 
 def score_rows(k_pools: Sequence[torch.Tensor], page_table: torch.Tensor, cache_lengths: torch.Tensor,
                prompt_lengths: torch.Tensor, phase: torch.Tensor, cal: Calibration, mode: str, max_decode: int,
-               normalize_scores: bool = True, weights: tuple | None = None, k_scale: torch.Tensor | None = None
-               ) -> torch.Tensor:
+               normalize_scores: bool = True, weights: tuple | None = None, k_scale: torch.Tensor | None = None,
+               topk_args: bool = False):
     """Row scores float32 [R, rows, max_decode] of the decode tokens (column j is cache position P + j); columns
     at or past N - P hold -inf. k_pools: per-layer [page, plane, kv_head, token, dim] views (plane 0 is K);
     phase: [R, 2, F] from mean_phase; weights: cal.score_weights() on the pools' device (made here if None).
-    The arguments are those TriAttentionSelector.select has checked (check_round_inputs); score() and
-    reduce_rows() are the checked entries of the two steps."""
+    With `topk_args`, (rows, row_lengths, row_offsets) as reduce_unchecked gives them. The arguments are those
+    TriAttentionSelector.select has checked (check_round_inputs); score() and reduce_rows() are the checked
+    entries of the two steps."""
     if weights is None:
         weights = tuple(w.to(page_table.device) for w in cal.score_weights())
     raw, stats = score_unchecked(k_pools, page_table, cache_lengths, prompt_lengths, phase, weights, max_decode)
     return reduce_unchecked(raw, stats, cache_lengths, prompt_lengths, mode, cal.num_kv_heads, normalize_scores,
-                            k_scale)
+                            k_scale, topk_args)
 
 
 class TriAttentionSelector:
@@ -168,9 +169,8 @@ class TriAttentionSelector:
         # decode count and the prompt), top-k; no elementwise op between them
         phase = torch.empty((R, 2, cal.num_freqs), dtype=torch.float32, device=device)
         torch.ops.kvops.triattention_mean_phase_(round_starts.contiguous(), omega, phase)  # (it checks the dtype)
-        raw, stats = score_unchecked(k_pools, page_table, cache_lengths, prompt_lengths, phase, weights, max_decode)
-        scores, lengths, offsets = reduce_unchecked(raw, stats, cache_lengths, prompt_lengths, self.mode,
-                                                    cal.num_kv_heads, self.normalize_scores, k_scale, topk_args=True)
+        scores, lengths, offsets = score_rows(k_pools, page_table, cache_lengths, prompt_lengths, phase, cal, self.mode,
+                                              max_decode, self.normalize_scores, weights, k_scale, topk_args=True)
         if group is not None and self.mode == "union":
             all_reduce_union_rows_(scores, lengths.view(R), group)
         # decode index i is cache position prompt + i: the top-k adds the row's prompt length as it writes
