@@ -1,13 +1,16 @@
-// CUDA backend of kvops::attention_decode: flash-decoding over a paged cache.
+// CUDA backend of kvops::attention_decode: flash-decoding over a paged cache, on tensor cores.
 //
-// One CTA serves one (request, KV head, block of up to kRows query rows, split of the KV length); the query rows
-// of a KV head are its grouped heads x query tokens, so K and V are read once per KV head and never repeated. The
-// CTA streams its range in tiles (Shape) through a kStages-deep cp.async pipeline in shared memory, one page
-// lookup per token row. Per tile: scores (a few threads per token, each a slice of its K row against the query rows
-// held in shared memory), softmax (a warp per query row: the tile's max, the running max and sum, in log2 units) and
-// output (a thread per two dims and token subset adds weights x V). With several splits each CTA writes its rows'
-// normalised output and log-sum-exp, and a second kernel merges the splits. It reaches about 47% of the copy
-// bandwidth on the H200 (benchmarks/RESULTS.md): the per-token work on CUDA cores is the limit, not the loads.
+// One CTA of kWarps warps serves one (request, KV head, block of kM query rows, split of the KV length). The query
+// rows of a KV head are its grouped heads x query tokens, padded to the mma's M of 16, so K and V are read once
+// per KV head and never repeated. Each warp takes every kWarps-th tile of kTile tokens of the CTA's range through
+// its own kStages-deep cp.async pipeline (one page lookup per token, no CTA barrier in the loop), and per tile:
+//   scores  S = Q K^T   mma.m16n8k16 with Q in registers (A) and K rows by ldmatrix (B, no transpose);
+//   softmax the running max and sum per row in log2 units, on the accumulator fragments (a quad holds a row);
+//   output  O += P V    P from S's fragments (A), V rows by ldmatrix.trans (B).
+// fp8 tiles are widened to the query's type in shared memory first. At the end the warps' (max, sum, O) are merged
+// through shared memory; with several splits each CTA writes its rows' normalised output and log-sum-exp, and a
+// second kernel merges the splits. (A CUDA-core version of this kernel plateaued at 47% of the copy bandwidth on
+// the H200, bound by its per-token work; see benchmarks/RESULTS.md for this one.)
 #include <ATen/ATen.h>
 #include <c10/cuda/CUDAGuard.h>
 #include <cuda_bf16.h>
@@ -27,10 +30,10 @@ namespace attention {
 
 namespace {
 
-constexpr int kThreads = 256;
-constexpr int kWarps = kThreads / 32;
-constexpr int kRows = 8;          // query rows one CTA serves at most (more take more row blocks)
-constexpr int kStages = 3;        // tiles in flight per CTA
+constexpr int kWarps = 4;
+constexpr int kThreads = 32 * kWarps;
+constexpr int kM = 16;            // query rows per CTA: the mma's M (more take more row blocks)
+constexpr int kTile = 16;         // tokens per warp tile: the mma's K of P V
 constexpr int kMinSplitTokens = 64;
 constexpr float kLog2e = 1.4426950408889634f;
 
@@ -51,13 +54,59 @@ __device__ __forceinline__ float fast_exp2(float x) {
   return y;
 }
 
-template <typename T> __device__ __forceinline__ float load_float(const T* p) { return float(*p); }
-template <> __device__ __forceinline__ float load_float(const __nv_bfloat16* p) { return __bfloat162float(*p); }
-template <> __device__ __forceinline__ float load_float(const __half* p) { return __half2float(*p); }
-
 template <typename T> __device__ __forceinline__ T from_float(float x);
 template <> __device__ __forceinline__ __nv_bfloat16 from_float(float x) { return __float2bfloat16_rn(x); }
 template <> __device__ __forceinline__ __half from_float(float x) { return __float2half_rn(x); }
+
+// two floats as the low and high halves of an mma operand register
+template <typename T> __device__ __forceinline__ uint32_t pack2(float lo, float hi);
+template <> __device__ __forceinline__ uint32_t pack2<__nv_bfloat16>(float lo, float hi) {
+  const __nv_bfloat162 v = __floats2bfloat162_rn(lo, hi);
+  return *reinterpret_cast<const uint32_t*>(&v);
+}
+template <> __device__ __forceinline__ uint32_t pack2<__half>(float lo, float hi) {
+  const __half2 v = __floats2half2_rn(lo, hi);
+  return *reinterpret_cast<const uint32_t*>(&v);
+}
+
+// two fp8 e4m3 values (low byte first) as T x 2, exactly
+template <typename T> __device__ __forceinline__ uint32_t widen_fp8x2(uint16_t x) {
+  const __half2_raw h = __nv_cvt_fp8x2_to_halfraw2(x, __NV_E4M3);
+  if constexpr (std::is_same_v<T, __half>) {
+    return *reinterpret_cast<const uint32_t*>(&h);
+  } else {
+    const float2 f = __half22float2(*reinterpret_cast<const __half2*>(&h));
+    return pack2<T>(f.x, f.y);
+  }
+}
+
+// D += A B on the tensor cores (m16n8k16, fp32 accumulators); A, B of T
+template <typename T>
+__device__ __forceinline__ void mma(float (&d)[4], const uint32_t (&a)[4], uint32_t b0, uint32_t b1) {
+  if constexpr (std::is_same_v<T, __nv_bfloat16>) {
+    asm volatile("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
+                 "{%0,%1,%2,%3};\n"
+                 : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+                 : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+  } else {
+    asm volatile("mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
+                 "{%0,%1,%2,%3};\n"
+                 : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+                 : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+  }
+}
+
+// four 8x8 matrices of 16-bit elements from shared memory; lane l gives the address of row l % 8 of matrix l / 8
+__device__ __forceinline__ void ldmatrix_x4(uint32_t (&r)[4], const void* row) {
+  const unsigned a = unsigned(__cvta_generic_to_shared(row));
+  asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];\n"
+               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3]) : "r"(a));
+}
+__device__ __forceinline__ void ldmatrix_x4_trans(uint32_t (&r)[4], const void* row) {
+  const unsigned a = unsigned(__cvta_generic_to_shared(row));
+  asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0,%1,%2,%3}, [%4];\n"
+               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3]) : "r"(a));
+}
 
 // cp.async of 16 bytes, zero-filled when !ok (nothing is read then)
 __device__ __forceinline__ void copy16(void* dst, const void* src, bool ok) {
@@ -67,273 +116,263 @@ __device__ __forceinline__ void copy16(void* dst, const void* src, bool ok) {
 __device__ __forceinline__ void commit() { asm volatile("cp.async.commit_group;\n" ::); }
 template <int N> __device__ __forceinline__ void wait_groups() { asm volatile("cp.async.wait_group %0;\n" ::"n"(N)); }
 
-// The shape of a CTA's work: kTokens-token tiles of K and V staged in shared memory, kStages of them in flight.
-// Rows are stored in 16-byte chunks, chunk c of token t at c ^ (t % kSwizzle): the score phase (a thread per
-// token reads down a row) and the output phase (a warp reads across a row) are then both free of bank conflicts.
-template <typename KT, int D, int ROWS>
+// One warp's shared memory: kStages tiles of K and V rows as stored (KT), a tile widened to T when KT is fp8, and
+// a validity mask per stage. Rows in T are stored in 16-byte chunks, chunk c of token t at c ^ (t % 8): ldmatrix's
+// eight rows of one chunk then fall in eight different bank groups. The CTA's merge reuses the whole of it.
+template <typename T, typename KT, int D>
 struct Shape {
-  static constexpr int kRowBytes = D * int(sizeof(KT));
+  static constexpr bool kWiden = sizeof(KT) == 1;
+  static constexpr int kRowBytes = D * int(sizeof(KT));      // a token row as stored
   static constexpr int kChunks = kRowBytes / 16;
-  static constexpr int kSwizzle = kChunks < 8 ? kChunks : 8;
-  static constexpr int kTokens = 16384 / kRowBytes < 64 ? 16384 / kRowBytes : 64;  // K tile <= 16 KiB
-  static constexpr int kParts = kThreads / kTokens;   // score phase: threads per token, each a slice of its chunks
-  static constexpr int kPartChunks = kChunks / kParts;
-  static constexpr int kPairs = D / 2;                // output phase: a thread per 2 dims and token subset
-  static constexpr int kSubsets = kThreads / kPairs;
-  static constexpr int kTileBytes = kTokens * kRowBytes;
-  static constexpr int kStageBytes = 2 * kTileBytes + kTokens;  // K, V, a byte per token: whether it is held
-  static constexpr int kStageStride = (kStageBytes + 15) / 16 * 16;
-  // shared memory after the stages: the query [D][ROWS] fp32, partial scores [kParts][kTokens][ROWS], weights
-  // [kTokens][ROWS], per-row rescale factors; the final merge reuses the stages
-  static constexpr int kQueryOffset = kStages * kStageStride;
-  static constexpr int kScoreOffset = kQueryOffset + D * ROWS * 4;
-  static constexpr int kWeightOffset = kScoreOffset + kParts * kTokens * ROWS * 4;
-  static constexpr int kRescaleOffset = kWeightOffset + kTokens * ROWS * 4;
-  static constexpr int kSmemBytes = kRescaleOffset + ROWS * 4;
-  static_assert(kThreads % kTokens == 0 && kChunks % kParts == 0 && kThreads % kPairs == 0, "tile shape");
-  static_assert(kSubsets * kPairs * ROWS * 2 * 4 <= kStages * kStageStride, "merge buffer");
+  static constexpr int kPlaneBytes = kTile * kRowBytes;
+  static constexpr int kStageBytes = 2 * kPlaneBytes;        // K, V
+  // about 24 KiB of tiles per warp: two or three CTAs an SM below head_dim 256, 32 KiB of loads in flight each
+  static constexpr int kStages = std::clamp(24576 / kStageBytes, 2, 4);
+  static constexpr int kWideRowBytes = D * 2;                // a token row in T (ldmatrix's chunks, swizzled)
+  static constexpr int kWideBytes = kWiden ? 2 * kTile * kWideRowBytes : 0;
+  static constexpr int kMaskOffset = kStages * kStageBytes + kWideBytes;
+  static constexpr int kWarpBytes = kMaskOffset + 16;
+  // the final merge: every warp's O [kM][D + 8] (padded: a quad's rows fall in different banks), max and sum
+  static constexpr int kAccStride = D + 8;
+  static constexpr int kMergeBytes = kWarps * kM * (kAccStride + 2) * 4;
+  static constexpr int kSmemBytes = std::max(kWarps * kWarpBytes, kMergeBytes);
+  static_assert(kWideRowBytes / 16 >= 8 && kStages * kStageBytes % 16 == 0 && kChunks >= 2, "tile shape");
 };
 
-template <typename KT> __device__ __forceinline__ float2 pair_to_float(const unsigned char* p) {
-  if constexpr (std::is_same_v<KT, __nv_bfloat16>) {
-    const uint32_t w = *reinterpret_cast<const uint32_t*>(p);
-    return make_float2(__uint_as_float(w << 16), __uint_as_float(w & 0xffff0000u));
-  } else if constexpr (std::is_same_v<KT, __half>) {
-    return __half22float2(*reinterpret_cast<const __half2*>(p));
-  } else {
-    const __half2_raw h = __nv_cvt_fp8x2_to_halfraw2(*reinterpret_cast<const __nv_fp8x2_storage_t*>(p), __NV_E4M3);
-    return __half22float2(*reinterpret_cast<const __half2*>(&h));
-  }
-}
+__device__ __forceinline__ int swizzle(int token, int chunk) { return chunk ^ (token & 7); }
 
-// ROWS consecutive floats of shared memory (16-byte aligned when ROWS % 4 == 0) into registers
-template <int ROWS>
-__device__ __forceinline__ void load_rows(const float* p, float (&x)[ROWS]) {
-  if constexpr (ROWS % 4 == 0) {
-#pragma unroll
-    for (int j = 0; j < ROWS; j += 4) {
-      const float4 v = *reinterpret_cast<const float4*>(p + j);
-      x[j] = v.x, x[j + 1] = v.y, x[j + 2] = v.z, x[j + 3] = v.w;
-    }
-  } else {
-#pragma unroll
-    for (int j = 0; j < ROWS; ++j) x[j] = p[j];
-  }
-}
-
-template <typename QT, typename KT, int D, int ROWS>
+template <typename T, typename KT, int D>
 __global__ void __launch_bounds__(kThreads) decode_kernel(const __grid_constant__ Params p) {
-  using S = Shape<KT, D, ROWS>;
-  constexpr int TOKENS = S::kTokens;
-  extern __shared__ __align__(16) unsigned char smem[];
-  float* s_query = reinterpret_cast<float*>(smem + S::kQueryOffset);     // [D][ROWS], log2 units
-  float* s_score = reinterpret_cast<float*>(smem + S::kScoreOffset);     // [parts][TOKENS][ROWS]
-  float* s_weight = reinterpret_cast<float*>(smem + S::kWeightOffset);   // [TOKENS][ROWS]
-  float* s_rescale = reinterpret_cast<float*>(smem + S::kRescaleOffset); // [ROWS]
+  using S = Shape<T, KT, D>;
+  constexpr int KSTEPS = D / 16;  // mma k-steps of Q K^T; also 16-dim column pairs of P V
+  extern __shared__ __align__(128) unsigned char smem[];
   const DecodeArgs& a = p.a;
   const int r = blockIdx.z, split = blockIdx.x;
-  const int hk = blockIdx.y / p.row_blocks, row0 = (blockIdx.y % p.row_blocks) * ROWS;
-  const int nrows = min(ROWS, p.rows - row0);
-  const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32;
+  const int hk = blockIdx.y / p.row_blocks, row0 = (blockIdx.y % p.row_blocks) * kM;
+  const int nrows = min(kM, p.rows - row0);
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  const int gid = lane / 4, tig = lane % 4;  // the mma fragments' row group and thread in group
+  unsigned char* wsmem = smem + warp * S::kWarpBytes;
+  uint32_t* masks = reinterpret_cast<uint32_t*>(wsmem + S::kMaskOffset);
 
-  const int capacity = a.capacity();
-  const int length = min(max(p.lengths[r], 0), capacity);
+  const int length = min(max(p.lengths[r], 0), a.capacity());
   const int start = a.has_starts ? min(max(p.starts[r], 0), length) : 0;
   const int begin = max(start, split * p.split_tokens);
   const int end = min(length, (split + 1) * p.split_tokens);
-  const int tiles = end > begin ? (end - begin + TOKENS - 1) / TOKENS : 0;
+  const int tiles = end > begin ? (end - begin + kTile - 1) / kTile : 0;
+  const int my_tiles = tiles > warp ? (tiles - warp + kWarps - 1) / kWarps : 0;  // tiles warp, warp + kWarps, ...
 
-  // Stage tile `tile` of this CTA's range into buffer tile % kStages: 16-byte copies of K and V rows; the thread of
-  // a K row's first chunks also records whether the token is held (in range, on a page that exists).
+  // Stage the warp's tile i into buffer i % kStages. Lane t < kTile looks up token t's page and holds its K and V
+  // row offsets; every lane then copies 16-byte chunks of rows, taking each row's offset from its owner.
   const int32_t* trow = p.table + int64_t(r) * a.table_stride;
   const char* kbase = static_cast<const char*>(p.k) + int64_t(hk) * a.k_stride_head * int64_t(sizeof(KT));
   const char* vbase = static_cast<const char*>(p.v) + int64_t(hk) * a.v_stride_head * int64_t(sizeof(KT));
-  // thread tid copies chunks [part * n, (part + 1) * n) of one row: (plane, token) = (tid / TOKENS, tid % TOKENS) of
-  // the tile's 2 * TOKENS rows, part = tid / (2 * TOKENS); its page is looked up once per tile
-  constexpr int ROW_THREADS = kThreads / (2 * TOKENS), ROW_CHUNKS = S::kChunks / ROW_THREADS;
-  static_assert(kThreads % (2 * TOKENS) == 0 && S::kChunks % ROW_THREADS == 0, "staging shape");
-  const int cp_row = tid % (2 * TOKENS), cp_plane = cp_row / TOKENS, cp_token = cp_row % TOKENS;
-  const int cp_chunk0 = tid / (2 * TOKENS) * ROW_CHUNKS;
-  const char* cp_base = cp_plane == 0 ? kbase : vbase;
-  const int64_t cp_stride_page = cp_plane == 0 ? a.k_stride_page : a.v_stride_page;
-  const int64_t cp_stride_token = cp_plane == 0 ? a.k_stride_token : a.v_stride_token;
-  auto stage = [&](int tile) {
-    if (tile < tiles) {
-      unsigned char* buf = smem + (tile % kStages) * S::kStageStride;
-      const int pos = begin + tile * TOKENS + cp_token;
-      bool ok = pos < end;
-      const char* src = cp_base;
+  auto stage = [&](int i) {
+    if (i < my_tiles) {
+      const int pos = begin + (i * kWarps + warp) * kTile + lane;
+      bool ok = lane < kTile && pos < end;
+      int64_t koff = 0, voff = 0;
       if (ok) {
         const uint32_t col = a.page_div.div(uint32_t(pos));
         const int page = __ldg(trow + col);
         ok = page >= 0 && page < a.pages;
         const int slot = pos - int(col) * a.page_size;
-        if (ok) src += (page * cp_stride_page + slot * cp_stride_token) * int64_t(sizeof(KT));
+        koff = (page * a.k_stride_page + slot * a.k_stride_token) * int64_t(sizeof(KT));
+        voff = (page * a.v_stride_page + slot * a.v_stride_token) * int64_t(sizeof(KT));
       }
-      unsigned char* dst = buf + cp_plane * S::kTileBytes + cp_token * S::kRowBytes;
+      const uint32_t mask = __ballot_sync(0xffffffffu, ok);
+      if (lane == 0) masks[i % S::kStages] = mask;
+      unsigned char* buf = wsmem + (i % S::kStages) * S::kStageBytes;
+      constexpr int PER_PLANE = kTile * S::kChunks;  // chunks, a multiple of 32
 #pragma unroll
-      for (int c = 0; c < ROW_CHUNKS; ++c) {
-        const int chunk = cp_chunk0 + c;
-        copy16(dst + (chunk ^ (cp_token % S::kSwizzle)) * 16, src + (ok ? chunk * 16 : 0), ok);
+      for (int it = 0; it < 2 * PER_PLANE / 32; ++it) {
+        const int idx = it * 32 + lane, plane = idx / PER_PLANE, token = idx % PER_PLANE / S::kChunks;
+        const int chunk = idx % S::kChunks;
+        const int64_t off = __shfl_sync(0xffffffffu, plane == 0 ? koff : voff, token);
+        const bool held = (mask >> token) & 1;
+        const int at = S::kWiden ? chunk : swizzle(token, chunk);
+        copy16(buf + plane * S::kPlaneBytes + token * S::kRowBytes + at * 16,
+               (plane == 0 ? kbase : vbase) + (held ? off + chunk * 16 : 0), held);
       }
-      if (cp_plane == 0 && cp_chunk0 == 0) buf[2 * S::kTileBytes + cp_token] = ok;
     }
     commit();  // an empty group past the end keeps the count uniform
   };
 #pragma unroll
-  for (int t = 0; t < kStages - 1; ++t) stage(t);
+  for (int t = 0; t < S::kStages - 1; ++t) stage(t);
 
-  // query row j = (head hk * group + j / q_tokens, token j % q_tokens), scaled to log2 units; a missing row is 0
-  const float qscale = a.scale * a.k_scale * kLog2e;
-  for (int i = tid; i < D * ROWS; i += kThreads) {
-    const int d = i / ROWS, j = i % ROWS, row = row0 + j;
-    const QT* qp = static_cast<const QT*>(p.query) + r * a.q_stride_request +
-                   int64_t(hk * p.group + row / a.q_tokens) * a.q_stride_head + int64_t(row % a.q_tokens) *
-                   a.q_stride_token;
-    s_query[i] = j < nrows ? load_float(qp + d) * qscale : 0.f;
+  // Q as mma A fragments: rows gid and gid + 8, dims 16 kk + 2 tig (+1) and + 8; a padding row is zeros.
+  // Row j is (head hk * group + j / q_tokens, query token j % q_tokens); its causal limit is `limit`.
+  uint32_t qa[KSTEPS][4];
+  int limit[2];
+#pragma unroll
+  for (int h = 0; h < 2; ++h) {
+    const int j = gid + 8 * h, row = row0 + j;
+    const T* qp = static_cast<const T*>(p.query) + r * a.q_stride_request +
+                  int64_t(hk * p.group + row / a.q_tokens) * a.q_stride_head +
+                  int64_t(row % a.q_tokens) * a.q_stride_token;
+    limit[h] = j < nrows ? length - (a.q_tokens - 1 - row % a.q_tokens) : INT_MIN;
+#pragma unroll
+    for (int kk = 0; kk < KSTEPS; ++kk)
+#pragma unroll
+      for (int half = 0; half < 2; ++half) {
+        const int d = 16 * kk + 8 * half + 2 * tig;
+        uint32_t v = 0;
+        if (j < nrows) {
+          const uint16_t lo = *reinterpret_cast<const uint16_t*>(qp + d);
+          const uint16_t hi = *reinterpret_cast<const uint16_t*>(qp + d + 1);
+          v = lo | uint32_t(hi) << 16;
+        }
+        qa[kk][h + 2 * half] = v;
+      }
   }
+  const float qscale = a.scale * a.k_scale * kLog2e;
 
-  // score phase: thread (part, token) dots its slice of the token's K row with every query row
-  const int st_token = tid % TOKENS, st_part = tid / TOKENS;
-  // softmax phase: warp w owns rows w, w + kWarps, ...; lanes take tokens
-  constexpr int WROWS = (ROWS + kWarps - 1) / kWarps;  // rows per warp
-  float m[WROWS], l[WROWS];
+  float m[2] = {-INFINITY, -INFINITY}, l[2] = {0.f, 0.f};  // rows gid, gid + 8; l is this thread's share
+  float acc[2 * KSTEPS][4];                                 // O: dims 8 n + 2 tig (+1) of rows gid, gid + 8
 #pragma unroll
-  for (int k = 0; k < WROWS; ++k) m[k] = -INFINITY, l[k] = 0.f;
-  // output phase: thread (subset, pair) accumulates dims 2 * pair, 2 * pair + 1 of every row over its tokens
-  const int o_pair = tid % S::kPairs, o_subset = tid / S::kPairs;
-  float acc[ROWS][2];
-#pragma unroll
-  for (int j = 0; j < ROWS; ++j) acc[j][0] = acc[j][1] = 0.f;
+  for (int n = 0; n < 2 * KSTEPS; ++n) acc[n][0] = acc[n][1] = acc[n][2] = acc[n][3] = 0.f;
 
-  for (int tile = 0; tile < tiles; ++tile) {
-    wait_groups<kStages - 2>();
-    __syncthreads();  // this tile is visible (and the query); every thread is done with tile - 1's buffer
-    stage(tile + kStages - 1);
-    const unsigned char* buf = smem + (tile % kStages) * S::kStageStride;
-    {
-      float x[ROWS];
+  for (int i = 0; i < my_tiles; ++i) {
+    wait_groups<S::kStages - 2>();
+    __syncwarp();  // tile i is visible to the warp; every lane is done with tile i - 1's buffer
+    stage(i + S::kStages - 1);
+    const unsigned char* buf = wsmem + (i % S::kStages) * S::kStageBytes;
+    const uint32_t mask = masks[i % S::kStages];
+    const unsigned char *ktile = buf, *vtile = buf + S::kPlaneBytes;
+    constexpr int ROW = S::kWideRowBytes;
+    if constexpr (S::kWiden) {  // fp8 rows to T rows, swizzled
+      unsigned char* wide = wsmem + S::kStages * S::kStageBytes;
+      constexpr int PER_PLANE = kTile * S::kChunks;
 #pragma unroll
-      for (int j = 0; j < ROWS; ++j) x[j] = 0.f;
-      const unsigned char* krow = buf + st_token * S::kRowBytes;
+      for (int it = 0; it < (2 * PER_PLANE + 31) / 32; ++it) {
+        const int idx = it * 32 + lane;
+        if (2 * PER_PLANE % 32 == 0 || idx < 2 * PER_PLANE) {
+          const int plane = idx / PER_PLANE, token = idx % PER_PLANE / S::kChunks, chunk = idx % S::kChunks;
+          const uint4 x = *reinterpret_cast<const uint4*>(buf + plane * S::kPlaneBytes + token * S::kRowBytes +
+                                                          chunk * 16);
+          const uint32_t w[4] = {x.x, x.y, x.z, x.w};
+          uint32_t y[8];
 #pragma unroll
-      for (int cc = 0; cc < S::kPartChunks; ++cc) {
-        const int chunk = st_part * S::kPartChunks + cc;
-        const unsigned char* kp = krow + (chunk ^ (st_token % S::kSwizzle)) * 16;
-        constexpr int PAIRS = 8 / int(sizeof(KT));  // element pairs per 16 bytes
-#pragma unroll
-        for (int e = 0; e < PAIRS; ++e) {
-          const float2 kf = pair_to_float<KT>(kp + e * 2 * sizeof(KT));
-          const int d = (chunk * 16 / int(sizeof(KT))) + 2 * e;
-          float q0[ROWS], q1[ROWS];
-          load_rows<ROWS>(s_query + d * ROWS, q0);
-          load_rows<ROWS>(s_query + (d + 1) * ROWS, q1);
-#pragma unroll
-          for (int j = 0; j < ROWS; ++j) x[j] = fmaf(q0[j], kf.x, fmaf(q1[j], kf.y, x[j]));
-        }
-      }
-#pragma unroll
-      for (int j = 0; j < ROWS; ++j) s_score[(st_part * TOKENS + st_token) * ROWS + j] = x[j];
-    }
-    __syncthreads();
-    // softmax: the tile's max per row, the new running max, the weights and their sum
-    const int base = begin + tile * TOKENS;
-#pragma unroll
-    for (int k = 0; k < WROWS; ++k) {
-      const int j = warp + kWarps * k;
-      if (j < ROWS) {
-        const int row = row0 + j, limit = j < nrows ? length - (a.q_tokens - 1 - row % a.q_tokens) : INT_MIN;
-        constexpr int PER_LANE = (TOKENS + 31) / 32;
-        float sc[PER_LANE], tmax = -INFINITY;
-#pragma unroll
-        for (int u = 0; u < PER_LANE; ++u) {
-          const int token = lane + 32 * u;
-          float x = -INFINITY;
-          if (token < TOKENS && buf[2 * S::kTileBytes + token] && base + token < limit) {
-            x = 0.f;
-#pragma unroll
-            for (int part = 0; part < S::kParts; ++part) x += s_score[(part * TOKENS + token) * ROWS + j];
+          for (int e = 0; e < 4; ++e) {
+            y[2 * e] = widen_fp8x2<T>(uint16_t(w[e]));
+            y[2 * e + 1] = widen_fp8x2<T>(uint16_t(w[e] >> 16));
           }
-          sc[u] = x;
-          tmax = fmaxf(tmax, x);
+          unsigned char* row = wide + plane * kTile * ROW + token * ROW;
+          *reinterpret_cast<uint4*>(row + swizzle(token, 2 * chunk) * 16) = make_uint4(y[0], y[1], y[2], y[3]);
+          *reinterpret_cast<uint4*>(row + swizzle(token, 2 * chunk + 1) * 16) = make_uint4(y[4], y[5], y[6], y[7]);
         }
+      }
+      __syncwarp();
+      ktile = wide;
+      vtile = wide + kTile * ROW;
+    }
+
+    // S = Q K^T: s[n] holds tokens 8 n + 2 tig (+1) of rows gid (0, 1) and gid + 8 (2, 3)
+    float s[2][4] = {};
+    {
+      // ldmatrix: matrix l / 8 is (tokens 8 (l / 16) .., chunk 2 kk + (l / 8) % 2): B of tokens 0-7, then 8-15
+      const int token = (lane / 16) * 8 + lane % 8, sub = (lane / 8) % 2;
 #pragma unroll
-        for (int off = 16; off > 0; off /= 2) tmax = fmaxf(tmax, __shfl_xor_sync(0xffffffffu, tmax, off));
-        const float mn = fmaxf(m[k], tmax), ref = mn == -INFINITY ? 0.f : mn;
-        const float rescale = fast_exp2(m[k] - ref);
-        float sum = 0.f;
-#pragma unroll
-        for (int u = 0; u < PER_LANE; ++u) {
-          const int token = lane + 32 * u;
-          const float w = fast_exp2(sc[u] - ref);  // 0 for a masked token
-          sum += w;
-          if (token < TOKENS) s_weight[token * ROWS + j] = w;
-        }
-#pragma unroll
-        for (int off = 16; off > 0; off /= 2) sum += __shfl_xor_sync(0xffffffffu, sum, off);
-        m[k] = mn;
-        l[k] = l[k] * rescale + sum;
-        if (lane == 0) s_rescale[j] = rescale;
+      for (int kk = 0; kk < KSTEPS; ++kk) {
+        uint32_t kb[4];
+        ldmatrix_x4(kb, ktile + token * ROW + swizzle(token, 2 * kk + sub) * 16);
+        mma<T>(s[0], qa[kk], kb[0], kb[1]);
+        mma<T>(s[1], qa[kk], kb[2], kb[3]);
       }
     }
-    __syncthreads();
-    // output: acc = acc * rescale + weights x V (a token not held has weight 0 and zero-filled V)
+    // online softmax in log2 units; a token not held, past the range or past the row's causal limit is -inf
+    const int base = begin + (i * kWarps + warp) * kTile;
+    float tmax[2] = {-INFINITY, -INFINITY};
 #pragma unroll
-    for (int j = 0; j < ROWS; ++j) {
-      const float f = s_rescale[j];
-      acc[j][0] *= f;
-      acc[j][1] *= f;
+    for (int n = 0; n < 2; ++n)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        const int token = 8 * n + 2 * tig + (e & 1), h = e >> 1;
+        const bool ok = ((mask >> token) & 1) && base + token < limit[h];
+        s[n][e] = ok ? s[n][e] * qscale : -INFINITY;
+        tmax[h] = fmaxf(tmax[h], s[n][e]);
+      }
+    float rescale[2], ref[2];
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      tmax[h] = fmaxf(tmax[h], __shfl_xor_sync(0xffffffffu, tmax[h], 1));
+      tmax[h] = fmaxf(tmax[h], __shfl_xor_sync(0xffffffffu, tmax[h], 2));
+      const float mn = fmaxf(m[h], tmax[h]);
+      ref[h] = mn == -INFINITY ? 0.f : mn;
+      rescale[h] = fast_exp2(m[h] - ref[h]);
+      m[h] = mn;
+      l[h] *= rescale[h];
     }
-    const unsigned char* vtile = buf + S::kTileBytes;
-    const int byte = o_pair * 2 * int(sizeof(KT)), chunk = byte / 16, within = byte % 16;
-#pragma unroll 4
-    for (int token = o_subset; token < TOKENS; token += S::kSubsets) {
-      const float2 vf = pair_to_float<KT>(vtile + token * S::kRowBytes + (chunk ^ (token % S::kSwizzle)) * 16 +
-                                          within);
-      float w[ROWS];
-      load_rows<ROWS>(s_weight + token * ROWS, w);
 #pragma unroll
-      for (int j = 0; j < ROWS; ++j) {
-        acc[j][0] = fmaf(w[j], vf.x, acc[j][0]);
-        acc[j][1] = fmaf(w[j], vf.y, acc[j][1]);
+    for (int n = 0; n < 2; ++n)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        s[n][e] = fast_exp2(s[n][e] - ref[e >> 1]);  // 0 for -inf
+        l[e >> 1] += s[n][e];
+      }
+#pragma unroll
+    for (int n = 0; n < 2 * KSTEPS; ++n) {
+      acc[n][0] *= rescale[0], acc[n][1] *= rescale[0];
+      acc[n][2] *= rescale[1], acc[n][3] *= rescale[1];
+    }
+    // O += P V: P's A fragment is S's two accumulator tiles; V by ldmatrix.trans, matrix l / 8 is (tokens
+    // 8 ((l / 8) % 2) .., chunk 2 kk + l / 16): B of dims 16 kk .. + 7, then + 8 .. + 15. A token not held has
+    // weight 0 and zero-filled V.
+    const uint32_t pa[4] = {pack2<T>(s[0][0], s[0][1]), pack2<T>(s[0][2], s[0][3]), pack2<T>(s[1][0], s[1][1]),
+                            pack2<T>(s[1][2], s[1][3])};
+    {
+      const int token = ((lane / 8) % 2) * 8 + lane % 8, sub = lane / 16;
+#pragma unroll
+      for (int kk = 0; kk < KSTEPS; ++kk) {
+        uint32_t vb[4];
+        ldmatrix_x4_trans(vb, vtile + token * ROW + swizzle(token, 2 * kk + sub) * 16);
+        mma<T>(acc[2 * kk], pa, vb[0], vb[1]);
+        mma<T>(acc[2 * kk + 1], pa, vb[2], vb[3]);
       }
     }
   }
   wait_groups<0>();
-  __syncthreads();  // the stages are free for the merge
+  __syncthreads();  // every warp is done with its tiles: the shared memory is the merge's
 
-  // merge the token subsets' accumulators, normalise, write
-  float* s_acc = reinterpret_cast<float*>(smem);  // [subsets][ROWS][D]
-  float* s_m = s_weight;  // [ROWS] running max and sum per row (the weights are read no more)
-  float* s_l = s_weight + ROWS;
+  // merge the warps: each writes its O, max and sum (the quad's shares summed) per row
+  float* s_acc = reinterpret_cast<float*>(smem);  // [kWarps][kM][kAccStride]
+  float* s_m = s_acc + kWarps * kM * S::kAccStride;
+  float* s_l = s_m + kWarps * kM;
 #pragma unroll
-  for (int j = 0; j < ROWS; ++j) {
-    s_acc[(o_subset * ROWS + j) * D + 2 * o_pair] = acc[j][0];
-    s_acc[(o_subset * ROWS + j) * D + 2 * o_pair + 1] = acc[j][1];
+  for (int h = 0; h < 2; ++h) {
+    l[h] += __shfl_xor_sync(0xffffffffu, l[h], 1);
+    l[h] += __shfl_xor_sync(0xffffffffu, l[h], 2);
+    float* row = s_acc + (warp * kM + gid + 8 * h) * S::kAccStride;
+#pragma unroll
+    for (int n = 0; n < 2 * KSTEPS; ++n)
+      *reinterpret_cast<float2*>(row + 8 * n + 2 * tig) = make_float2(acc[n][2 * h], acc[n][2 * h + 1]);
+    if (tig == 0) {
+      s_m[warp * kM + gid + 8 * h] = m[h];
+      s_l[warp * kM + gid + 8 * h] = l[h];
+    }
   }
-  if (lane == 0)
-#pragma unroll
-    for (int k = 0; k < WROWS; ++k)
-      if (warp + kWarps * k < ROWS) {
-        s_m[warp + kWarps * k] = m[k];
-        s_l[warp + kWarps * k] = l[k];
-      }
   __syncthreads();
-  const float out_scale = a.v_scale;
-  for (int i = tid; i < nrows * D; i += kThreads) {
-    const int j = i / D, d = i % D;
-    float x = 0.f;
+  for (int idx = threadIdx.x; idx < nrows * D; idx += kThreads) {
+    const int j = idx / D, d = idx % D;
+    float M = -INFINITY;
 #pragma unroll
-    for (int h = 0; h < S::kSubsets; ++h) x += s_acc[(h * ROWS + j) * D + d];
-    const float sum = s_l[j];
-    x *= sum > 0.f ? out_scale / sum : 0.f;
+    for (int w = 0; w < kWarps; ++w) M = fmaxf(M, s_m[w * kM + j]);
+    const float ref = M == -INFINITY ? 0.f : M;
+    float x = 0.f, sum = 0.f;
+#pragma unroll
+    for (int w = 0; w < kWarps; ++w) {
+      const float f = fast_exp2(s_m[w * kM + j] - ref);
+      x = fmaf(f, s_acc[(w * kM + j) * S::kAccStride + d], x);
+      sum = fmaf(f, s_l[w * kM + j], sum);
+    }
+    x *= sum > 0.f ? a.v_scale / sum : 0.f;
     const int row = row0 + j, head = hk * p.group + row / a.q_tokens, t = row % a.q_tokens;
     if (p.splits == 1) {
-      static_cast<QT*>(p.out)[((int64_t(r) * a.q_tokens + t) * a.q_heads + head) * D + d] = from_float<QT>(x);
+      static_cast<T*>(p.out)[((int64_t(r) * a.q_tokens + t) * a.q_heads + head) * D + d] = from_float<T>(x);
     } else {
       const int64_t at = ((int64_t(r) * a.q_heads + head) * a.q_tokens + t) * p.splits + split;
       p.part_out[at * D + d] = x;
-      if (d == 0) p.part_lse[at] = sum > 0.f ? s_m[j] + log2f(sum) : -INFINITY;
+      if (d == 0) p.part_lse[at] = sum > 0.f ? M + log2f(sum) : -INFINITY;
     }
   }
 }
@@ -372,13 +411,13 @@ __global__ void merge_kernel(const __grid_constant__ Params p) {
   }
 }
 
-template <typename QT, typename KT, int D, int ROWS>
-void launch_rows(Params& p, const at::Tensor& query) {
-  auto kernel = decode_kernel<QT, KT, D, ROWS>;
-  constexpr int smem = Shape<KT, D, ROWS>::kSmemBytes;
+template <typename QT, typename KT, int D>
+void launch_d(Params& p, const at::Tensor& query) {
+  auto kernel = decode_kernel<QT, KT, D>;
+  constexpr int smem = Shape<QT, KT, D>::kSmemBytes;
   prepare_kernel(kernel, "attention_decode", smem);
   const DecodeArgs& a = p.a;
-  p.row_blocks = (p.rows + ROWS - 1) / ROWS;
+  p.row_blocks = (p.rows + kM - 1) / kM;
   const int capacity = a.capacity();
   if (a.num_splits > 0) {
     p.splits = a.num_splits;
@@ -423,14 +462,6 @@ void launch_rows(Params& p, const at::Tensor& query) {
     merge_kernel<QT><<<int64_t(a.requests) * a.q_heads * a.q_tokens, std::min(D, 128), 0, stream>>>(p);
     C10_CUDA_KERNEL_LAUNCH_CHECK();
   }
-}
-
-// Query rows per CTA: 1 (no grouping), 4 (up to 4 grouped rows) or kRows (more take several row blocks).
-template <typename QT, typename KT, int D>
-void launch_d(Params& p, const at::Tensor& query) {
-  if (p.rows == 1) return launch_rows<QT, KT, D, 1>(p, query);
-  if (p.rows <= 4) return launch_rows<QT, KT, D, 4>(p, query);
-  launch_rows<QT, KT, D, kRows>(p, query);
 }
 
 template <typename QT, typename KT>
