@@ -56,9 +56,11 @@ def test_matches_reference_head_dims_and_page_sizes(device, D, S, dtype):
 
 
 @pytest.mark.parametrize("device", DEVICES)
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
-def test_fp8_cache_with_scales(device, dtype):
-    _check(*_case(device, dtype=dtype, kv_dtype=torch.float8_e4m3fn, q=2), k_scale=0.5, v_scale=3.0)
+@pytest.mark.parametrize("dtype,D", [(torch.bfloat16, 128), (torch.float16, 128), (torch.bfloat16, 64),
+                                     (torch.float16, 256)])
+def test_fp8_cache_with_scales(device, dtype, D):
+    _check(*_case(device, D=D, dtype=dtype, kv_dtype=torch.float8_e4m3fn, q=2, starts=True), k_scale=0.5,
+           v_scale=3.0)
 
 
 @requires_cuda

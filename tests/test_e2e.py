@@ -37,3 +37,30 @@ def test_arguments_are_checked(capsys):
         with pytest.raises(SystemExit) as e:
             main(argv)
         assert e.value.code == 2
+
+
+def test_peak_steps_down_while_the_benchmark_runs_out_of_memory(monkeypatch, capsys):
+    """--peak: a batch _fits admitted but the fill or the compiled step could not hold is stepped down by 1/8."""
+    import argparse
+
+    import torch
+
+    from benchmarks import e2e
+
+    measured = []
+
+    def measure(name, model, calibration, ids, args, device):
+        measured.append(ids.shape[0])
+        if ids.shape[0] > 3:
+            raise torch.cuda.OutOfMemoryError("fake")
+        return dict(batch=ids.shape[0], context=ids.shape[1] - 1, kv_bytes=1, decode_s=1.0, tokens_per_s=1.0)
+
+    monkeypatch.setattr(e2e, "_measure", measure)
+    monkeypatch.setattr(e2e, "_peak_batch", lambda *a: 5)
+    args = argparse.Namespace(tiny=True, batch=0, context=[32], prompt=16, new_tokens=4, budget=8, beta=4,
+                              mode="union", caches=["kvops-static"], attention="kvops", dense_attention="kvops",
+                              peak=True)
+    out = e2e.run(args)
+    assert measured == [5, 4, 3]
+    assert [(r["batch"], r["peak"], r.get("oom", False)) for r in out["rows"]] == [(3, True, False)]
+    assert capsys.readouterr().out.count('"oom": true') == 2  # each failed batch is reported
