@@ -41,7 +41,7 @@ import torch
 import triton
 
 from kvops.compaction import compact, decision_rows
-from kvops.manager import TriAttentionRound, policy_selector
+from kvops.manager import TriAttentionRound, policy_selector, round_order
 from kvops.triattention import Calibration, TriAttentionSelector, mean_phase
 from kvops.triattention.reduce import reduce_rows
 from kvops.triattention.reference import reduce_torch, score_torch
@@ -168,8 +168,8 @@ def steady_round(w: SimpleNamespace, mode: str, order: str, cuda_graphs: bool, p
                                sink_tokens=sink_tokens, recent_window=recent_window, recent_layers=recent_layers,
                                process_group=process_group)
     cache = SimpleNamespace(device=w.device, views=lambda: w.pools)
-    rnd = TriAttentionRound(selector, cache, w.R, w.table.shape[1], w.beta + recent_window, cuda_graphs, order,
-                            recent_layers)
+    rnd = TriAttentionRound(selector, cache, w.R, w.table.shape[1], w.beta + recent_window, cuda_graphs,
+                            round_order(order, recent_window, w.beta), recent_layers)
     table = torch.nn.functional.pad(w.table, (0, rnd.width - w.table.shape[1]), value=-1)  # its bound width
     W = recent_window
     rnd.run(table, [w.n - W] * w.R, [w.prompt + sink_tokens] * w.R, [W] * w.R, [w.n] * w.R)

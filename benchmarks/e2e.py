@@ -1,7 +1,7 @@
 """End-to-end decode speed of transformers ``generate()`` with kvops' TriAttention cache against dense caches.
 
     python -m benchmarks.e2e [--batch 32] [--context 16384,32768] [--prompt 1024] [--new-tokens 256]
-        [--budget 2048] [--beta 128] [--mode union] [--caches default,dense-static,kvops,kvops-static] [--peak]
+        [--budget 2048] [--beta 128] [--mode per_head] [--caches default,dense-static,kvops,kvops-static] [--peak]
         [--attention kvops|grouped_sdpa] [--dense-attention kvops|grouped_sdpa] [--json FILE]
     python -m benchmarks.e2e --tiny        (CPU, a tiny random Qwen3: the mechanics only, said so in the output)
 
@@ -42,6 +42,7 @@ import time
 import torch
 
 from kvops.calibrate import require_transformers
+from kvops.config import DEFAULT_MODE
 from kvops.integrations.transformers import (GROUPED_SDPA, KVOPS_ATTENTION, TriAttentionCache, cache_keyword,
                                              kv_bytes)
 from kvops.triattention import load_calibration
@@ -321,7 +322,8 @@ def main(argv=None) -> int:
     ap.add_argument("--new-tokens", type=int)
     ap.add_argument("--budget", type=int)
     ap.add_argument("--beta", type=int)
-    ap.add_argument("--mode", default="union", choices=["union", "per_head", "per_layer_perhead"])
+    ap.add_argument("--mode", default=DEFAULT_MODE, choices=["union", "per_head", "per_layer_perhead"],
+                    help="the kvops caches' eviction mode, under its default keep policy")
     ap.add_argument("--caches", default=",".join(CACHES),
                     help=f"comma-separated, from {CACHES} (the static ones: generate compiles the step)")
     ap.add_argument("--attention", default="kvops", choices=sorted(ATTENTION), help="the kvops caches' attention")

@@ -37,6 +37,7 @@ from dataclasses import dataclass
 import torch
 
 from kvops.calibrate import calibrate, require_transformers
+from kvops.config import resolve_keep_policy
 from kvops.integrations.transformers import TriAttentionCache, cache_keyword
 from kvops.triattention import TriAttentionSelector, load_calibration
 
@@ -53,13 +54,16 @@ class Policy:
     ``_per_head`` or ``_per_layer_perhead``) or ``oracle`` (cheating: per (layer, KV head), the keys the next
     beta queries of the full cache attend to most). ``+wW``: the newest W decode tokens always stay; ``+sS``: the
     first S decode tokens always stay; ``+lA.B``: layers A and B keep their newest tokens instead of the method's
-    choice. W and S count inside the budget. ``sinks`` is ``recent+s4``."""
+    choice. W and S count inside the budget. ``sinks`` is ``recent+s4``. ``triattention_<mode>+default`` is what
+    kvops does by default in that mode: the keep policy ``kvops.config.resolve_keep_policy`` gives for each
+    budget."""
 
     kind: str
     mode: str = ""
     recent: int = 0
     sinks: int = 0
     recent_layers: tuple[int, ...] = ()
+    default: bool = False
 
     @classmethod
     def parse(cls, text: str) -> "Policy":
@@ -73,7 +77,9 @@ class Policy:
         fields = {}
         for option in options:
             key, value = option[:1], option[1:]
-            if key == "l":
+            if option == "default" and kind == "triattention" and len(options) == 1:
+                fields["default"] = True
+            elif key == "l":
                 fields["recent_layers"] = tuple(int(v) for v in value.split("."))
             elif key in "ws" and value.isdigit():
                 fields["recent" if key == "w" else "sinks"] = int(value)
@@ -86,13 +92,16 @@ class Policy:
         if self == Policy("recent", sinks=SINKS):
             return "sinks"
         name = self.kind + (f"_{self.mode}" if self.mode else "")
+        if self.default:
+            return name + "+default"
         name += f"+w{self.recent}" if self.recent else ""
         name += f"+s{self.sinks}" if self.sinks else ""
         return name + (f"+l{'.'.join(map(str, self.recent_layers))}" if self.recent_layers else "")
 
 
-METHODS = ("full", "triattention_union", "triattention_per_head", "triattention_per_layer_perhead",
-           "triattention_per_head+l0", "recent", "sinks", "random", "oracle+l0")
+METHODS = ("full", "triattention_per_head+default", "triattention_union+default",
+           "triattention_per_layer_perhead+default", "triattention_union", "triattention_per_head",
+           "triattention_per_layer_perhead", "recent", "sinks", "random", "oracle+l0")
 # --quick: fewer windows and calibration tokens, no token-by-token decoding through real caches
 QUICK = dict(calibration_tokens=16384, windows=4, window=2048, budgets="128,256,512", cache_windows=0)
 
@@ -149,6 +158,9 @@ def simulate(model, ids: torch.Tensor, prompt: int, budget: int, beta: int, poli
     config = model.config
     L, Hq, Hkv = config.num_hidden_layers, config.num_attention_heads, config.num_key_value_heads
     G, n, device = Hq // Hkv, ids.numel(), ids.device
+    if policy.default:
+        sinks, recent, layers = resolve_keep_policy("simulate", policy.mode, budget, beta, L)
+        policy = Policy(policy.kind, policy.mode, recent, sinks, layers)
     if policy.sinks + policy.recent >= budget:
         raise ValueError(f"{policy.name}: sinks + recent must stay below the budget {budget}")
     k = budget - policy.sinks - policy.recent  # what the method chooses each round

@@ -11,7 +11,7 @@ import dataclasses
 import json
 import os
 from dataclasses import dataclass
-from typing import Any, ClassVar, Mapping
+from typing import Any, ClassVar, Mapping, NamedTuple
 
 import torch
 
@@ -20,6 +20,9 @@ from .nvfp4.layout import DEFAULT_SCALE, MAX_MIDDLE_DIMS, RowSpec, _check_spec
 from .triattention.calibration import SHIPPED, calibration_file
 from .compaction.compact import MODES, ORDERS
 
+# The eviction mode a TriAttention config or cache takes by default: the best on a trained model, with its keep
+# policy (resolve_keep_policy; benchmarks/RESULTS.md, "Eviction quality")
+DEFAULT_MODE = "per_head"
 # Cache positions are int32 in every kernel: a round scores up to budget + 2*beta decode tokens past the prompt.
 MAX_POSITIONS = 2**31 - 1
 
@@ -116,33 +119,37 @@ class TriAttentionConfig(KVCacheCompressionConfig):
     """TriAttention eviction (kvops.triattention): every `beta` generated tokens past `budget`, keep `budget`
     generated tokens per row of `eviction_mode`, then compact the cache in place: the first `sink_tokens` and the
     newest `recent_window` of them always, and the best-scored others. Layers in `recent_layers` keep their newest
-    tokens instead of the scored ones (docs/triattention.md, "Keep policy").
+    tokens instead of the scored ones (docs/triattention.md, "Keep policy"). The keep policy's fields left at None
+    take the measured defaults of `eviction_mode` (``resolve_keep_policy``); 0, 0 and () give bare scoring.
     `calibration_path`: a calibration file or a shipped name (``kvops.triattention.SHIPPED``, e.g. "qwen3-8b")."""
 
     algorithm: ClassVar[str] = "triattention"
     changes_physical_kv_length: ClassVar[bool] = True
     budget: int = 2048
     beta: int = 128
-    eviction_mode: str = "union"
+    eviction_mode: str = DEFAULT_MODE
     normalize_scores: bool = True
     calibration_path: str | None = None
     # "fill" moves only the kept tokens that sit past the new length (full attention ignores slot order; window
     # layers stay in order); "ordered" keeps every layer in token order (kvops.compaction.ORDERS)
     compaction_order: str = "fill"
-    sink_tokens: int = 0
-    recent_window: int = 0
-    recent_layers: tuple[int, ...] = ()
+    sink_tokens: int | None = None
+    recent_window: int | None = None
+    recent_layers: tuple[int, ...] | None = None
 
     def __post_init__(self):
         what = "TriAttentionConfig"
         check_int(what, "budget", self.budget, 1, MAX_POSITIONS)
         check_int(what, "beta", self.beta, 1, MAX_POSITIONS)
-        object.__setattr__(self, "recent_layers", check_keep_policy(what, self.budget, self.sink_tokens,
-                                                                    self.recent_window, self.recent_layers))
+        check_choice(what, "eviction_mode", self.eviction_mode, MODES)
+        # checked now as far as it can be without the model (keep_policy() resolves it for one)
+        policy = resolve_keep_policy(what, self.eviction_mode, self.budget, self.beta, MAX_POSITIONS,
+                                     self.sink_tokens, self.recent_window, self.recent_layers)
+        if self.recent_layers is not None:
+            object.__setattr__(self, "recent_layers", policy.recent_layers)
         if self.budget + 2 * self.beta > MAX_POSITIONS:
             raise ValueError(f"{what}: budget + 2 * beta (the decode tokens a round scores) must be at most "
                              f"{MAX_POSITIONS} (int32 cache positions), got {self.budget + 2 * self.beta}")
-        check_choice(what, "eviction_mode", self.eviction_mode, MODES)
         check_bool(what, "normalize_scores", self.normalize_scores)
         check_choice(what, "compaction_order", self.compaction_order, ORDERS)
         if self.calibration_path is None:
@@ -163,6 +170,12 @@ class TriAttentionConfig(KVCacheCompressionConfig):
         if not isinstance(data, Mapping) or not ("stats" in data or "E_q" in data):
             raise ValueError(f"TriAttentionConfig.calibration_path: {self.calibration_path!r} holds no calibration "
                              "statistics ('stats' or 'E_q')")
+
+    def keep_policy(self, num_layers: int) -> KeepPolicy:
+        """The keep policy for a model of `num_layers` layers: the fields given, the mode's defaults for the
+        others (``resolve_keep_policy``)."""
+        return resolve_keep_policy("TriAttentionConfig", self.eviction_mode, self.budget, self.beta, num_layers,
+                                   self.sink_tokens, self.recent_window, self.recent_layers)
 
     def supports_block_reuse(self) -> bool:
         return False  # compaction rewrites pages that a prefix cache could share
@@ -193,6 +206,43 @@ def check_keep_policy(what: str, budget: int, sink_tokens, recent_window, recent
     if len(set(recent_layers)) != len(recent_layers):
         raise ValueError(f"{what}: recent_layers has a layer twice: {list(recent_layers)}")
     return tuple(sorted(recent_layers))
+
+
+
+class KeepPolicy(NamedTuple):
+    """What a TriAttention round keeps besides its scored tokens (docs/triattention.md, "Keep policy")."""
+    sink_tokens: int
+    recent_window: int
+    recent_layers: tuple[int, ...]
+
+
+def resolve_keep_policy(what: str, mode: str, budget: int, beta: int, num_layers: int, sink_tokens=None,
+                        recent_window=None, recent_layers=None) -> KeepPolicy:
+    """The keep policy of rounds every `beta` tokens in `mode` for a model of `num_layers` layers: each field
+    given (checked by ``check_keep_policy``), and for each left at None the default measured for the mode on a
+    trained model (benchmarks/RESULTS.md, "Eviction quality"):
+
+    - per_head: the newest ``min(budget // 4, beta)`` tokens kept, no sinks. A window past beta needs ordered
+      rounds (``kvops.manager.round_order``), about 3x the round's cost, and measured no better;
+    - union and per_layer_perhead: the newest ``3 * budget // 4`` and 4 sink tokens (fewer when the budget leaves
+      no room: the scores choose at least one token). Less of the budget on recency loses to a plain window;
+    - every mode: layer 0 keeps its newest tokens instead of scored ones (when the model has another layer).
+    """
+    check_choice(what, "mode", mode, MODES)
+    check_int(what, "budget", budget, 1)
+    check_int(what, "beta", beta, 1)
+    per_head = mode == "per_head"
+    given = lambda v: v if isinstance(v, int) and not isinstance(v, bool) else 0  # noqa: E731 (checked below)
+    if recent_window is None:
+        window = min(budget // 4, beta) if per_head else 3 * budget // 4
+        recent_window = max(0, min(window, budget - given(sink_tokens) - 1))
+    if sink_tokens is None:
+        sink_tokens = max(0, min(0 if per_head else 4, budget - given(recent_window) - 1))
+    if recent_layers is None:
+        recent_layers = (0,) if num_layers > 1 else ()
+    # the layers against the model's: policy_selector
+    return KeepPolicy(sink_tokens, recent_window, check_keep_policy(what, budget, sink_tokens, recent_window,
+                                                                    recent_layers))
 
 
 CONFIGS = {cls.algorithm: cls for cls in (NVFP4ColdPageConfig, TriAttentionConfig)}

@@ -121,23 +121,24 @@ class TriAttentionManager(KVCacheCompressionManager):
         self.validate = check_bool("TriAttentionManager", "validate", validate)
         super().__init__(config, kv_cache, model_config)
         calibration = config.load_calibration(model_config)
+        self.policy = policy = config.keep_policy(calibration.num_layers)
+        self.order = round_order(config.compaction_order, policy.recent_window, config.beta)
         # A round holds at most budget + 2*beta decode tokens (a round is due after beta more, and a step may
         # confirm several): the sinks, the scored ones, and the tail: the newest recent_window plus anything past
         # the scored bound, which stays within beta while no step confirms more than beta + 1 tokens.
-        self.max_tail = config.beta + config.recent_window
+        self.max_tail = config.beta + policy.recent_window
         # A cache that stores its keys scaled (fp8, vLLM's k_scale) says so with a `k_scale` attribute: float32
         # [L] or [L, Hkv] (TriAttentionSelector).
         self.selector = policy_selector("TriAttentionManager", calibration, config.budget, config.eviction_mode,
-                                        config.budget + 2 * config.beta, sink_tokens=config.sink_tokens,
-                                        recent_window=config.recent_window, recent_layers=config.recent_layers,
+                                        config.budget + 2 * config.beta, *policy,
                                         normalize_scores=config.normalize_scores,
                                         k_scale=getattr(kv_cache, "k_scale", None), process_group=self.process_group,
                                         kv_heads=kv_heads)
         # what every rank's manager must share to run one round (checked with validate, before each step)
         recent = torch.zeros(calibration.num_layers, dtype=torch.int64)
-        recent[list(config.recent_layers)] = 1
+        recent[list(policy.recent_layers)] = 1
         self._settings = torch.cat((self.selector.settings, torch.tensor(
-            [config.beta, config.sink_tokens, config.recent_window, ORDERS.index(config.compaction_order)]), recent))
+            [config.beta, policy.sink_tokens, policy.recent_window, ORDERS.index(config.compaction_order)]), recent))
         self.prompt_length: dict[Any, int] = {}
         self.since_round: dict[Any, int] = {}
         self.num_compressed_tokens: dict[Any, int] = {}
@@ -269,16 +270,16 @@ class TriAttentionManager(KVCacheCompressionManager):
         lengths = [cache.length(r) for r in rids]
         # the sinks join the prompt (never moved); the newest recent_window, and anything past the scored
         # bound, are the tail (kept after the chosen tokens)
-        prompts = [self.prompt_length[r] + self.config.sink_tokens for r in rids]
-        tails = [self.config.recent_window + max(0, n - p - self.config.recent_window - self.selector.max_decode)
-                 for n, p in zip(lengths, prompts)]
+        prompts = [self.prompt_length[r] + self.policy.sink_tokens for r in rids]
+        window = self.policy.recent_window
+        tails = [window + max(0, n - p - window - self.selector.max_decode) for n, p in zip(lengths, prompts)]
         if max(tails) > self.max_tail:  # refuse before anything moves
             raise RuntimeError(f"TriAttentionManager: a step confirmed more than beta={self.config.beta} tokens past "
                                f"a due round ({max(tails)} unscored); call on_generation_step_end every step")
         width = max(triton.cdiv(n, cache.page_size) for n in lengths)  # page-table columns this round needs
         if self._round is None or not self._round.fits(len(rids), width):
             self._round = TriAttentionRound(self.selector, cache, len(rids), width, self.max_tail, self.cuda_graphs,
-                                            self.config.compaction_order, self.config.recent_layers)
+                                            self.order, self.policy.recent_layers)
         page_table = cache.page_table(rids, self._round.width, device="cpu")
         positions = [self.logical_position(r) for r in rids]
         if self.validate:
@@ -403,10 +404,19 @@ def _model_row_size(model_config: Mapping[str, Any]) -> int | None:
     return _model_head_dim(model_config)
 
 
-def policy_selector(what: str, calibration, budget: int, mode: str, max_decode: int, *, sink_tokens: int = 0,
-                    recent_window: int = 0, recent_layers: tuple[int, ...] = (), k_scale=None,
+def round_order(order: str, recent_window: int, beta: int) -> str:
+    """The compaction order of a keep policy's rounds. A fill round leaves the newest tokens out of time order
+    (they fill the evicted slots), while a round takes its protected window from the last slots: that holds
+    only while the window is no longer than the beta tokens since the last round, which arrive in order. A longer
+    window reaches back into the last round's tail, so its rounds run "ordered", which keeps the tail last and in
+    order (docs/triattention.md, "Keep policy")."""
+    return "ordered" if order == "fill" and recent_window > beta else order
+
+
+def policy_selector(what: str, calibration, budget: int, mode: str, max_decode: int, sink_tokens: int = 0,
+                    recent_window: int = 0, recent_layers: tuple[int, ...] = (), *, k_scale=None,
                     **selector_kwargs) -> TriAttentionSelector:
-    """The selector of a round under a keep policy (``TriAttentionConfig``'s fields, checked by
+    """The selector of a round under a keep policy (a resolved ``KeepPolicy``'s fields, checked by
     ``check_keep_policy``): it chooses ``budget - sink_tokens - recent_window`` tokens among at most
     ``max_decode - sink_tokens - recent_window`` scored ones, over the layers not in recent_layers (their
     statistics and k_scale rows only)."""

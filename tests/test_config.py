@@ -5,7 +5,8 @@ import os
 import pytest
 import torch
 
-from kvops.config import NVFP4ColdPageConfig, TriAttentionConfig, config_from_dict, config_from_json
+from kvops.config import (DEFAULT_MODE, KeepPolicy, NVFP4ColdPageConfig, TriAttentionConfig, config_from_dict,
+                          config_from_json, resolve_keep_policy)
 from kvops.triattention import SHIPPED
 
 
@@ -131,3 +132,35 @@ def test_list_values_and_bounds_name_the_field(calibration):
         config_from_json('{"algorithm": ')
     with pytest.raises(TypeError, match="config_from_json: text must be a JSON string, got dict"):
         config_from_json({"algorithm": "nvfp4_cold_page"})
+
+
+def test_keep_policy_defaults_are_each_modes_measured_best(calibration):
+    """None takes the mode's default (benchmarks/RESULTS.md, "Eviction quality"); a given field is kept."""
+    assert DEFAULT_MODE == "per_head"
+    resolve = lambda mode, budget, beta=128, layers=36, **given: resolve_keep_policy(  # noqa: E731
+        "test", mode, budget, beta, layers, **given)
+    assert resolve("per_head", 2048) == KeepPolicy(0, 128, (0,))           # budget // 4 capped at beta
+    assert resolve("per_head", 256, beta=128) == KeepPolicy(0, 64, (0,))
+    for mode in ("union", "per_layer_perhead"):
+        assert resolve(mode, 2048) == KeepPolicy(4, 1536, (0,))
+        assert resolve(mode, 8, beta=2) == KeepPolicy(1, 6, (0,))          # sinks clipped: one token scored
+        assert resolve(mode, 1, beta=1) == KeepPolicy(0, 0, (0,))
+    assert resolve("per_head", 64, layers=1) == KeepPolicy(0, 16, ())      # no recent layer in a one-layer model
+    # given fields stay; the others fit around them
+    assert resolve("union", 16, beta=4, recent_window=14) == KeepPolicy(1, 14, (0,))
+    assert resolve("union", 16, beta=4, sink_tokens=10) == KeepPolicy(10, 5, (0,))
+    assert resolve("per_head", 64, sink_tokens=0, recent_window=0, recent_layers=[]) == KeepPolicy(0, 0, ())
+    with pytest.raises(TypeError, match="recent_window must be an int"):
+        resolve("union", 16, recent_window=1.5)
+    with pytest.raises(ValueError, match="must be below the budget"):
+        resolve("per_head", 16, sink_tokens=8, recent_window=8)
+    # the config keeps None (its dict and JSON too) and resolves for a model
+    tri = TriAttentionConfig(budget=512, beta=64, calibration_path=calibration)
+    assert (tri.eviction_mode, tri.sink_tokens, tri.recent_window, tri.recent_layers) == ("per_head", None, None, None)
+    assert config_from_json(tri.to_json()) == tri and tri.to_dict()["recent_window"] is None
+    assert tri.keep_policy(2) == KeepPolicy(0, 64, (0,)) and tri.keep_policy(1) == KeepPolicy(0, 64, ())
+    bare = TriAttentionConfig(budget=512, beta=64, calibration_path=calibration, eviction_mode="union",
+                              sink_tokens=0, recent_window=0, recent_layers=[])
+    assert bare.keep_policy(2) == KeepPolicy(0, 0, ()) and config_from_dict(bare.to_dict()) == bare
+    with pytest.raises(ValueError, match="must be below the budget 512"):
+        TriAttentionConfig(budget=512, calibration_path=calibration, sink_tokens=12, recent_window=500)

@@ -9,7 +9,7 @@ exact).
 import pytest
 import torch
 
-from conftest import DEVICES, TINY, bytes_of, tiny_model
+from conftest import BARE, DEVICES, TINY, bytes_of, tiny_model
 
 transformers = pytest.importorskip("transformers")
 
@@ -60,7 +60,8 @@ def test_with_eviction_logits_equal_attention_over_what_the_cache_holds(mode, or
     model, cal = _setup(device=device)
     prompt, budget, beta, steps = 10, 16, 4, 44
     ids = torch.randint(1, TINY["vocab_size"], (1, prompt), device=device)
-    cache = TriAttentionCache(model.config, cal, budget=budget, beta=beta, mode=mode, compaction_order=order)
+    cache = TriAttentionCache(model.config, cal, budget=budget, beta=beta, mode=mode, compaction_order=order,
+                              **BARE)
     out = _generate(model, ids, cache, steps)
     seq, n = out.sequences[0], out.sequences.shape[1]
     assert len(cache.rounds) >= 5 and cache.held <= prompt + budget + beta
@@ -105,7 +106,7 @@ def _assert_logits_of_what_the_cache_held(model, cache, seq, logits, prompt, mod
 def test_rounds_keep_what_the_reference_selects():
     """Each round's kept tokens are the float64 reference's selection over the same held keys."""
     model, cal = _setup()
-    cache = TriAttentionCache(model.config, cal, budget=12, beta=4, mode="per_layer_perhead")
+    cache = TriAttentionCache(model.config, cal, budget=12, beta=4, mode="per_layer_perhead", **BARE)
     snapshots, compress = [], cache._compress
 
     def recorded(held):
@@ -170,7 +171,7 @@ def test_a_step_that_overshoots_a_round_is_scored_whole():
     from kvops.integrations.transformers import cache_keyword
 
     model, cal = _setup()
-    cache = TriAttentionCache(model.config, cal, budget=16, beta=4)
+    cache = TriAttentionCache(model.config, cal, budget=16, beta=4, mode="union", **BARE)
     assert cache.selector.max_decode == 16 + 4 + 1
     seq = torch.randint(1, TINY["vocab_size"], (1, 33))
     snapshots, compress = [], cache._compress
@@ -200,7 +201,7 @@ def test_static_cache_compiles_the_decode_step_once(attention, device):
     model, cal = _setup(device=device)
     prompt, budget, beta = 10, 16, 4
     ids = torch.randint(1, TINY["vocab_size"], (1, prompt), device=device)
-    cache = TriAttentionCache(model.config, cal, budget=budget, beta=beta, static=True)
+    cache = TriAttentionCache(model.config, cal, budget=budget, beta=beta, mode="union", static=True, **BARE)
     model.config._attn_implementation = attention
     assert cache.is_compileable and not TriAttentionCache(model.config, cal).is_compileable
     # fullgraph: a graph break fails the test. On the GPU generate's own choice otherwise (inductor, CUDA graphs);
@@ -581,3 +582,16 @@ def test_batch_and_length_operations_of_transformers():
     assert cache.pools is None and cache.held == 0 and cache.get_seq_length() == 0 and not cache.rounds
     again = model.generate(ids, max_new_tokens=8, num_beams=3, do_sample=False, **_with(model, cache))
     assert torch.equal(again, want)
+
+
+def test_the_defaults_are_per_head_under_each_modes_keep_policy():
+    """TriAttentionCache resolves the keep policy it is not given (kvops.config.resolve_keep_policy) and runs
+    a window longer than beta with ordered rounds."""
+    model, cal = _setup()
+    cache = TriAttentionCache(model.config, cal, budget=16, beta=4)
+    assert (cache.selector.mode, cache.sink_tokens, cache.recent_window, cache.recent_layers, cache.order) == \
+        ("per_head", 0, 4, (0,), "fill")
+    cache = TriAttentionCache(model.config, cal, budget=16, beta=4, mode="union")
+    assert (cache.sink_tokens, cache.recent_window, cache.recent_layers, cache.order) == (3, 12, (0,), "ordered")
+    cache = TriAttentionCache(model.config, cal, budget=16, beta=4, mode="union", **BARE)
+    assert (cache.sink_tokens, cache.recent_window, cache.recent_layers, cache.order) == (0, 0, (), "fill")

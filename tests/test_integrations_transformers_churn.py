@@ -7,7 +7,7 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from conftest import bytes_of
+from conftest import BARE, bytes_of
 
 transformers = pytest.importorskip("transformers")
 
@@ -144,7 +144,7 @@ OPS = st.lists(st.tuples(st.sampled_from(["step"] * 12 + ["offload", "onboard", 
 def test_random_churn_matches_the_shadow_and_refusals_change_nothing(ops, B, budget, beta, mode, order, static,
                                                                     prompt):
     cache = TriAttentionCache(CONFIG, _calibration(), budget=budget, beta=beta, mode=mode, compaction_order=order,
-                              static=static)
+                              static=static, **BARE)  # the shadow scores every generated token
     shadow = Shadow(B, budget, beta, mode, budget + beta + 1)
     kv = lambda b, q, dtype=torch.bfloat16: torch.randn(L, b, HKV, q, D).to(dtype)  # noqa: E731
 

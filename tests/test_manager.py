@@ -1,5 +1,6 @@
 """Managers on the reference cache: admission, due rounds, logical positions, and the round's effect."""
 
+import dataclasses
 import random
 import types
 
@@ -7,6 +8,7 @@ import pytest
 import torch
 import triton
 
+from conftest import BARE
 from kvops.cache import PagedKVCache
 from kvops.config import NVFP4ColdPageConfig, TriAttentionConfig
 from kvops.manager import (KVCacheCompressionManager, NVFP4ColdPageManager, Request, TriAttentionManager,
@@ -41,7 +43,7 @@ def _kv(n):
 @pytest.mark.parametrize("compaction_order", ["ordered", "fill"])
 def test_rounds_follow_budget_and_beta_and_match_the_reference(calibration, compaction_order):
     config = TriAttentionConfig(budget=12, beta=5, eviction_mode="per_head", calibration_path=calibration,
-                                compaction_order=compaction_order)
+                                compaction_order=compaction_order, **BARE)
     cache = _cache()
     manager = create_compression_manager(config, cache, MODEL)
     assert isinstance(manager, TriAttentionManager)
@@ -137,6 +139,40 @@ def test_keep_policy_rounds_match_the_reference(calibration, mode, compaction_or
     assert checked >= 3
 
 
+@pytest.mark.parametrize("window,order", [(5, "fill"), (7, "ordered")])
+def test_a_window_longer_than_beta_keeps_the_newest_tokens_last(calibration, window, order):
+    """A round protects its last slots as the window. A fill round scatters its tail into the evicted slots,
+    which is right while the next window holds only the beta tokens since: they arrive in order. A longer window
+    makes the rounds run "ordered", so that its older tokens are still the last slots, in time order."""
+    config = TriAttentionConfig(budget=12, beta=5, eviction_mode="per_head", calibration_path=calibration,
+                                recent_window=window, sink_tokens=0, recent_layers=())
+    cache = _cache()
+    manager = create_compression_manager(config, cache, MODEL)
+    assert manager.order == order and config.compaction_order == "fill"
+    cache.add_request("a")
+    manager.on_request_init(Request("a", 4))
+    count = 0
+
+    def tokens(n):  # K holds each token's logical index
+        nonlocal count
+        k = torch.arange(count, count + n).float().view(n, 1, 1).expand(n, 2, 32).bfloat16()
+        count += n
+        return k, torch.randn(n, 2, 32).bfloat16()
+
+    cache.append("a", *tokens(4))
+    manager.on_context_step_end([Request("a", 4)])
+    rounds = 0
+    for _ in range(60):
+        manager.on_generation_step_begin(["a"])
+        cache.append("a", *tokens(1))
+        if manager.due([("a", 1)]):  # the round about to run protects the last slots: the newest tokens, in order
+            held = cache.read("a")[0, 0, :, 0, 0].float()  # layer 0, K, every slot, KV head 0, dim 0
+            assert held[-window:].tolist() == list(range(count - window, count))
+            rounds += 1
+        manager.on_generation_step_end([("a", 1)])
+    assert rounds >= 5
+
+
 def test_keep_policy_is_checked_against_the_budget_and_the_model(calibration):
     kwargs = dict(budget=12, beta=5, calibration_path=calibration)
     with pytest.raises(ValueError, match="sink_tokens \\+ recent_window .* must be below the budget 12"):
@@ -158,9 +194,13 @@ def test_a_cache_with_a_k_scale_gives_it_to_the_selector(calibration):
     """An fp8 cache that stores keys scaled exposes k_scale ([L] or [L, Hkv]); the manager hands it on, checked."""
     cache = _cache()
     cache.k_scale = torch.tensor([0.5, 2.0])
-    tri = TriAttentionConfig(calibration_path=calibration, normalize_scores=False)
+    tri = TriAttentionConfig(calibration_path=calibration, normalize_scores=False, **BARE)
     manager = create_compression_manager(tri, cache, MODEL)
     assert torch.equal(manager.selector.k_scale, torch.tensor([[0.5, 0.5], [2.0, 2.0]]))
+    # by default layer 0 keeps its newest tokens: the selector scores layer 1 with its k_scale
+    default = create_compression_manager(dataclasses.replace(tri, recent_layers=None), cache, MODEL)
+    assert default.policy.recent_layers == (0,)
+    assert torch.equal(default.selector.k_scale, torch.tensor([[2.0, 2.0]]))
     cache.k_scale = torch.tensor([0.5, 0.0])
     with pytest.raises(ValueError, match="positive and finite"):
         create_compression_manager(tri, cache, MODEL)

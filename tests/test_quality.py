@@ -8,7 +8,7 @@ pytest.importorskip("transformers")
 
 from kvops.calibrate import calibrate  # noqa: E402
 from kvops.triattention import load_calibration  # noqa: E402
-from conftest import TINY, tiny_model  # noqa: E402
+from conftest import BARE, TINY, tiny_model  # noqa: E402
 
 
 def _calibrated(model, tokens=128):
@@ -62,13 +62,15 @@ def test_simulated_rounds_hold_the_prompt_the_budget_and_the_tail():
         assert held[..., :8 + 2].all() and held[..., t - 16 + 2:].all()  # prompt, sinks, the newest 14
 
 
-@pytest.mark.parametrize("mode,options", [("union", {}), ("per_head", dict(sink_tokens=2, recent_window=3)),
+@pytest.mark.parametrize("mode,options", [("union", {}), ("per_head", {}), ("union", BARE),
+                                          ("per_head", dict(sink_tokens=2, recent_window=3)),
+                                          ("per_head", dict(sink_tokens=1, recent_window=8)),  # window > beta
                                           ("per_layer_perhead", dict(recent_window=2, recent_layers=(0,))),
                                           ("union", dict(sink_tokens=1, recent_layers=(1,)))])
 def test_harness_keeps_what_decoding_with_the_kvops_cache_keeps(mode, options):
     """Two independent paths to the same keep sets: the harness (chunks over a cache that keeps every key, masks
     narrowed at each round) and TriAttentionCache fed the same tokens one by one (slots tracked through the
-    compactions), under the same keep policy."""
+    compactions), under the same keep policy: given, or the mode's defaults the cache resolved."""
     from benchmarks.quality import Policy, simulate
     from kvops.integrations.transformers import TriAttentionCache, cache_keyword
 
@@ -81,8 +83,8 @@ def test_harness_keeps_what_decoding_with_the_kvops_cache_keeps(mode, options):
         model(input_ids=seq[None, :prompt], **{cache_keyword(model): cache})
         for t in range(prompt, seq.numel()):
             model(input_ids=seq[None, t:t + 1], **{cache_keyword(model): cache})
-    policy = Policy("triattention", mode, recent=options.get("recent_window", 0),
-                    sinks=options.get("sink_tokens", 0), recent_layers=options.get("recent_layers", ()))
+    policy = Policy("triattention", mode, recent=cache.recent_window, sinks=cache.sink_tokens,
+                    recent_layers=cache.recent_layers)
     record = []
     with torch.no_grad():
         simulate(model, seq, prompt, budget, beta, policy, cal, record=record)

@@ -39,9 +39,9 @@ from .._checks import check_bool, check_choice, check_device, check_int
 from .._dispatch import python_op
 from ..calibrate import require_transformers
 from ..compaction import MODES, ORDERS, decision_rows
-from ..config import check_keep_policy
+from ..config import DEFAULT_MODE, resolve_keep_policy
 from ..attention import HEAD_DIMS, QUERY_DTYPES, decode_attention
-from ..manager import TriAttentionRound, policy_selector
+from ..manager import TriAttentionRound, policy_selector, round_order
 from ..nvfp4 import PageBlobCodec, RowSpec
 from ..triattention import Calibration, load_calibration, validate_calibration
 
@@ -146,11 +146,12 @@ class TriAttentionCache(_transformers_module.Cache):
         ``budget`` generated tokens and ``beta`` arrived since its last round, so it never holds more than
         ``budget + beta``.
     mode : str
-        ``"union"``, ``"per_head"`` or ``"per_layer_perhead"`` (``kvops.compaction.MODES``).
+        ``"per_head"`` (the default), ``"union"`` or ``"per_layer_perhead"`` (``kvops.compaction.MODES``).
     sink_tokens, recent_window, recent_layers
         The keep policy (``kvops.config.TriAttentionConfig``): the first `sink_tokens` and newest
         `recent_window` generated tokens always stay (inside the budget), and the layers in `recent_layers` keep
-        their newest tokens instead of the scored ones.
+        their newest tokens instead of the scored ones. Each left at None takes the mode's measured default
+        (``kvops.config.resolve_keep_policy``); 0, 0 and () give bare scoring.
     compaction_order : str
         ``"fill"`` (only the kept tokens past the new length move; attention is over a set, so slot order does
         not matter) or ``"ordered"`` (``kvops.compaction.ORDERS``).
@@ -174,14 +175,16 @@ class TriAttentionCache(_transformers_module.Cache):
     cache, so a cache built for fewer layers than its model holds nothing.
     """
 
-    def __init__(self, config, calibration, *, budget: int = 2048, beta: int = 128, mode: str = "union",
-                 sink_tokens: int = 0, recent_window: int = 0, recent_layers: tuple[int, ...] = (),
-                 compaction_order: str = "fill", cuda_graphs: bool = True, static: bool = False):
+    def __init__(self, config, calibration, *, budget: int = 2048, beta: int = 128, mode: str = DEFAULT_MODE,
+                 sink_tokens: int | None = None, recent_window: int | None = None,
+                 recent_layers: tuple[int, ...] | None = None, compaction_order: str = "fill",
+                 cuda_graphs: bool = True, static: bool = False):
         what = "TriAttentionCache"
         check_int(what, "budget", budget, 1)
         check_int(what, "beta", beta, 1)
         check_choice(what, "mode", mode, MODES)
-        recent_layers = check_keep_policy(what, budget, sink_tokens, recent_window, recent_layers)
+        # checked now as far as it can be without the model; resolved for it below
+        resolve_keep_policy(what, mode, budget, beta, 2**31 - 1, sink_tokens, recent_window, recent_layers)
         check_choice(what, "compaction_order", compaction_order, ORDERS)
         check_bool(what, "cuda_graphs", cuda_graphs)
         check_bool(what, "static", static)
@@ -212,12 +215,14 @@ class TriAttentionCache(_transformers_module.Cache):
         # the generated tokens a row can hold (a step may overshoot a due round by one): all of them are scored,
         # so no token past max_decode is ever dropped unscored
         self.max_generated = budget + beta + 1
-        self.selector = policy_selector(what, calibration, budget, mode, self.max_generated, sink_tokens=sink_tokens,
-                                        recent_window=recent_window, recent_layers=recent_layers)
-        self.sink_tokens, self.recent_window, self.recent_layers = sink_tokens, recent_window, recent_layers
+        policy = resolve_keep_policy(what, mode, budget, beta, self.num_layers, sink_tokens, recent_window,
+                                     recent_layers)
+        self.selector = policy_selector(what, calibration, budget, mode, self.max_generated, *policy)
+        self.sink_tokens, self.recent_window, self.recent_layers = policy
         # slot bookkeeping per compaction list row: the decision rows, and the window row of the recent layers
-        self._list_rows = decision_rows(mode, self.num_layers, self.num_kv_heads) + bool(recent_layers)
-        self.budget, self.beta, self.order, self.cuda_graphs = budget, beta, compaction_order, cuda_graphs
+        self._list_rows = decision_rows(mode, self.num_layers, self.num_kv_heads) + bool(self.recent_layers)
+        self.budget, self.beta, self.cuda_graphs = budget, beta, cuda_graphs
+        self.order = round_order(compaction_order, self.recent_window, beta)
         self.static = static
         self._host: torch.Tensor | None = None
         self._offloaded: set[int] = set()
