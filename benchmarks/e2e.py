@@ -177,11 +177,11 @@ def _measure(name: str, model, calibration, ids: torch.Tensor, args, device: tor
     if name == "default":
         cache.crop(-(cache.get_seq_length() - context))  # back to the context
         seq = ids
-    rounds, round_s = (len(cache.rounds), timer.total_seconds()) if timer else (0, 0.0)
+    rounds, round_s = (cache.num_rounds, timer.total_seconds()) if timer else (0, 0.0)
     r["decode_s"], _ = _decode(model, cache, seq, args.new_tokens, device)
     r["tokens_per_s"] = ids.shape[0] * args.new_tokens / r["decode_s"]
     if timer:
-        r["decode_rounds"], r["decode_round_s"] = len(cache.rounds) - rounds, timer.total_seconds() - round_s
+        r["decode_rounds"], r["decode_round_s"] = cache.num_rounds - rounds, timer.total_seconds() - round_s
         r["capacity_tokens"] = cache.pools[0].shape[3]
     if device.type == "cuda" and name not in STATIC:  # a compiled step is timed by the decode alone
         r["step_host_ms"], r["step_gpu_ms"] = _step(model, cache, ids.shape[0], device)

@@ -61,10 +61,10 @@ def test_with_eviction_logits_equal_attention_over_what_the_cache_holds(mode, or
     prompt, budget, beta, steps = 10, 16, 4, 44
     ids = torch.randint(1, TINY["vocab_size"], (1, prompt), device=device)
     cache = TriAttentionCache(model.config, cal, budget=budget, beta=beta, mode=mode, compaction_order=order,
-                              **BARE)
+                              round_history=None, **BARE)
     out = _generate(model, ids, cache, steps)
     seq, n = out.sequences[0], out.sequences.shape[1]
-    assert len(cache.rounds) >= 5 and cache.held <= prompt + budget + beta
+    assert cache.num_rounds >= 5 and cache.held <= prompt + budget + beta
     assert cache.pools[0].shape[3] == prompt + budget + beta + 1  # the memory never grows past that
     assert kv_bytes(cache) < 2 * cache.num_layers * 2 * 2 * (n - 1) * 16  # held bytes, below the full sequence's
     logits = torch.stack(out.logits, 1)[0].float()  # step i predicts position prompt + i
@@ -106,7 +106,8 @@ def _assert_logits_of_what_the_cache_held(model, cache, seq, logits, prompt, mod
 def test_rounds_keep_what_the_reference_selects():
     """Each round's kept tokens are the float64 reference's selection over the same held keys."""
     model, cal = _setup()
-    cache = TriAttentionCache(model.config, cal, budget=12, beta=4, mode="per_layer_perhead", **BARE)
+    cache = TriAttentionCache(model.config, cal, budget=12, beta=4, mode="per_layer_perhead", round_history=None,
+                              **BARE)
     snapshots, compress = [], cache._compress
 
     def recorded(held):
@@ -115,7 +116,7 @@ def test_rounds_keep_what_the_reference_selects():
 
     cache._compress = recorded
     _generate(model, torch.randint(1, TINY["vocab_size"], (2, 8)), cache, 30)
-    assert len(snapshots) == len(cache.rounds) >= 3
+    assert len(snapshots) == cache.num_rounds == len(cache.rounds) >= 3
     for (pools, held, evicted, slots), (t, kept) in zip(snapshots, cache.rounds):
         B = pools[0].shape[0]
         i32 = lambda v: torch.full((B,), v, dtype=torch.int32)  # noqa: E731
@@ -171,7 +172,7 @@ def test_a_step_that_overshoots_a_round_is_scored_whole():
     from kvops.integrations.transformers import cache_keyword
 
     model, cal = _setup()
-    cache = TriAttentionCache(model.config, cal, budget=16, beta=4, mode="union", **BARE)
+    cache = TriAttentionCache(model.config, cal, budget=16, beta=4, mode="union", round_history=None, **BARE)
     assert cache.selector.max_decode == 16 + 4 + 1
     seq = torch.randint(1, TINY["vocab_size"], (1, 33))
     snapshots, compress = [], cache._compress
@@ -201,7 +202,8 @@ def test_static_cache_compiles_the_decode_step_once(attention, device):
     model, cal = _setup(device=device)
     prompt, budget, beta = 10, 16, 4
     ids = torch.randint(1, TINY["vocab_size"], (1, prompt), device=device)
-    cache = TriAttentionCache(model.config, cal, budget=budget, beta=beta, mode="union", static=True, **BARE)
+    cache = TriAttentionCache(model.config, cal, budget=budget, beta=beta, mode="union", static=True,
+                              round_history=None, **BARE)
     model.config._attn_implementation = attention
     assert cache.is_compileable and not TriAttentionCache(model.config, cal).is_compileable
     # fullgraph: a graph break fails the test. On the GPU generate's own choice otherwise (inductor, CUDA graphs);
@@ -217,7 +219,7 @@ def test_static_cache_compiles_the_decode_step_once(attention, device):
     assert graphs > 0
     out = _generate(model, first.sequences, cache, 41, **kw)
     assert counters["stats"]["unique_graphs"] == graphs  # 40 more steps and their rounds: nothing recompiled
-    assert len(cache.rounds) >= 5 and cache.held <= prompt + budget + beta
+    assert cache.num_rounds >= 5 and cache.held <= prompt + budget + beta
     assert cache.pools[0].shape[3] == prompt + budget + beta + 1  # what attention reads in every step
     logits = torch.cat([torch.stack(first.logits, 1), torch.stack(out.logits, 1)], 1)[0].float()
     _assert_logits_of_what_the_cache_held(model, cache, out.sequences[0], logits, prompt)
@@ -333,7 +335,7 @@ def _state(cache, held_only=False) -> dict:
     clone = lambda t: None if t is None else bytes_of(t).clone()  # noqa: E731
     end = cache.held if held_only else None
     return dict(held=cache.held, evicted=cache.evicted, prompt=cache.prompt, logical=int(cache.get_seq_length()),
-                rounds=len(cache.rounds), round_held=cache._round_held, offloaded=sorted(cache._offloaded),
+                rounds=cache.num_rounds, round_held=cache._round_held, offloaded=sorted(cache._offloaded),
                 step=cache._step, pools=None if cache.pools is None else [clone(p[:, :, :, :end]) for p in cache.pools],
                 slots=clone(cache.slot_positions[..., :end]), host=clone(cache._host))
 
@@ -399,7 +401,7 @@ def test_a_second_generate_with_another_batch_size_is_refused_before_any_change(
              ValueError, "batch size 3.*holds 2")
     _refused(cache, lambda: _run(model, cache, other[:, :1]), ValueError, "batch size 3")
     more = model.generate(out, max_new_tokens=30, do_sample=False, **_with(model, cache))
-    assert torch.equal(more[:, :out.shape[1]], out) and len(cache.rounds) >= 3  # the rounds still run
+    assert torch.equal(more[:, :out.shape[1]], out) and cache.num_rounds >= 3  # the rounds still run
 
 
 def test_a_layer_write_refused_mid_step_leaves_the_cache_as_before():
@@ -434,7 +436,7 @@ def test_a_layer_write_refused_mid_step_leaves_the_cache_as_before():
     _assert_same(before, _state(cache, held_only=True))
     for _ in range(15):  # 18 generated tokens: one round ran before the 18th
         step(1)
-    assert len(cache.rounds) == 1 and cache.held == 10 + 16 + 1 and cache.evicted == 1
+    assert cache.num_rounds == 1 and cache.held == 10 + 16 + 1 and cache.evicted == 1
 
 
 def test_a_cache_for_fewer_layers_than_the_model_is_refused_and_holds_nothing():
@@ -485,7 +487,7 @@ def test_a_long_step_into_a_used_cache_is_refused_before_the_due_round():
         _refused(cache, lambda: _run(model, cache, torch.randint(1, TINY["vocab_size"], (1, 20))),
                  ValueError, "do not fit")
         _run(model, cache, seq[:, :1])
-        assert len(cache.rounds) == 1 and cache.held == 10 + 16 + 1
+        assert cache.num_rounds == 1 and cache.held == 10 + 16 + 1
 
 
 @pytest.mark.parametrize("all_rows", [False, True])
@@ -595,3 +597,23 @@ def test_the_defaults_are_per_head_under_each_modes_keep_policy():
     assert (cache.sink_tokens, cache.recent_window, cache.recent_layers, cache.order) == (3, 12, (0,), "ordered")
     cache = TriAttentionCache(model.config, cal, budget=16, beta=4, mode="union", **BARE)
     assert (cache.sink_tokens, cache.recent_window, cache.recent_layers, cache.order) == (0, 0, (), "fill")
+
+
+@pytest.mark.parametrize("history,kept", [(1, 1), (0, 0), (2, 2), (None, "all")])
+def test_round_history_bounds_what_the_cache_keeps_of_its_rounds(history, kept):
+    """rounds holds the last round_history rounds' kept positions (device memory that grows with every round),
+    num_rounds counts them all."""
+    from kvops.integrations.transformers import cache_keyword
+
+    model, cal = _setup()
+    cache = TriAttentionCache(model.config, cal, budget=16, beta=4, round_history=history)
+    with torch.no_grad():
+        model.generate(torch.randint(1, TINY["vocab_size"], (1, 10)), max_new_tokens=30, do_sample=False,
+                       **{cache_keyword(model): cache})
+    assert cache.num_rounds >= 3
+    assert len(cache.rounds) == (cache.num_rounds if kept == "all" else kept)
+    if cache.rounds:  # the newest round is the last one
+        assert cache.rounds[-1][0] == int(cache.get_seq_length()) - (cache.held - 16 - 10)
+    for bad, error in ((-1, ValueError), (1.5, TypeError), (True, TypeError)):
+        with pytest.raises(error, match="round_history"):
+            TriAttentionCache(model.config, cal, round_history=bad)

@@ -31,7 +31,7 @@ def _snapshot(cache) -> dict:
     """Every piece of state a call may change, the tensors as bytes."""
     clone = lambda t: None if t is None else bytes_of(t).clone()  # noqa: E731
     return dict(held=cache.held, evicted=cache.evicted, prompt=cache.prompt, logical=int(cache.get_seq_length()),
-                rounds=len(cache.rounds), round_held=cache._round_held, offloaded=sorted(cache._offloaded),
+                rounds=cache.num_rounds, round_held=cache._round_held, offloaded=sorted(cache._offloaded),
                 step=cache._step,
                 pools=None if cache.pools is None else [clone(p) for p in cache.pools],
                 slots=clone(cache.slot_positions), host=clone(cache._host))
@@ -75,7 +75,7 @@ class Shadow:
         """A due round ran: its kept positions (from the cache's record) must be `budget` distinct generated
         tokens the row held; the row then holds the prompt and them."""
         self.rounds += 1
-        assert len(cache.rounds) == self.rounds
+        assert cache.num_rounds == self.rounds and len(cache.rounds) == 1
         t, kept = cache.rounds[-1]
         assert t == self.held + self.evicted
         rows = kept.shape[1]
@@ -115,7 +115,7 @@ class Shadow:
     def check(self, cache):
         assert (cache.held, cache.evicted, cache.prompt, cache._round_held) == \
             (self.held, self.evicted, self.prompt, self.round_held)
-        assert int(cache.get_seq_length()) == self.held + self.evicted and len(cache.rounds) == self.rounds
+        assert int(cache.get_seq_length()) == self.held + self.evicted and cache.num_rounds == self.rounds
         assert cache._offloaded == self.offloaded and cache._step is None
         assert (cache.pools is None) == (self.positions is None or len(self.offloaded) == self.B)
         if cache.pools is None:

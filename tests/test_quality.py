@@ -78,7 +78,8 @@ def test_harness_keeps_what_decoding_with_the_kvops_cache_keeps(mode, options):
     model.config._attn_implementation = "eager"
     cal = _calibrated(model, 256)
     seq, prompt, budget, beta = torch.randint(1, TINY["vocab_size"], (70,)), 10, 16, 4
-    cache = TriAttentionCache(model.config, cal, budget=budget, beta=beta, mode=mode, **options)
+    cache = TriAttentionCache(model.config, cal, budget=budget, beta=beta, mode=mode, round_history=None,
+                              **options)
     with torch.no_grad():
         model(input_ids=seq[None, :prompt], **{cache_keyword(model): cache})
         for t in range(prompt, seq.numel()):

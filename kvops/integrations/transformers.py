@@ -28,6 +28,7 @@ multi-turn sessions); once every row is offloaded the device pools are released.
 
 from __future__ import annotations
 
+import collections
 import inspect
 import os
 from dataclasses import dataclass
@@ -157,6 +158,10 @@ class TriAttentionCache(_transformers_module.Cache):
         not matter) or ``"ordered"`` (``kvops.compaction.ORDERS``).
     cuda_graphs : bool
         Replay each round size from a CUDA graph on the GPU (as ``TriAttentionManager`` does).
+    round_history : int or None
+        How many of the last rounds ``rounds`` keeps (what each kept, on the device: ``batch x list rows x
+        budget`` int64, 289 rows a request for Qwen3-8B in per_layer_perhead), None for every round;
+        ``num_rounds`` counts them all.
     static : bool
         Static shapes for ``torch.compile`` of the decode step (see the module's docstring): attention reads all
         ``prompt + budget + beta + 1`` slots under a mask instead of the held ones.
@@ -178,10 +183,12 @@ class TriAttentionCache(_transformers_module.Cache):
     def __init__(self, config, calibration, *, budget: int = 2048, beta: int = 128, mode: str = DEFAULT_MODE,
                  sink_tokens: int | None = None, recent_window: int | None = None,
                  recent_layers: tuple[int, ...] | None = None, compaction_order: str = "fill",
-                 cuda_graphs: bool = True, static: bool = False):
+                 cuda_graphs: bool = True, static: bool = False, round_history: int | None = 1):
         what = "TriAttentionCache"
         check_int(what, "budget", budget, 1)
         check_int(what, "beta", beta, 1)
+        if round_history is not None:
+            check_int(what, "round_history", round_history)
         check_choice(what, "mode", mode, MODES)
         # checked now as far as it can be without the model; resolved for it below
         resolve_keep_policy(what, mode, budget, beta, 2**31 - 1, sink_tokens, recent_window, recent_layers)
@@ -223,6 +230,7 @@ class TriAttentionCache(_transformers_module.Cache):
         self._list_rows = decision_rows(mode, self.num_layers, self.num_kv_heads) + bool(self.recent_layers)
         self.budget, self.beta, self.cuda_graphs = budget, beta, cuda_graphs
         self.order = round_order(compaction_order, self.recent_window, beta)
+        self.round_history = round_history
         self.static = static
         self._host: torch.Tensor | None = None
         self._offloaded: set[int] = set()
@@ -240,9 +248,11 @@ class TriAttentionCache(_transformers_module.Cache):
         self._round_held = 0       # what each row held after the prompt or the last round
         # logical position of each slot, [batch, list rows, capacity]
         self.slot_positions: torch.Tensor | None = None
-        # each round: (the logical position of the first token after it, the kept logical positions of its
-        # generated tokens [batch, list rows, budget] in slot order)
-        self.rounds: list[tuple[int, torch.Tensor]] = []
+        # the last round_history rounds (all with None): (the logical position of the first token after it, the
+        # kept logical positions of its generated tokens [batch, list rows, budget] in slot order), on the
+        # device; and how many rounds ran
+        self.rounds: collections.deque[tuple[int, torch.Tensor]] = collections.deque(maxlen=self.round_history)
+        self.num_rounds = 0
         self._round: TriAttentionRound | None = None
         self._step: _Step | None = None  # an eager step between its first and last layer
         self._last = False  # whether the call before was the first step's last layer
@@ -570,7 +580,9 @@ class TriAttentionCache(_transformers_module.Cache):
         end = self.prompt + self.budget
         self.slot_positions[..., protected:end] = torch.where(
             landed >= 0, self.slot_positions.gather(-1, landed.clamp_min(0)), -1)
-        self.rounds.append((held + self.evicted, self.slot_positions[..., self.prompt:end].clone()))
+        if self.round_history != 0:
+            self.rounds.append((held + self.evicted, self.slot_positions[..., self.prompt:end].clone()))
+        self.num_rounds += 1
         self.evicted += held - end
         self._held = self._round_held = end
         if self.static:
