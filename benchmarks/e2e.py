@@ -35,6 +35,7 @@ the compiled step allocate more); tokens/s there compare peak against peak. ``--
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import sys
 import time
@@ -211,7 +212,7 @@ def _fits(name: str, model, calibration, batch: int, context: int, args, device:
         return False
     finally:
         del cache
-        torch.cuda.empty_cache()
+        _release(device)  # an OOM's traceback holds the probe's tensors in a cycle: collected here
 
 
 def _peak_batch(name: str, model, calibration, context: int, args, device: torch.device, per_token: int) -> int:
@@ -277,7 +278,7 @@ def run(args) -> dict:
                         r = dict(batch=batch, context=context, oom=True)
                         print(json.dumps(dict(cache=name, **r)), flush=True)
                         ids = None
-                        torch.cuda.empty_cache()
+                        _release(device)
                         batch = batch * 7 // 8
                 r = dict(cache=name, peak=peak, **r)
                 if not r.get("oom"):
@@ -285,9 +286,18 @@ def run(args) -> dict:
                 out["rows"].append(r)
                 print(json.dumps(r), flush=True)
                 del ids
-                if device.type == "cuda":
-                    torch.cuda.empty_cache()
+                _release(device)
     return out
+
+
+def _release(device: torch.device) -> None:
+    """Free what a measured or failed cache left behind before the next one: the compiled decode steps, whose CUDA
+    graphs hold the cache's tensors as static inputs (a failed peak batch would otherwise keep its whole cache for
+    the smaller batch tried next), then the allocator's cached blocks."""
+    torch.compiler.reset()
+    gc.collect()
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
 
 
 def _table(out: dict) -> list[str]:
