@@ -104,6 +104,8 @@ METHODS = ("full", "triattention_per_head+default", "triattention_union+default"
            "triattention_per_layer_perhead", "recent", "sinks", "random", "oracle+l0")
 # --quick: fewer windows and calibration tokens, no token-by-token decoding through real caches
 QUICK = dict(calibration_tokens=16384, windows=4, window=2048, budgets="128,256,512", cache_windows=0)
+# --quick's methods unless --methods is given: each mode as a user gets it, against the baselines and the ceiling
+QUICK_METHODS = tuple(m for m in METHODS if "_" not in m or m.endswith("+default") or m.startswith("oracle"))
 
 
 def rounds(n: int, prompt: int, budget: int, beta: int):
@@ -397,12 +399,13 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--prompt", type=int, default=16, help="prompt tokens of each window (never evicted)")
     ap.add_argument("--window", type=int, default=1024, help="tokens per evaluation window")
     ap.add_argument("--windows", type=int, default=4)
-    ap.add_argument("--methods", default=",".join(METHODS))
+    ap.add_argument("--methods", help=f"comma-separated (default {','.join(METHODS)}; with --quick "
+                                      f"{','.join(QUICK_METHODS)})")
     ap.add_argument("--cache-windows", type=int, default=1,
                     help="windows also decoded token by token through real caches in bf16 (full, TriAttention, "
                          "TriAttention after an NVFP4 offload/onboard cycle), with tokens/s; 0: none")
     ap.add_argument("--quick", action="store_true",
-                    help="about 3 minutes on two CPU cores: " + ", ".join(f"--{k.replace('_', '-')} {v}"
+                    help="about 4 minutes on two CPU cores: " + ", ".join(f"--{k.replace('_', '-')} {v}"
                                                                       for k, v in QUICK.items()))
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     ap.add_argument("--csv")
@@ -410,6 +413,7 @@ def main(argv: list[str] | None = None) -> int:
     a = ap.parse_args(argv)
     if a.quick:
         vars(a).update(QUICK)
+    a.methods = a.methods or ",".join(QUICK_METHODS if a.quick else METHODS)
     try:
         methods = [Policy.parse(m) for m in a.methods.split(",")]
     except ValueError as e:
