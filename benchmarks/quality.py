@@ -16,10 +16,11 @@ Methods (``Policy``; by default ``METHODS``): ``full``; ``triattention`` in ``un
 ``per_layer_perhead`` modes (a mask per layer reaches each layer's attention through a forward pre-hook);
 ``recent`` (the last budget tokens), ``sinks`` (4 sink tokens + the last budget - 4), ``random`` (budget random
 decode tokens, redrawn each round) and ``oracle`` (the ceiling: what the full cache's next queries attend to most),
-each with keep-policy options (``+wW`` newest W kept, ``+sS`` sinks, ``+lA.B`` layers on recency). Then, on the first
+each with keep-policy options (``+wW`` newest W kept, ``+sS`` sinks, ``+lA.B`` layers on recency), or
+``triattention_<mode>+default``: the mode under kvops' default keep policy for each budget. Then, on the first
 ``--cache-windows`` windows, real caches in bf16 decode token by token (``evaluate_caches``): ``full_cache``,
-``triattention_<mode>_cache`` and ``triattention_<mode>_nvfp4`` (one NVFP4 offload/onboard cycle halfway), with
-decode tokens/s. Every row reports agreement, loss, perplexity and the KV each sequence holds. On a random-weight
+``triattention_<mode>_cache`` and ``triattention_<mode>_nvfp4`` (one NVFP4 offload/onboard cycle halfway; each
+mode under its default keep policy), with decode tokens/s. Every row reports agreement, loss, perplexity and the KV each sequence holds. On a random-weight
 model the numbers show only that the mechanics run (the output says so).
 """
 
@@ -360,7 +361,7 @@ def evaluate_caches(model, windows: list[torch.Tensor], calibration, budgets, be
                     modes=CACHE_MODES, log=print, **options) -> list[dict]:
     """The same measures through real caches in bf16, decoding token by token: ``full_cache`` (transformers'
     DynamicCache), ``triattention_<mode>_cache`` (kvops' TriAttentionCache, with `options`: its policy
-    keywords) and ``triattention_<mode>_nvfp4`` (the same cache with one NVFP4 offload/onboard cycle halfway
+    keywords; the mode's default keep policy without them) and ``triattention_<mode>_nvfp4`` (the same cache with one NVFP4 offload/onboard cycle halfway
     through the window), each against the float32 full cache's predictions, with the decode's tokens/s (batch 1)."""
     transformers = require_transformers()
     half = copy.deepcopy(model).to(torch.bfloat16)
