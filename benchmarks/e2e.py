@@ -349,6 +349,8 @@ def main(argv=None) -> int:
         ap.error(f"--caches: choose from {CACHES}")
     defaults = dict(batch=2, context="160", prompt=16, new_tokens=12, budget=48, beta=8) if args.tiny else \
         dict(batch=32, context="16384,32768", prompt=1024, new_tokens=256, budget=2048, beta=128)
+    if args.batch is not None and args.batch < 1:
+        ap.error(f"--batch: at least 1, got {args.batch}")
     if args.peak and args.batch is None:
         defaults["batch"] = 0  # peak rows only
     for name, value in defaults.items():

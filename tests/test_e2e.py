@@ -33,7 +33,7 @@ def test_tiny_run_fills_decodes_and_reports(tmp_path, capsys):
 
 def test_arguments_are_checked(capsys):
     for argv in (["--tiny", "--peak"], ["--tiny", "--context", "8"], ["--tiny", "--context", "x"],
-                 ["--tiny", "--caches", "dense"]):
+                 ["--tiny", "--caches", "dense"], ["--tiny", "--batch", "0"]):
         with pytest.raises(SystemExit) as e:
             main(argv)
         assert e.value.code == 2
