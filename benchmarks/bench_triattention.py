@@ -18,7 +18,8 @@ Rows:
               (the same call without a graph). Floor: the decode tokens'
               K read once plus, read and written, the bytes fill order must move, at the copy bandwidth.
   round_steady_policy  the whole round (fill) at R=32 under keep-policy options (4 sink tokens, a recent window
-              of 64, layer 0 on recency, and all three) against the same round without them.
+              of 64, layer 0 on recency, and all three; then each mode's defaults, whose windows past beta run
+              ordered) against the same round without them, per_head, union and per_layer_perhead.
   first_round  the whole round (fill, R=1 of the steady shape) in a fresh process with empty Triton, kvops and CUDA
               caches, once per mode, eager (no graph), timed from after `import kvops` and the workload's
               allocation to the round's end; baseline: the same round again in that process (warm). The note gives
@@ -41,6 +42,7 @@ import torch
 import triton
 
 from kvops.compaction import compact, decision_rows
+from kvops.config import resolve_keep_policy
 from kvops.manager import TriAttentionRound, policy_selector, round_order
 from kvops.triattention import Calibration, TriAttentionSelector, mean_phase
 from kvops.triattention.reduce import reduce_rows
@@ -297,23 +299,26 @@ POLICIES = {"sinks 4": dict(sink_tokens=4), "recent 64": dict(recent_window=64),
 
 
 def _round_policy(rows_out: list[Row], copy_gbps: float, quick: bool) -> list[str]:
-    """The cost of the keep-policy options: the steady round with each against the plain one, same workload."""
+    """The cost of the keep-policy options: the steady round with each against the plain one, same workload; and
+    with each mode's defaults (kvops.config.resolve_keep_policy), whose long windows run ordered rounds."""
     R = 8 if quick else 32
     w = steady_workload(R)
     notes = []
-    for mode in ("union", "per_layer_perhead"):
+    for mode in ("per_head", "union", "per_layer_perhead"):
+        defaults = resolve_keep_policy("_round_policy", mode, w.budget, w.beta, w.L)._asdict()
         base = None
-        for name, options in {"plain": {}, **POLICIES}.items():
+        for name, options in {"plain": {}, **POLICIES, "defaults": defaults}.items():
             _, rnd = steady_round(w, mode, "fill", cuda_graphs=True, **options)
             us = time_us(rnd.graphs[R].replay, iters=40)  # (differences of a few %: more replays than elsewhere)
             if base is None:
                 floor_bytes = w.L * R * (w.budget + w.beta) * w.Hkv * w.D * 2 + 2 * fill_moved_bytes(w, rnd)
                 base = us
                 continue
-            shape = f"R={R} {w.prompt}+{w.budget + w.beta} L={w.L} Hkv={w.Hkv} {mode} fill, {name}"
+            order = round_order("fill", options.get("recent_window", 0), w.beta)
+            shape = f"R={R} {w.prompt}+{w.budget + w.beta} L={w.L} Hkv={w.Hkv} {mode} {order}, {name}"
             rows_out.append(Row.make(FAMILY, "round_steady_policy", shape, "bfloat16", us, floor_bytes, copy_gbps,
                                      "plain round", base))
-            notes.append(f"round_steady_policy R={R} {mode} {name}: {us:.0f} us against {base:.0f} us plain "
-                         f"({us / base - 1:+.1%}).")
+            notes.append(f"round_steady_policy R={R} {mode} {name} ({order}): {us:.0f} us against {base:.0f} us "
+                         f"plain ({us / base - 1:+.1%}).")
             rnd = None
     return notes
