@@ -154,6 +154,10 @@ def test_keep_policy_defaults_are_each_modes_measured_best(calibration):
         resolve("union", 16, recent_window=1.5)
     with pytest.raises(ValueError, match="must be below the budget"):
         resolve("per_head", 16, sink_tokens=8, recent_window=8)
+    with pytest.raises(ValueError, match="mode must be one of"):
+        resolve("per_token", 16)
+    with pytest.raises(ValueError, match="beta must be >= 1"):
+        resolve("per_head", 16, beta=0)
     # the config keeps None (its dict and JSON too) and resolves for a model
     tri = TriAttentionConfig(budget=512, beta=64, calibration_path=calibration)
     assert (tri.eviction_mode, tri.sink_tokens, tri.recent_window, tri.recent_layers) == ("per_head", None, None, None)

@@ -190,8 +190,6 @@ class TriAttentionCache(_transformers_module.Cache):
         if round_history is not None:
             check_int(what, "round_history", round_history)
         check_choice(what, "mode", mode, MODES)
-        # checked now as far as it can be without the model; resolved for it below
-        resolve_keep_policy(what, mode, budget, beta, 2**31 - 1, sink_tokens, recent_window, recent_layers)
         check_choice(what, "compaction_order", compaction_order, ORDERS)
         check_bool(what, "cuda_graphs", cuda_graphs)
         check_bool(what, "static", static)
@@ -222,6 +220,7 @@ class TriAttentionCache(_transformers_module.Cache):
         # the generated tokens a row can hold (a step may overshoot a due round by one): all of them are scored,
         # so no token past max_decode is ever dropped unscored
         self.max_generated = budget + beta + 1
+        # the keep policy for the model (checked before anything is allocated)
         policy = resolve_keep_policy(what, mode, budget, beta, self.num_layers, sink_tokens, recent_window,
                                      recent_layers)
         self.selector = policy_selector(what, calibration, budget, mode, self.max_generated, *policy)
