@@ -17,7 +17,7 @@ Caches (``--caches``):
 - ``default``: transformers' ``DynamicCache``, eager, ``sdpa`` attention (the eager baseline);
 - ``dense-static``: transformers' ``StaticCache`` at full context, for which ``generate`` compiles the decode
   step (inductor, CUDA graphs): the dense baseline a user who wants speed runs, under ``--dense-attention``
-  (default ``grouped_sdpa``, faster for it on the H200 than kvops' decode attention);
+  (default ``kvops``, faster for it on the H200 than ``grouped_sdpa``);
 - ``kvops``: ``TriAttentionCache``, eager;
 - ``kvops-static``: ``TriAttentionCache(static=True)``, compiled by ``generate`` as ``dense-static``.
 The kvops caches run ``--attention`` (default ``kvops``: ``KVOPS_ATTENTION``, kvops' decode attention op;
@@ -276,10 +276,12 @@ def run(args) -> dict:
                         break
                     except torch.cuda.OutOfMemoryError:
                         r = dict(batch=batch, context=context, oom=True)
-                        print(json.dumps(dict(cache=name, **r)), flush=True)
-                        ids = None
-                        _release(device)
-                        batch = batch * 7 // 8
+                    # released outside the handler: while it runs, the exception's traceback holds the failed
+                    # attempt's cache
+                    print(json.dumps(dict(cache=name, **r)), flush=True)
+                    ids = None
+                    _release(device)
+                    batch = batch * 7 // 8
                 r = dict(cache=name, peak=peak, **r)
                 if not r.get("oom"):
                     _with_floor(r, name, args, per_token, weight_bytes, copy_gbps)
