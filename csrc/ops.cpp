@@ -62,6 +62,8 @@ constexpr const char* kSchemas[] = {
     "_same_layout_addresses(Tensor[] tensors, str name) -> int[]",
     // Top-k over rows of at most 4096 keys (kvops.topk's semantics, docs/topk.md): one warp per row on the GPU.
     "topk_short_rows_(Tensor scores, Tensor lengths, Tensor? offsets, int k, Tensor(a!) out) -> ()",
+    // The same over rows of any width, several CTAs a row on the GPU (a few long rows).
+    "topk_long_rows_(Tensor scores, Tensor lengths, Tensor? offsets, int k, Tensor(a!) out) -> ()",
     // Decode attention over a paged cache (csrc/attention/attention.h states it): query [R, Hq, q, D] -> [R, q, Hq, D].
     "attention_decode(Tensor query, Tensor k_cache, Tensor v_cache, Tensor page_table, Tensor lengths, "
         "Tensor? starts, float scale, float k_scale=1.0, float v_scale=1.0, int num_splits=0) -> Tensor",

@@ -345,3 +345,99 @@ def test_offsets_out_of_range_are_refused_where_checked(device):
                 del os.environ["KVOPS_DEBUG"]
     with pytest.raises(TypeError, match="topk: validate must be a bool"):
         topk(scores, lengths, 5, offsets=good, validate=1)
+
+
+def _long_rows(rows, N, k, device):
+    """Rows that exercise the multi-CTA class: every slice count, one shared top digit, values packed into one
+    second digit, ties that straddle slices, NaN and infinities, and lengths 0, 1, k, k + 1, short and ragged."""
+    scores = torch.randn(rows, N)
+    scores[0] = _tie_heavy(1, N, "cpu")[0]
+    if rows > 1:
+        scores[1] = torch.rand(N) * 1e-3 + 5  # one top digit, few second ones
+    if rows > 2:
+        scores[2] = 2.0  # all equal: the first k indices win
+    if rows > 3:
+        scores[3] = torch.randint(0, 3, (N,)).float()
+    lengths = torch.randint(0, N + 1, (rows,), dtype=torch.int32)
+    lengths[: min(rows, 4)] = N
+    for row, n in zip(range(4, rows), (0, 1, k, k + 1)):
+        lengths[row] = min(n, N)
+    return scores.to(device), lengths.to(device)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("rows,N,k", [(1, 1, 1), (3, 5000, 300), (8, 2048, 2047), (2, 70_001, 2048),
+                                      (9, 33_000, 2048), (6, 9000, 9000), (5, 4100, 5000), (200, 6000, 64)])
+@pytest.mark.parametrize("aligned", [True, False])
+def test_long_rows_native_matches_reference(device, rows, N, k, aligned):
+    """kvops::topk_long_rows_ (csrc/topk, several CTAs a row on the GPU) against the reference: one slice or
+    many, k below, at and above the length, rows 16-byte aligned or not (the GPU's vector or scalar loads), with
+    and without offsets; the output poisoned first, so a slot the kernel misses shows."""
+    from kvops.topk import long_rows_native
+
+    scores, lengths = _long_rows(rows, N + (not aligned), k, device)
+    if not aligned:
+        scores = scores[:, 1:]
+        lengths = lengths.clamp(max=N)
+    want = topk_reference(scores.cpu(), lengths.cpu(), k)
+    for offsets in (None, torch.randint(0, 1 << 20, (rows,), dtype=torch.int32, device=device)):
+        out = poison_(torch.empty(rows, k, dtype=torch.int32, device=device))
+        long_rows_native(scores, lengths, offsets, k, out)
+        assert torch.equal(out.cpu(), _shifted(want, offsets))
+    opcheck(torch.ops.kvops.topk_long_rows_.default, (scores, lengths, offsets, k, out))
+
+
+@requires_cuda
+def test_long_rows_native_graph_replay_fresh_data():
+    """Captured once, replayed on new scores and lengths: the workspace comes from the graph's pool and is zeroed
+    in the graph."""
+    from kvops.topk import long_rows_native
+
+    scores, lengths = _long_rows(8, 40_000, 2048, "cuda")
+    out = torch.empty(8, 2048, dtype=torch.int32, device="cuda")
+    long_rows_native(scores, lengths, None, 2048, out)
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        long_rows_native(scores, lengths, None, 2048, out)
+    for seed in range(2):
+        torch.manual_seed(seed)
+        fresh, fresh_lengths = _long_rows(8, 40_000, 2048, "cuda")
+        scores.copy_(fresh)
+        lengths.copy_(fresh_lengths.flip(0))
+        poison_(out)
+        graph.replay()
+        torch.cuda.synchronize()
+        assert torch.equal(out.cpu(), topk_reference(scores.cpu(), lengths.cpu(), 2048))
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_long_rows_native_bad_arguments(device):
+    from kvops.topk import long_rows_native
+
+    s = torch.randn(4, 100, device=device)
+    n = torch.full((4,), 100, dtype=torch.int32, device=device)
+    out = torch.empty(4, 10, dtype=torch.int32, device=device)
+    with pytest.raises(TypeError, match="scores must be float32"):
+        long_rows_native(s.double(), n, None, 10, out)
+    with pytest.raises(ValueError, match="out must be contiguous"):
+        long_rows_native(s, n, None, 9, out)
+    with pytest.raises(ValueError, match="k must be in"):
+        long_rows_native(s, n, None, 0, out[:, :0])
+    with pytest.raises(ValueError, match="out overlaps scores"):
+        long_rows_native(s, n, None, 10, s.view(torch.int32).view(-1)[:40].view(4, 10))
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("native", ["short_rows_native", "long_rows_native"])
+def test_native_classes_take_padded_rows(device, native):
+    """A scores view whose rows are padded (row stride above the width) is read in place, not refused as
+    overlapping the output."""
+    from kvops.topk import ops
+
+    rows = 140 if device == "cuda" else 5
+    scores = torch.randn(rows, 2003, device=device)[:, :2000]
+    lengths = torch.randint(0, 2001, (rows,), dtype=torch.int32, device=device)
+    out = poison_(torch.empty(rows, 100, dtype=torch.int32, device=device))
+    getattr(ops, native)(scores, lengths, None, 100, out)
+    assert torch.equal(out.cpu(), topk_reference(scores.cpu(), lengths.cpu(), 100))

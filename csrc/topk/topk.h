@@ -1,4 +1,4 @@
-// kvops::topk_short_rows_: what the CPU and CUDA backends share.
+// kvops::topk_short_rows_ and kvops::topk_long_rows_: what the CPU and CUDA backends share.
 #pragma once
 
 #include <ATen/ATen.h>
@@ -11,7 +11,8 @@
 namespace kvops {
 namespace topk {
 
-constexpr int64_t kShortRow = 4096;  // the widest row: 128 keys a lane of a warp
+constexpr int64_t kShortRow = 4096;  // topk_short_rows_'s widest row: 128 keys a lane of a warp
+constexpr int64_t kLongRow = (int64_t(1) << 31) - 1;  // topk_long_rows_'s: an index fits int32
 
 // A float's bits as an order-preserving unsigned key: NaN lowest (0), -0.0 == +0.0. One rule, written once per
 // language: kvops/topk/reference.py's sort_keys states it (tests check every copy against it).
@@ -22,10 +23,14 @@ KVOPS_HD uint32_t ukey(int32_t b) {
   return uint32_t(key) ^ 0x80000000u;
 }
 
-// The host checks of kvops::topk_short_rows_ (topk.cpp; the host compiler only): dtypes, shapes, devices, k,
-// and that out overlaps no input.
-void check_short_rows(const at::Tensor& scores, const at::Tensor& lengths, const std::optional<at::Tensor>& offsets,
-                      int64_t k, const at::Tensor& out);
+// The host checks of kvops::topk_short_rows_ and topk_long_rows_ (topk.cpp; the host compiler only): dtypes,
+// shapes (rows of at most `max_width` keys), devices, k, and that out overlaps no input.
+void check_rows(const char* op, const at::Tensor& scores, const at::Tensor& lengths,
+                const std::optional<at::Tensor>& offsets, int64_t k, const at::Tensor& out, int64_t max_width);
+
+// Both ops' CPU backend (topk_cpu.cpp): per row, a partial sort by (key descending, index ascending).
+void rows_cpu(const at::Tensor& scores, const at::Tensor& lengths, const std::optional<at::Tensor>& offsets, int64_t k,
+              at::Tensor& out);
 
 }  // namespace topk
 }  // namespace kvops

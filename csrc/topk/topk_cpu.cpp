@@ -1,4 +1,5 @@
-// CPU backend of kvops::topk_short_rows_: per row, a partial sort by (key descending, index ascending).
+// CPU backend of kvops::topk_short_rows_ and kvops::topk_long_rows_: per row, a partial sort by (key descending,
+// index ascending).
 #include <torch/library.h>
 
 #include <algorithm>
@@ -10,11 +11,8 @@
 namespace kvops {
 namespace topk {
 
-namespace {
-
-void short_rows_cpu(const at::Tensor& scores, const at::Tensor& lengths, const std::optional<at::Tensor>& offsets,
-                    int64_t k, at::Tensor out) {
-  check_short_rows(scores, lengths, offsets, k, out);
+void rows_cpu(const at::Tensor& scores, const at::Tensor& lengths, const std::optional<at::Tensor>& offsets,
+              int64_t k, at::Tensor& out) {
   const int64_t rows = scores.size(0), N = scores.size(1);
   const auto* bits = reinterpret_cast<const int32_t*>(scores.const_data_ptr<float>());
   const auto* length = lengths.const_data_ptr<int32_t>();
@@ -36,9 +34,26 @@ void short_rows_cpu(const at::Tensor& scores, const at::Tensor& lengths, const s
   }
 }
 
+namespace {
+
+void short_rows_cpu(const at::Tensor& scores, const at::Tensor& lengths, const std::optional<at::Tensor>& offsets,
+                    int64_t k, at::Tensor out) {
+  check_rows("kvops::topk_short_rows_", scores, lengths, offsets, k, out, kShortRow);
+  rows_cpu(scores, lengths, offsets, k, out);
+}
+
+void long_rows_cpu(const at::Tensor& scores, const at::Tensor& lengths, const std::optional<at::Tensor>& offsets,
+                   int64_t k, at::Tensor out) {
+  check_rows("kvops::topk_long_rows_", scores, lengths, offsets, k, out, kLongRow);
+  rows_cpu(scores, lengths, offsets, k, out);
+}
+
 }  // namespace
 
-TORCH_LIBRARY_IMPL(kvops, CPU, m) { m.impl("topk_short_rows_", &short_rows_cpu); }
+TORCH_LIBRARY_IMPL(kvops, CPU, m) {
+  m.impl("topk_short_rows_", &short_rows_cpu);
+  m.impl("topk_long_rows_", &long_rows_cpu);
+}
 
 }  // namespace topk
 }  // namespace kvops

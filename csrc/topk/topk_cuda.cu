@@ -181,7 +181,7 @@ void launch(const at::Tensor& scores, const at::Tensor& lengths, const std::opti
 
 void short_rows_cuda(const at::Tensor& scores, const at::Tensor& lengths, const std::optional<at::Tensor>& offsets,
                      int64_t k, at::Tensor out) {
-  check_short_rows(scores, lengths, offsets, k, out);
+  check_rows("kvops::topk_short_rows_", scores, lengths, offsets, k, out, kShortRow);
   if (scores.size(0) == 0) return;
   const c10::cuda::CUDAGuard guard(scores.device());
   const int64_t items = (scores.size(1) + 31) / 32;  // keys per lane; the class: the fewest registers that hold them

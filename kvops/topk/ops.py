@@ -42,6 +42,19 @@ def _short_rows_native_fake(scores, lengths, offsets, k, out):
     check_no_meta_mix("topk_short_rows_", scores, lengths, offsets, out)
 
 
+def long_rows_native(scores: torch.Tensor, lengths: torch.Tensor, offsets: torch.Tensor | None, k: int,
+                     out: torch.Tensor) -> None:
+    """kvops::topk_long_rows_ (csrc/topk), the native multi-CTA class: rows of any width, each cut into slices
+    that several CTAs rank together (about two CTAs per SM over the batch); arguments as kvops.topk takes them,
+    k >= 1 (checked by the op)."""
+    torch.ops.kvops.topk_long_rows_(scores, lengths, offsets, k, out)
+
+
+@torch.library.register_fake("kvops::topk_long_rows_")
+def _long_rows_native_fake(scores, lengths, offsets, k, out):
+    check_no_meta_mix("topk_long_rows_", scores, lengths, offsets, out)
+
+
 def topk_spec(vector: bool) -> _cute.Spec:
     """The CuTe class as an ahead-of-time spec (kvops/_cute.py). vector: rows start 16-byte aligned with a row
     stride that is a multiple of 4 keys (16-byte staging copies)."""
