@@ -281,33 +281,38 @@ def test_short_rows_native_after_a_narrower_launch():
 
 
 @pytest.mark.parametrize("device", DEVICES)
-def test_short_rows_native_bad_arguments(device):
-    from kvops.topk import short_rows_native
+@pytest.mark.parametrize("native", ["short_rows_native", "long_rows_native"])
+def test_native_classes_bad_arguments(device, native):
+    """Both native classes share their host checks; only the short-row class bounds the width."""
+    from kvops.topk import ops
+
+    call = getattr(ops, native)
 
     s = torch.randn(4, 100, device=device)
     n = torch.full((4,), 100, dtype=torch.int32, device=device)
     out = torch.empty(4, 10, dtype=torch.int32, device=device)
     with pytest.raises(TypeError, match="scores must be float32"):
-        short_rows_native(s.double(), n, None, 10, out)
+        call(s.double(), n, None, 10, out)
     with pytest.raises(TypeError, match="lengths and out must be int32"):
-        short_rows_native(s, n.long(), None, 10, out)
-    with pytest.raises(ValueError, match="at most 4096 keys"):
-        short_rows_native(torch.randn(4, 4097, device=device), n, None, 10, out)
+        call(s, n.long(), None, 10, out)
+    if native == "short_rows_native":
+        with pytest.raises(ValueError, match="at most 4096 keys"):
+            call(torch.randn(4, 4097, device=device), n, None, 10, out)
     with pytest.raises(ValueError, match="lengths must be contiguous"):
-        short_rows_native(s, n[:3], None, 10, out)
+        call(s, n[:3], None, 10, out)
     with pytest.raises(ValueError, match="out must be contiguous"):
-        short_rows_native(s, n, None, 9, out)
+        call(s, n, None, 9, out)
     with pytest.raises(ValueError, match="k must be in"):
-        short_rows_native(s, n, None, 0, out[:, :0])
+        call(s, n, None, 0, out[:, :0])
     square = torch.randn(4, 10, device=device)
     with pytest.raises(ValueError, match="out overlaps"):
-        short_rows_native(square, n, None, 10, square.view(torch.int32))
+        call(square, n, None, 10, square.view(torch.int32))
     with pytest.raises(TypeError, match="offsets must be int32"):
-        short_rows_native(s, n, n.long(), 10, out)
+        call(s, n, n.long(), 10, out)
     with pytest.raises(ValueError, match="offsets must be contiguous"):
-        short_rows_native(s, n, n[:3], 10, out)
+        call(s, n, n[:3], 10, out)
     with pytest.raises(ValueError, match="out overlaps offsets"):
-        short_rows_native(s, n, out.view(-1)[:4], 10, out)
+        call(s, n, out.view(-1)[:4], 10, out)
 
 
 # ---- issue 30: bad input, second pass ----------------------------------------------------------------------
@@ -409,23 +414,6 @@ def test_long_rows_native_graph_replay_fresh_data():
         graph.replay()
         torch.cuda.synchronize()
         assert torch.equal(out.cpu(), topk_reference(scores.cpu(), lengths.cpu(), 2048))
-
-
-@pytest.mark.parametrize("device", DEVICES)
-def test_long_rows_native_bad_arguments(device):
-    from kvops.topk import long_rows_native
-
-    s = torch.randn(4, 100, device=device)
-    n = torch.full((4,), 100, dtype=torch.int32, device=device)
-    out = torch.empty(4, 10, dtype=torch.int32, device=device)
-    with pytest.raises(TypeError, match="scores must be float32"):
-        long_rows_native(s.double(), n, None, 10, out)
-    with pytest.raises(ValueError, match="out must be contiguous"):
-        long_rows_native(s, n, None, 9, out)
-    with pytest.raises(ValueError, match="k must be in"):
-        long_rows_native(s, n, None, 0, out[:, :0])
-    with pytest.raises(ValueError, match="out overlaps scores"):
-        long_rows_native(s, n, None, 10, s.view(torch.int32).view(-1)[:40].view(4, 10))
 
 
 @pytest.mark.parametrize("device", DEVICES)
