@@ -5,6 +5,14 @@ Rows (bytes counted):
                             baseline: torch gather of the same raw pages (index_select), same bytes moved raw.
   offload / onboard         blob bytes over PCIe, vs the pinned copy_ bandwidth of this run; baseline: copy_ of the
                             same raw hot pages to/from pinned memory; speedup = hot bytes/s over the baseline's.
+                            The direct path: the kernels store into (load from) mapped host memory.
+  offload_staged / onboard_staged  the same through the staged path (staged=True: the kernels work on a device
+                            buffer, the copy engine moves it); its SM busy time is the encode_d2d / decode_d2d time
+                            of the same pages (a note gives the share of the transfer), the direct path's is the
+                            whole transfer.
+  gemm_during_offload       a bf16 GEMM stream (4096^3, as many as the offload lasts) on its own stream while 256
+                            pages offload on another, direct and staged; baseline: the same GEMMs alone; speedup
+                            below 1 is the GEMMs' slowdown.
   quantize / dequantize     input + output bytes, vs the device copy bandwidth; baseline: x.clone().
 """
 
@@ -47,7 +55,46 @@ def _geometry(name, dtype, pages):
     raise ValueError(name)
 
 
+def _gemm_during_offload(rows, shape, codec, pools, host, pairs, host_pairs) -> list[str]:
+    """A bf16 GEMM stream's time while an offload runs on another stream, direct and staged, against the same
+    GEMMs alone (no L2 flush: both streams run for milliseconds)."""
+    a = torch.randn(4096, 4096, dtype=torch.bfloat16, device="cuda")
+    b, c = torch.randn_like(a), torch.empty_like(a)
+    gemm_stream, offload_stream = torch.cuda.Stream(), torch.cuda.Stream()
+
+    def gemms_us(count, offload=None):
+        torch.cuda.synchronize()
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        if offload is not None:
+            with torch.cuda.stream(offload_stream):
+                offload()
+        with torch.cuda.stream(gemm_stream):
+            start.record()
+            for _ in range(count):
+                torch.mm(a, b, out=c)
+            end.record()
+        torch.cuda.synchronize()
+        return start.elapsed_time(end) * 1e3
+
+    gemms_us(3)
+    one = sorted(gemms_us(1) for _ in range(5))[2]
+    notes = []
+    for name, offload in (("direct", lambda: codec.encode(pools, host, pairs)),
+                          ("staged", lambda: codec.encode(pools, host, host_pairs, staged=True))):
+        with torch.cuda.stream(offload_stream):
+            us = time_us(offload, 5)
+        count = max(1, round(us / one))
+        alone = sorted(gemms_us(count) for _ in range(5))[2]
+        during = sorted(gemms_us(count, offload) for _ in range(5))[2]
+        rows.append(Row.make(FAMILY, "gemm_during_offload", f"{shape}, {name}, {count} GEMMs", "bfloat16", during,
+                             count * 3 * a.numel() * a.element_size(), float("nan"), "the GEMMs alone", alone))
+        notes.append(f"gemm_during_offload ({name}): {count} bf16 4096^3 GEMMs take {during:.0f} us during a "
+                     f"{us:.0f} us offload against {alone:.0f} us alone ({during / alone - 1:+.1%}).")
+    return notes
+
+
 def bench_codec(rows, copy_gbps, quick):
+    notes = []
     pages = 64 if quick else 256
     iters = 5 if quick else 20
     for geo in ("qwen3-8b", "mla"):
@@ -81,8 +128,18 @@ def bench_codec(rows, copy_gbps, quick):
             us = time_us(lambda: codec.decode(host, pools, back), iters)
             rows.append(Row.make(FAMILY, "onboard", shape, dtype, us, blob, h2d_gbps, "copy_ raw from pinned", h2d_us,
                                  speedup=h2d_us / us))
+            host_pairs, host_back = pairs.cpu().pin_memory(), back.cpu().pin_memory()
+            for routine, fn, base_us, gbps in (
+                    ("offload_staged", lambda: codec.encode(pools, host, host_pairs, staged=True), d2h_us, d2h_gbps),
+                    ("onboard_staged", lambda: codec.decode(host, pools, host_back, staged=True), h2d_us, h2d_gbps)):
+                us = time_us(fn, iters)
+                rows.append(Row.make(FAMILY, routine, shape, dtype, us, blob, gbps, "copy_ raw to/from pinned",
+                                     base_us, speedup=base_us / us))
+            if geo == "qwen3-8b" and dtype == torch.bfloat16 and not quick:
+                notes += _gemm_during_offload(rows, shape, codec, pools, host, pairs, host_pairs)
             pools = cold = host = raw = None  # freed before the next case
             torch.cuda.empty_cache()
+    return notes
 
 
 def bench_primitives(rows, copy_gbps, quick):
@@ -124,9 +181,15 @@ def codec_errors(quick):
 def run(quick: bool = False) -> tuple[list[Row], list[str]]:
     copy_gbps = device_copy_gbps()
     rows: list[Row] = []
-    bench_codec(rows, copy_gbps, quick)
+    notes = bench_codec(rows, copy_gbps, quick)
     bench_primitives(rows, copy_gbps, quick)
-    notes = ["Round-trip relative RMS error:", "", "| dtype | global scale | plane | relative RMS error |",
-             "|---|---|---|---|"]
+    by = {(r.routine, r.shape, r.dtype): r.median_us for r in rows}
+    for r in rows:  # the staged path's SM busy time: its kernels' device-to-device time
+        if r.routine in ("offload_staged", "onboard_staged"):
+            kernels = by[("encode_d2d" if r.routine == "offload_staged" else "decode_d2d", r.shape, r.dtype)]
+            notes.append(f"{r.routine} {r.shape} {r.dtype}: SM busy {kernels:.0f} us of {r.median_us:.0f} us "
+                         f"({kernels / r.median_us:.0%}); the direct path's SMs are busy for the whole transfer.")
+    notes += ["Round-trip relative RMS error:", "", "| dtype | global scale | plane | relative RMS error |",
+              "|---|---|---|---|"]
     notes += [f"| {dt} | {pol} | {plane} | {err:.4f} |" for dt, pol, plane, err in codec_errors(quick)]
     return rows, notes

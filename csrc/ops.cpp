@@ -32,12 +32,15 @@ constexpr const char* kSchemas[] = {
     "nvfp4_quantize(Tensor x, Tensor? global_scale=None) -> (Tensor packed, Tensor scales)",
     "nvfp4_dequantize(Tensor packed, Tensor scales, Tensor? global_scale, ScalarType dtype) -> Tensor",
     // Cold-page codec: pools -> one fixed-size blob per page (plan from kvops/nvfp4/layout.py).
+    // staging (GPU only): uint8 [rows, cold page bytes] on the pools' device; with cold_pages in pinned host memory
+    // and host page_pairs, the kernels work on it chunk by chunk and the copy engine moves each chunk (csrc/nvfp4,
+    // docs/nvfp4.md "Staged transfers").
     "nvfp4_encode_pages_(Tensor[] pools, Tensor(a!) cold_pages, Tensor page_pairs, int[] plan, "
-        "bool validate=False) -> ()",
+        "bool validate=False, Tensor(c!)? staging=None) -> ()",
     // refused: int32 [1] on the pools' device, += 1 per (page, pool, plane) left untouched because its blob's
     // global scale is not positive and finite (a slot never encoded, or corrupt).
     "nvfp4_decode_pages_(Tensor cold_pages, Tensor(a!)[] pools, Tensor page_pairs, int[] plan, "
-        "bool validate=False, Tensor(b!)? refused=None) -> ()",
+        "bool validate=False, Tensor(b!)? refused=None, Tensor(c!)? staging=None) -> ()",
     // Compaction: position destination_bases[r] + m of each (layer, plane, head) stream receives source m of the
     // stream's move list, list row layer_row_base[l] + head_row_stride[l] * head (lists from kvops/compaction/pack.py);
     // with moves (the shape of sources), only the list indices the row of moves names (ascending, -1 ends it).

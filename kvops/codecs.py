@@ -114,20 +114,23 @@ class ColdPageCodec:
             raise TypeError(f"ColdPageCodec: stream must be None or a torch.cuda.Stream, got {type(stream).__name__}")
         return torch.cuda.stream(stream)
 
-    def encode(self, layer_group: int, dst_base: torch.Tensor, page_pairs: torch.Tensor, stream=None) -> None:
-        """Encode pages into cold slots: page_pairs int32 [N, 2] of (slot in dst_base, page)."""
+    def encode(self, layer_group: int, dst_base: torch.Tensor, page_pairs: torch.Tensor, stream=None,
+               staged: bool = False) -> None:
+        """Encode pages into cold slots: page_pairs int32 [N, 2] of (slot in dst_base, page). `staged`: through a
+        device buffer and the copy engine, for a pinned host dst_base and host pairs (``PageBlobCodec.encode``)."""
         with self._on(stream):
-            self._codec(layer_group).encode(self._pools[layer_group], dst_base, page_pairs)
+            self._codec(layer_group).encode(self._pools[layer_group], dst_base, page_pairs, staged=staged)
 
     def decode(self, layer_group: int, src_base: torch.Tensor, page_pairs: torch.Tensor, stream=None,
-               validate: bool = False) -> None:
+               validate: bool = False, staged: bool = False) -> None:
         """Decode cold slots into pages: page_pairs int32 [N, 2] of (page, slot in src_base). A plane whose slot
         holds no valid global scale (never encoded, or corrupt) is left untouched and counted in
         ``refused(layer_group)``; with validate, every slot's scales are read first (a sync) and such a slot raises
-        ValueError before anything is written."""
+        ValueError before anything is written. `staged`: as for ``encode``."""
         check_bool(f"{type(self).__name__}.decode", "validate", validate)
         with self._on(stream):
-            self._codec(layer_group).decode(src_base, self._pools[layer_group], page_pairs, validate=validate)
+            self._codec(layer_group).decode(src_base, self._pools[layer_group], page_pairs, validate=validate,
+                                            staged=staged)
 
     def refused(self, layer_group: int) -> torch.Tensor:
         """The group's decode refusal counter (``kvops.nvfp4.PageBlobCodec.refused``) on its pools' device."""

@@ -666,3 +666,100 @@ def test_spec_and_call_argument_types_are_named():
         codec.refused("nodevice")
     with pytest.raises(TypeError, match="PageBlobCodec.allocate: device must be"):
         codec.allocate(2, device=2.5)
+
+
+def _runs_and_gaps(n, slots):
+    """n distinct slots of [0, slots) in an order with runs of consecutive slots (one copy each) and jumps."""
+    perm = torch.randperm(slots)[:n].sort().values
+    runs = list(torch.split(perm, 3))
+    order = torch.randperm(len(runs)).tolist()
+    return torch.cat([runs[i] for i in order])
+
+
+@requires_cuda
+@pytest.mark.parametrize("dtype", HOT)
+@pytest.mark.parametrize("geometry", ["hnd", "vllm_view_and_side", "mla_residual"])
+def test_staged_transfers_match_the_direct_ones(dtype, geometry):
+    """Staged offload and onboard (a device buffer of 4 rows: chunks of 2, so the ring turns many times) write the
+    same bytes as the direct calls, into poisoned host rows (a row no pair names stays as it was) and pools."""
+    pools, specs = _geometries(dtype, "cuda", "per_page_pow2", num_pages=40)[geometry]
+    codec = PageBlobCodec(pools, specs, staging_rows=4)
+    slots = _runs_and_gaps(23, 50)
+    pairs = torch.stack([slots, torch.randperm(40)[:23]], 1).to(torch.int32).pin_memory()
+    direct = poison_(codec.allocate(50, device="cpu", pin_memory=True))
+    staged = direct.clone().pin_memory()
+    codec.encode(pools, direct, pairs)
+    codec.encode(pools, staged, pairs, staged=True)
+    torch.cuda.synchronize()
+    assert torch.equal(staged, direct)
+    back = torch.stack([torch.randperm(40)[:23], slots], 1).to(torch.int32).pin_memory()
+    outs_direct = [poison_(torch.empty_like(p)) for p in pools]
+    outs_staged = [o.clone() for o in outs_direct]
+    codec.decode(direct, outs_direct, back)
+    codec.decode(staged, outs_staged, back, staged=True)
+    torch.cuda.synchronize()
+    for a, b in zip(outs_staged, outs_direct):
+        assert torch.equal(bytes_of(a), bytes_of(b))
+
+
+@requires_cuda
+def test_staged_transfers_are_stream_ordered_and_capturable():
+    """A staged offload then a staged onboard, enqueued back to back on a side stream with no sync, then the
+    same captured in a CUDA graph and replayed on fresh pool data (the pairs are the captured ones)."""
+    pools, specs = _geometries(torch.bfloat16, "cuda", "per_page_pow2", num_pages=16)["hnd"]
+    codec = PageBlobCodec(pools, specs, staging_rows=6)
+    host = codec.allocate(16, device="cpu", pin_memory=True)
+    slots = _runs_and_gaps(9, 16)
+    pairs = torch.stack([slots, torch.randperm(16)[:9]], 1).to(torch.int32).pin_memory()
+    back = torch.stack([torch.randperm(16)[:9], slots], 1).to(torch.int32).pin_memory()
+    outs = [torch.zeros_like(pools[0])]
+
+    def cycle():
+        codec.encode(pools, host, pairs, staged=True)
+        codec.decode(host, outs, back, staged=True)
+
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        cycle()
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        cycle()
+    for _ in range(2):
+        pools[0].copy_(_kv(pools[0].shape, torch.bfloat16, "cuda", None))
+        outs[0].zero_()
+        graph.replay()
+        torch.cuda.synchronize()
+        expect = torch.zeros_like(host)
+        ref.encode_pages([pools[0].cpu()], specs, expect, pairs)
+        assert torch.equal(host[slots.long()], expect[slots.long()])
+        exp_out = torch.zeros_like(outs[0].cpu())
+        ref.decode_pages(host, [exp_out], specs, back)
+        assert torch.equal(bytes_of(outs[0]), bytes_of(exp_out))
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_staged_refusals_touch_nothing(device):
+    """A staged call it cannot serve raises ValueError naming why, before anything is written: pools on the CPU,
+    cold pages on the device, pairs on the device or in pageable memory; staging_rows below 2."""
+    pools, specs = _geometries(torch.bfloat16, device, "per_page_pow2")["hnd"]
+    with pytest.raises(ValueError, match="staging_rows"):
+        PageBlobCodec(pools, specs, staging_rows=1)
+    codec = PageBlobCodec(pools, specs, staging_rows=4)
+    host = poison_(codec.allocate(8, device="cpu", pin_memory=device == "cuda"))
+    pairs = _pairs(4, 8, pools[0].shape[0])
+    before = host.clone()
+    with pytest.raises(TypeError, match="staged"):
+        codec.encode(pools, host, pairs, staged=1)
+    if device == "cpu":
+        with pytest.raises(ValueError, match="pools on the GPU"):
+            codec.encode(pools, host, pairs, staged=True)
+    else:
+        with pytest.raises(ValueError, match="staging serves cold_pages in pinned host memory"):
+            codec.encode(pools, codec.allocate(8, device="cuda"), pairs.pin_memory(), staged=True)
+        with pytest.raises(ValueError, match="staging serves cold_pages in pinned host memory"):
+            codec.encode(pools, host, pairs.cuda(), staged=True)
+        with pytest.raises(ValueError, match="pageable"):
+            codec.encode(pools, host, pairs, staged=True)
+    assert torch.equal(host, before)

@@ -219,12 +219,15 @@ void run_codec_cpu(at::TensorList pools, const at::Tensor& cold_pages, const at:
 }
 
 void encode_pages_cpu(at::TensorList pools, const at::Tensor& cold_pages, const at::Tensor& page_pairs,
-                      at::IntArrayRef plan, bool validate) {
+                      at::IntArrayRef plan, bool validate, const c10::optional<at::Tensor>& staging) {
+  TORCH_CHECK_VALUE(!staging, "nvfp4_encode_pages_: staging serves pools on the GPU only");
   run_codec_cpu(pools, cold_pages, page_pairs, plan, validate, true);
 }
 
 void decode_pages_cpu(const at::Tensor& cold_pages, at::TensorList pools, const at::Tensor& page_pairs,
-                      at::IntArrayRef plan, bool validate, const c10::optional<at::Tensor>& refused) {
+                      at::IntArrayRef plan, bool validate, const c10::optional<at::Tensor>& refused,
+                      const c10::optional<at::Tensor>& staging) {
+  TORCH_CHECK_VALUE(!staging, "nvfp4_decode_pages_: staging serves pools on the GPU only");
   run_codec_cpu(pools, cold_pages, page_pairs, plan, validate, false, refused);
 }
 

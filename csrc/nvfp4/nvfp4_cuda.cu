@@ -201,6 +201,7 @@ struct CodecParams {
   int32_t* refused;      // decode: planes left untouched for a bad global scale (may be null)
   uint8_t* blobs;
   int64_t blob_stride, num_slots;
+  int32_t staged;        // the blob of pair i is row i of `blobs` (a staging chunk), not the pair's slot
 };
 
 // Staging layout of one chunk's quantized output (each region padded to 16 bytes).
@@ -230,7 +231,7 @@ __device__ __forceinline__ bool locate_unit(const CodecParams& P, bool encode, U
   u.plane = unit - P.unit_begin[u.pool];
   const int32_t dst = P.pairs[2 * pair], src = P.pairs[2 * pair + 1];
   u.page = encode ? src : dst;
-  u.slot = encode ? dst : src;
+  u.slot = P.staged ? pair : encode ? dst : src;
   return u.slot >= 0 && u.slot < P.num_slots && u.page >= 0 && u.page < P.pools[u.pool].num_pages;
 }
 
@@ -445,12 +446,19 @@ int64_t chunk_rows_for(const PoolDesc& d) {
   return rows;
 }
 
+// Where one launch's blobs are: `blobs` rows `blob_stride` bytes apart, `num_slots` of them; `staged`: pair i's
+// blob is row i.
+struct Blobs {
+  uint8_t* base;
+  int64_t stride, slots;
+  bool staged;
+};
+
 template <class Kernel>
 void launch_codec(Kernel kernel, const char* what, bool encode, const std::vector<PoolDesc>& descs,
                   const std::vector<size_t>& members, const int32_t* pairs, int32_t* refused, int64_t num_pairs,
-                  uint8_t* blobs, int64_t blob_stride, int64_t num_slots) {
+                  const Blobs& blobs, cudaStream_t stream) {
   prepare_kernel(kernel, what, kMaxSmem);
-  auto stream = c10::cuda::getCurrentCUDAStream();
   for (size_t b = 0; b < members.size(); b += kMaxPools) {
     CodecParams P{};
     P.num_pools = int32_t(std::min<size_t>(kMaxPools, members.size() - b));
@@ -467,9 +475,10 @@ void launch_codec(Kernel kernel, const char* what, bool encode, const std::vecto
     P.units_per_page = P.unit_begin[P.num_pools];
     P.pairs = pairs;
     P.refused = refused;
-    P.blobs = blobs;
-    P.blob_stride = blob_stride;
-    P.num_slots = num_slots;
+    P.blobs = blobs.base;
+    P.blob_stride = blobs.stride;
+    P.num_slots = blobs.slots;
+    P.staged = blobs.staged;
     const int64_t grid = num_pairs * P.units_per_page;
     TORCH_CHECK(grid < (int64_t(1) << 31), what, ": too many pages in one call");
     kernel<<<dim3(uint32_t(grid)), encode ? kEncodeThreads : kDecodeThreads, smem, stream>>>(P);
@@ -477,8 +486,105 @@ void launch_codec(Kernel kernel, const char* what, bool encode, const std::vecto
   }
 }
 
+// A staged transfer (docs/nvfp4.md, "Staged transfers"): the pairs go in chunks of half the staging rows, the two
+// halves in turn. Offload: the kernels encode a chunk into its half on the current stream, and a side stream's
+// copy engine moves each run of consecutive slots to the host; the kernels wait for a half's copies before they
+// encode into it again. Onboard mirrors it: the side stream copies a chunk's slots into a half, the kernels decode
+// it. The side stream first waits for the current stream's earlier work, and the current stream ends after the
+// side stream's copies, so the call is stream-ordered like the direct one; events (no host sync) order the rest,
+// so it can be captured (the copies' slots are read from the host pairs then: a replay copies the same slots).
+// An event that orders one stream after another (no timing); destroyed with its scope (CUDA releases it once it
+// completes). ATen's CUDAEvent would pull in the CUDA libraries' headers, which a toolkit without cuSPARSE lacks.
+class Event {
+ public:
+  Event() { C10_CUDA_CHECK(cudaEventCreateWithFlags(&event_, cudaEventDisableTiming)); }
+  ~Event() { cudaEventDestroy(event_); }
+  Event(const Event&) = delete;
+  Event& operator=(const Event&) = delete;
+  void record(cudaStream_t stream) {
+    C10_CUDA_CHECK(cudaEventRecord(event_, stream));
+    recorded_ = true;
+  }
+  void block(cudaStream_t stream) const {  // a no-op before the first record
+    if (recorded_) C10_CUDA_CHECK(cudaStreamWaitEvent(stream, event_, 0));
+  }
+
+ private:
+  cudaEvent_t event_ = nullptr;
+  bool recorded_ = false;
+};
+
+template <class Launch>
+void run_staged(bool encode, const at::Tensor& cold_pages, const at::Tensor& page_pairs, const at::Tensor& staging,
+                const int32_t* pairs_dev, const Launch& launch, const at::Device& device) {
+  const cudaStream_t main = c10::cuda::getCurrentCUDAStream(device.index()).stream();
+  const cudaStream_t side = c10::cuda::getStreamFromPool(false, device.index()).stream();
+  Event before, after, filled[2], drained[2];  // per half: the kernels' work, the copies' work
+  before.record(main);
+  before.block(side);
+  const int64_t n = page_pairs.size(0), half = staging.size(0) / 2, row = staging.stride(0);
+  const int64_t host_row = cold_pages.stride(0), bytes = cold_pages.size(1);
+  const int32_t* host_pairs = page_pairs.const_data_ptr<int32_t>();
+  auto* host = static_cast<uint8_t*>(cold_pages.data_ptr());
+  auto* stage = static_cast<uint8_t*>(staging.data_ptr());
+  const int slot_field = encode ? 0 : 1;
+  for (int64_t c0 = 0, chunk = 0; c0 < n; c0 += half, ++chunk) {
+    const int h = int(chunk & 1);
+    const int64_t m = std::min(half, n - c0);
+    uint8_t* rows = stage + h * half * row;
+    // each run of consecutive slots is one copy (2-D: the host rows may be padded)
+    auto copy_runs = [&](cudaMemcpyKind kind) {
+      for (int64_t i = 0; i < m;) {
+        const int64_t slot = host_pairs[2 * (c0 + i) + slot_field];
+        int64_t len = 1;
+        while (i + len < m && host_pairs[2 * (c0 + i + len) + slot_field] == slot + len) ++len;
+        uint8_t* h_row = host + slot * host_row;
+        uint8_t* s_row = rows + i * row;
+        if (kind == cudaMemcpyDeviceToHost)
+          C10_CUDA_CHECK(cudaMemcpy2DAsync(h_row, host_row, s_row, row, bytes, len, kind, side));
+        else
+          C10_CUDA_CHECK(cudaMemcpy2DAsync(s_row, row, h_row, host_row, bytes, len, kind, side));
+        i += len;
+      }
+    };
+    if (encode) {
+      if (chunk >= 2) drained[h].block(main);  // this half's previous chunk is on the host
+      launch(pairs_dev + 2 * c0, m, Blobs{rows, row, m, true}, main);
+      filled[h].record(main);
+      filled[h].block(side);
+      copy_runs(cudaMemcpyDeviceToHost);
+      drained[h].record(side);
+    } else {
+      if (chunk >= 2) filled[h].block(side);  // the kernels have decoded this half's previous chunk
+      copy_runs(cudaMemcpyHostToDevice);
+      drained[h].record(side);
+      drained[h].block(main);
+      launch(pairs_dev + 2 * c0, m, Blobs{rows, row, m, true}, main);
+      filled[h].record(main);
+    }
+  }
+  after.record(side);
+  after.block(main);
+}
+
+void check_staging(const at::Tensor& staging, const at::Tensor& cold_pages, const at::Tensor& page_pairs,
+                   const at::Device& device, const char* what) {
+  TORCH_CHECK_VALUE(staging.scalar_type() == at::kByte && staging.dim() == 2 && staging.size(0) >= 2 &&
+                        staging.size(1) == cold_pages.size(1) && staging.stride(1) == 1 && staging.stride(0) % 16 == 0,
+                    what, ": staging must be uint8 [rows >= 2, ", cold_pages.size(1),
+                    "] with 16-byte aligned contiguous rows, got ", staging.scalar_type(), " ", staging.sizes(),
+                    " strides ", staging.strides());
+  TORCH_CHECK_VALUE(staging.device() == device, what, ": staging is on ", staging.device(), ", expected ", device);
+  TORCH_CHECK_VALUE(reinterpret_cast<uintptr_t>(staging.data_ptr()) % 16 == 0, what,
+                    ": staging must start 16-byte aligned");
+  TORCH_CHECK_VALUE(cold_pages.is_cpu() && page_pairs.is_cpu(), what,
+                    ": staging serves cold_pages in pinned host memory with page_pairs on the host; got cold_pages on ",
+                    cold_pages.device(), " and page_pairs on ", page_pairs.device());
+}
+
 void run_codec(at::TensorList pools, const at::Tensor& cold_pages, const at::Tensor& page_pairs, at::IntArrayRef plan,
-               bool validate, bool encode, const c10::optional<at::Tensor>& refused = c10::nullopt) {
+               bool validate, bool encode, const c10::optional<at::Tensor>& refused,
+               const c10::optional<at::Tensor>& staging) {
   const char* what = encode ? "nvfp4_encode_pages_" : "nvfp4_decode_pages_";
   TORCH_CHECK_VALUE(!pools.empty(), what, ": pools is empty");
   const at::Device device = pools[0].device();
@@ -487,6 +593,7 @@ void run_codec(at::TensorList pools, const at::Tensor& cold_pages, const at::Ten
                       "; pools must be on the GPU when cold_pages or page_pairs are");
   c10::cuda::CUDAGuard guard(device);
   const auto descs = check_codec_call(pools, cold_pages, page_pairs, plan, validate, encode, refused);
+  if (staging) check_staging(*staging, cold_pages, page_pairs, device, what);
   int32_t* refusals = refused ? refused->data_ptr<int32_t>() : nullptr;
   uint8_t* blobs = static_cast<uint8_t*>(device_address(cold_pages, device, "cold_pages", what));
   const int32_t* pairs = static_cast<const int32_t*>(device_address(page_pairs, device, "page_pairs", what));
@@ -498,29 +605,36 @@ void run_codec(at::TensorList pools, const at::Tensor& cold_pages, const at::Ten
     at::ScalarType t = pools[p].scalar_type();
     groups[is_hot_dtype(t) ? t : at::kBFloat16].push_back(p);
   }
-  for (auto& [t, members] : groups) {
-    dispatch_dtype(t, [&](auto tag) {
-      using T = decltype(tag);
-      if constexpr (!std::is_same_v<T, float>) {
-        if (encode)
-          launch_codec(encode_pages_kernel<T>, what, true, descs, members, pairs, nullptr, n, blobs,
-                       cold_pages.stride(0), cold_pages.size(0));
-        else
-          launch_codec(decode_pages_kernel<T>, what, false, descs, members, pairs, refusals, n, blobs,
-                       cold_pages.stride(0), cold_pages.size(0));
-      }
-    });
-  }
+  auto launch = [&](const int32_t* chunk_pairs, int64_t count, const Blobs& where, cudaStream_t stream) {
+    for (auto& [t, members] : groups) {
+      dispatch_dtype(t, [&](auto tag) {
+        using T = decltype(tag);
+        if constexpr (!std::is_same_v<T, float>) {
+          if (encode)
+            launch_codec(encode_pages_kernel<T>, what, true, descs, members, chunk_pairs, nullptr, count, where,
+                         stream);
+          else
+            launch_codec(decode_pages_kernel<T>, what, false, descs, members, chunk_pairs, refusals, count, where,
+                         stream);
+        }
+      });
+    }
+  };
+  if (staging)
+    run_staged(encode, cold_pages, page_pairs, *staging, pairs, launch, device);
+  else
+    launch(pairs, n, Blobs{blobs, cold_pages.stride(0), cold_pages.size(0), false}, c10::cuda::getCurrentCUDAStream());
 }
 
 void encode_pages_cuda(at::TensorList pools, const at::Tensor& cold_pages, const at::Tensor& page_pairs,
-                       at::IntArrayRef plan, bool validate) {
-  run_codec(pools, cold_pages, page_pairs, plan, validate, true);
+                       at::IntArrayRef plan, bool validate, const c10::optional<at::Tensor>& staging) {
+  run_codec(pools, cold_pages, page_pairs, plan, validate, true, c10::nullopt, staging);
 }
 
 void decode_pages_cuda(const at::Tensor& cold_pages, at::TensorList pools, const at::Tensor& page_pairs,
-                       at::IntArrayRef plan, bool validate, const c10::optional<at::Tensor>& refused) {
-  run_codec(pools, cold_pages, page_pairs, plan, validate, false, refused);
+                       at::IntArrayRef plan, bool validate, const c10::optional<at::Tensor>& refused,
+                       const c10::optional<at::Tensor>& staging) {
+  run_codec(pools, cold_pages, page_pairs, plan, validate, false, refused, staging);
 }
 
 }  // namespace

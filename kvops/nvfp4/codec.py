@@ -11,6 +11,9 @@ from .._checks import as_device, check_bool, check_device, check_device_or_host,
 from .layout import PoolLayout, RowSpec, plan_layout
 
 
+STAGING_BYTES = 64 << 20  # a staged transfer's device buffer, at least (PageBlobCodec's staging_rows)
+
+
 class PageBlobCodec:
     """The kernel-level codec: encodes the rows of page indices across several hot pools into fixed-size blobs
     (cold pages), one fused kernel per direction. Engines usually reach it through ``kvops.codecs``, whose
@@ -21,9 +24,13 @@ class PageBlobCodec:
         otherwise). specs: one RowSpec per pool.
     The layout is fixed at construction (see kvops.nvfp4.layout for the blob format). Calls take the
     pools again, which must keep those shapes and dtypes; strides are read per call.
+    staging_rows: the cold pages a staged transfer's device buffer holds (``encode``/``decode`` with
+        ``staged=True``; docs/nvfp4.md, "Staged transfers"); default max(4, 64 MiB / cold_page_bytes), as
+        TensorRT-LLM sizes its own (max(64 MiB, 3 pages)). One buffer per direction and device, allocated at the
+        first staged call.
     """
 
-    def __init__(self, pools: Sequence, specs: Sequence[RowSpec]):
+    def __init__(self, pools: Sequence, specs: Sequence[RowSpec], staging_rows: int | None = None):
         what = "PageBlobCodec"
         if not isinstance(pools, (list, tuple)) or not isinstance(specs, (list, tuple)):
             raise TypeError(f"{what}: pools and specs must be lists, got {type(pools).__name__} and "
@@ -37,6 +44,11 @@ class PageBlobCodec:
         self.layouts, self.cold_page_bytes = plan_layout([(tuple(p.shape), p.dtype) for p in pools], self.specs)
         self.plan = [v for lay in self.layouts for v in lay.plan()]
         self._refused: dict[torch.device, torch.Tensor] = {}
+        if staging_rows is None:
+            staging_rows = max(4, -(-STAGING_BYTES // max(self.cold_page_bytes, 1)))
+        check_int(what, "staging_rows", staging_rows, 2)
+        self.staging_rows = staging_rows
+        self._staging: dict[tuple[torch.device, bool], torch.Tensor] = {}
 
     def refused(self, device: torch.device | str) -> torch.Tensor:
         """int32 [1] on `device`: how many (page, pool, plane)s decode has left untouched on that device because
@@ -82,8 +94,28 @@ class PageBlobCodec:
                              f"{tuple(cold_pages.shape)}")
         check_disjoint(what, "pools", pools, [("cold_pages", cold_pages)])
 
+    def _staging_buffer(self, what: str, pools: Sequence[torch.Tensor], staged: bool, encode: bool):
+        """The device buffer of a staged call in this direction (allocated once), or None."""
+        check_bool(what, "staged", staged)
+        if not staged:
+            return None
+        device = pools[0].device
+        if device.type != "cuda":
+            raise ValueError(f"{what}: staged transfers need the pools on the GPU, got {device}")
+        if device.index is None:
+            device = torch.device("cuda", torch.cuda.current_device())
+        key = (device, encode)
+        if key not in self._staging:
+            self._staging[key] = torch.empty(self.staging_rows, self.cold_page_bytes, dtype=torch.uint8, device=device)
+        return self._staging[key]
+
+    @property
+    def staging_bytes(self) -> int:
+        """Device bytes of one staged direction's buffer (``staging_rows`` cold pages)."""
+        return self.staging_rows * self.cold_page_bytes
+
     def encode(self, pools: Sequence[torch.Tensor], cold_pages: torch.Tensor, page_pairs: torch.Tensor,
-               validate: bool = False) -> None:
+               validate: bool = False, staged: bool = False) -> None:
         """Encode pages into blobs: ``cold_pages[slot] <- encode(pools[:][page])`` for each pair.
 
         Parameters
@@ -98,17 +130,26 @@ class PageBlobCodec:
             int32 ``[n, 2]`` of (slot, page), on the device or pinned host.
         validate : bool
             Range-check device-resident pairs too (a sync); host-resident pairs are always checked.
+        staged : bool
+            For cold_pages in pinned host memory and page_pairs in pinned host memory: encode in chunks into a
+            device buffer and let the copy engine move each chunk to the host, so the SMs work only for the
+            encode (docs/nvfp4.md, "Staged transfers"). Same bytes as the direct call, which stores into the
+            host memory from the kernel. Under a CUDA graph the copies' slots are the ones the pairs held at
+            capture.
 
         Notes
         -----
-        Enqueued on the current stream; no host sync, no allocation.
+        Enqueued on the current stream (a staged call also uses a side stream, ordered after the current one's
+        earlier work and before its later work); no host sync, no allocation (the staged buffer at the first
+        staged call). One staged encode at a time per codec and device.
         """
         self._check("PageBlobCodec.encode", pools, cold_pages, page_pairs)
         check_bool("PageBlobCodec.encode", "validate", validate)
-        torch.ops.kvops.nvfp4_encode_pages_(list(pools), cold_pages, page_pairs, self.plan, validate)
+        staging = self._staging_buffer("PageBlobCodec.encode", pools, staged, True)
+        torch.ops.kvops.nvfp4_encode_pages_(list(pools), cold_pages, page_pairs, self.plan, validate, staging)
 
     def decode(self, cold_pages: torch.Tensor, pools: Sequence[torch.Tensor], page_pairs: torch.Tensor,
-               validate: bool = False) -> None:
+               validate: bool = False, staged: bool = False) -> None:
         """Decode blobs into pages, hot dtype restored: ``pools[:][page] <- decode(cold_pages[slot])``.
 
         Parameters
@@ -122,6 +163,9 @@ class PageBlobCodec:
         validate : bool
             Check device-resident pairs and read every pair's global scales back (a sync); a bad one raises
             ValueError naming the slot before anything is written.
+        staged : bool
+            The mirror of ``encode``'s: the copy engine moves chunks of host blobs into a device buffer and the
+            kernels decode them from there. One staged decode at a time per codec and device.
 
         Notes
         -----
@@ -131,5 +175,6 @@ class PageBlobCodec:
         """
         self._check("PageBlobCodec.decode", pools, cold_pages, page_pairs)
         check_bool("PageBlobCodec.decode", "validate", validate)
+        staging = self._staging_buffer("PageBlobCodec.decode", pools, staged, False)
         torch.ops.kvops.nvfp4_decode_pages_(cold_pages, list(pools), page_pairs, self.plan, validate,
-                                           self.refused(pools[0].device))
+                                           self.refused(pools[0].device), staging)

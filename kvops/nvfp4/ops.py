@@ -75,10 +75,10 @@ def _dequantize_fake(packed, scales, global_scale, dtype):
 
 
 @torch.library.register_fake("kvops::nvfp4_encode_pages_")
-def _encode_pages_fake(pools, cold_pages, page_pairs, plan, validate=False):
-    check_no_meta_mix("nvfp4_encode_pages_", pools, cold_pages, page_pairs)
+def _encode_pages_fake(pools, cold_pages, page_pairs, plan, validate=False, staging=None):
+    check_no_meta_mix("nvfp4_encode_pages_", pools, cold_pages, page_pairs, staging)
 
 
 @torch.library.register_fake("kvops::nvfp4_decode_pages_")
-def _decode_pages_fake(cold_pages, pools, page_pairs, plan, validate=False, refused=None):
-    check_no_meta_mix("nvfp4_decode_pages_", cold_pages, pools, page_pairs, refused)
+def _decode_pages_fake(cold_pages, pools, page_pairs, plan, validate=False, refused=None, staging=None):
+    check_no_meta_mix("nvfp4_decode_pages_", cold_pages, pools, page_pairs, refused, staging)
