@@ -27,6 +27,9 @@ Rows:
               compiled).
   round_steady_tp1  the whole union round (fill) at R=32 with a one-rank NCCL process group (tensor parallelism:
               the all-reduce of the union rows runs, recorded in the graph) against the same round without one.
+  (notes) round_kernels  every kernel and copy of one steady round at R=32 (fill, each mode under bare scores and
+              per_head under its defaults), from the torch profiler over an eager run: launches, device time and
+              its share of the round's kernels; the K the scorer reads and the bytes the move must move, for scale.
 """
 
 from __future__ import annotations
@@ -69,6 +72,8 @@ def run(quick: bool = False) -> tuple[list[Row], list[str]]:
     notes += _round_steady(rows_out, copy_gbps, quick)
     notes += _round_tp(rows_out, copy_gbps, quick)
     notes += _round_policy(rows_out, copy_gbps, quick)
+    if not quick:
+        notes += _round_kernels()
     return rows_out, notes
 
 
@@ -321,4 +326,37 @@ def _round_policy(rows_out: list[Row], copy_gbps: float, quick: bool) -> list[st
             notes.append(f"round_steady_policy R={R} {mode} {name} ({order}): {us:.0f} us against {base:.0f} us "
                          f"plain ({us / base - 1:+.1%}).")
             rnd = None
+    return notes
+
+
+def _round_kernels() -> list[str]:
+    """Every kernel and copy of one steady round (R = 32, fill), aggregated by name from the torch profiler over an
+    eager run after a warm one (a graph replays the same launches)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    R = 32
+    w = steady_workload(R)
+    notes = [f"round_kernels R={R} {w.prompt}+{w.budget + w.beta} L={w.L} Hkv={w.Hkv} (fill; K of the decode tokens "
+             f"{w.L * R * (w.budget + w.beta) * w.Hkv * w.D * 2 / 1e6:.0f} MB):"]
+    cases = [(mode, {}) for mode in ("union", "per_head", "per_layer_perhead")]
+    cases.append(("per_head", resolve_keep_policy("_round_kernels", "per_head", w.budget, w.beta, w.L)._asdict()))
+    for mode, options in cases:
+        _, rnd = steady_round(w, mode, "fill", cuda_graphs=False, **options)
+        W = options.get("recent_window", 0)
+        args = (rnd.page_table[:R].clone(), [w.n - W] * R, [w.prompt + options.get("sink_tokens", 0)] * R, [W] * R,
+                [w.n] * R)
+        rnd.run(*args)  # warm
+        torch.cuda.synchronize()
+        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+            rnd.run(*args)
+            torch.cuda.synchronize()
+        kernels = sorted((k for k in prof.key_averages() if k.device_time_total > 0),
+                         key=lambda k: -k.device_time_total)  # (the device-side entries: kernels, copies, memsets)
+        total = sum(k.device_time_total for k in kernels)
+        moved = 2 * fill_moved_bytes(w, rnd)
+        notes += ["", f"{mode}{' defaults ' + str(options) if options else ''}: {sum(k.count for k in kernels)} "
+                  f"launches and copies, {total:.0f} us of device time; the move must read and write "
+                  f"{moved / 1e6:.0f} MB.", "", "| kernel | launches | us | share |", "|---|---|---|---|"]
+        notes += [f"| `{k.key[:70]}` | {k.count} | {k.device_time_total:.1f} | {k.device_time_total / total:.1%} |"
+                  for k in kernels]
     return notes
