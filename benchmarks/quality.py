@@ -49,7 +49,7 @@ SINKS = 4
 
 @dataclass(frozen=True)
 class Policy:
-    """A method: which decode tokens each round keeps, written ``kind[_mode][+wW][+sS][+lA.B]``.
+    """A method: which decode tokens each round keeps, written ``kind[_mode][+wW][+sS][+lA.B][+fF]``.
 
     kind: ``full``, ``recent`` (the newest), ``random``, ``triattention`` (kvops' selector; ``_union``,
     ``_per_head`` or ``_per_layer_perhead``) or ``oracle`` (cheating: per (layer, KV head), the keys the next
@@ -57,7 +57,9 @@ class Policy:
     first S decode tokens always stay; ``+lA.B``: layers A and B keep their newest tokens instead of the method's
     choice. W and S count inside the budget. ``sinks`` is ``recent+s4``. ``triattention_<mode>+default`` is what
     kvops does by default in that mode: the keep policy ``kvops.config.resolve_keep_policy`` gives for each
-    budget."""
+    budget. ``+fF`` (harness only: no cache keeps a length per layer yet) splits the same total unevenly: each
+    layer on recency keeps its newest F x budget tokens and the other layers share the rest equally, under the
+    policy their share gives (``+default`` resolves it for that share)."""
 
     kind: str
     mode: str = ""
@@ -65,6 +67,7 @@ class Policy:
     sinks: int = 0
     recent_layers: tuple[int, ...] = ()
     default: bool = False
+    share: float = 1.0
 
     @classmethod
     def parse(cls, text: str) -> "Policy":
@@ -78,8 +81,11 @@ class Policy:
         fields = {}
         for option in options:
             key, value = option[:1], option[1:]
-            if option == "default" and kind == "triattention" and len(options) == 1:
+            if option == "default" and kind == "triattention" and \
+                    all(o == "default" or o.startswith("f") for o in options):
                 fields["default"] = True
+            elif key == "f" and value.replace(".", "", 1).isdigit() and 0 < float(value):
+                fields["share"] = float(value)
             elif key == "l":
                 fields["recent_layers"] = tuple(int(v) for v in value.split("."))
             elif key in "ws" and value.isdigit():
@@ -93,11 +99,12 @@ class Policy:
         if self == Policy("recent", sinks=SINKS):
             return "sinks"
         name = self.kind + (f"_{self.mode}" if self.mode else "")
+        share = f"+f{self.share:g}" if self.share != 1.0 else ""
         if self.default:
-            return name + "+default"
+            return name + "+default" + share
         name += f"+w{self.recent}" if self.recent else ""
         name += f"+s{self.sinks}" if self.sinks else ""
-        return name + (f"+l{'.'.join(map(str, self.recent_layers))}" if self.recent_layers else "")
+        return name + (f"+l{'.'.join(map(str, self.recent_layers))}" if self.recent_layers else "") + share
 
 
 METHODS = ("full", "triattention_per_head+default", "triattention_union+default",
@@ -161,9 +168,17 @@ def simulate(model, ids: torch.Tensor, prompt: int, budget: int, beta: int, poli
     config = model.config
     L, Hq, Hkv = config.num_hidden_layers, config.num_attention_heads, config.num_key_value_heads
     G, n, device = Hq // Hkv, ids.numel(), ids.device
+    held_by_recent = None  # +fF: what each layer on recency keeps; the others' budget is what is left
+    if policy.share != 1.0:
+        layers = policy.recent_layers or (resolve_keep_policy("simulate", policy.mode, budget, beta, L).recent_layers
+                                          if policy.default else ())
+        if not layers or len(layers) == L:
+            raise ValueError(f"{policy.name}: a per-layer split needs some layers on recency and some scored")
+        held_by_recent = max(1, int(policy.share * budget))
+        budget = (L * budget - len(layers) * held_by_recent) // (L - len(layers))
     if policy.default:
         sinks, recent, layers = resolve_keep_policy("simulate", policy.mode, budget, beta, L)
-        policy = Policy(policy.kind, policy.mode, recent, sinks, layers)
+        policy = Policy(policy.kind, policy.mode, recent, sinks, layers, share=policy.share)
     if policy.sinks + policy.recent >= budget:
         raise ValueError(f"{policy.name}: sinks + recent must stay below the budget {budget}")
     k = budget - policy.sinks - policy.recent  # what the method chooses each round
@@ -197,9 +212,13 @@ def simulate(model, ids: torch.Tensor, prompt: int, budget: int, beta: int, poli
                       for layer, rows in enumerate(candidates)]
         for layer in range(visible.shape[0]):
             for h in range(Hkv):
-                keep = candidates[layer][h][-k:] if layer in policy.recent_layers else chosen[layer][h]
+                if layer in policy.recent_layers and held_by_recent is not None:
+                    kept = held[layer][h][-held_by_recent:]
+                else:
+                    keep = candidates[layer][h][-k:] if layer in policy.recent_layers else chosen[layer][h]
+                    kept = torch.cat((fixed[layer][h], keep))
                 visible[layer, h, prompt:t] = False
-                visible[layer, h, torch.cat((fixed[layer][h], keep))] = True
+                visible[layer, h, kept] = True
         if record is not None:
             record.append((t, visible[..., :t].clone()))
         start = t
@@ -241,13 +260,14 @@ def _triattention(selector: TriAttentionSelector, cache, candidates: list, promp
     # picked rows: 1 (union), Hkv (per_head) or len(scored) * Hkv (per_layer_perhead, row index(l) * Hkv + g)
     out = []
     for layer, rows in enumerate(candidates):
-        if picked.shape[0] == 1:
+        if layer in recent_layers:  # it keeps its newest instead (and may hold another count: +fF)
+            out.append(None)
+        elif picked.shape[0] == 1:
             out.append([rows[h][picked[0]] for h in range(Hkv)])
         elif picked.shape[0] == Hkv:
             out.append([rows[h][picked[h]] for h in range(Hkv)])
         else:
-            i = scored.index(layer) if layer in scored else 0  # (a recent layer keeps its newest instead)
-            out.append([rows[h][picked[i * Hkv + h]] for h in range(Hkv)])
+            out.append([rows[h][picked[scored.index(layer) * Hkv + h]] for h in range(Hkv)])
     return out
 
 

@@ -19,10 +19,12 @@ def test_policies_parse_and_name_themselves():
     from benchmarks.quality import Policy
 
     for text in ("full", "recent", "sinks", "random", "oracle+l0", "triattention_per_head+w16+s4+l0.2",
-                 "triattention_union", "recent+w8"):
+                 "triattention_union", "recent+w8", "triattention_per_head+default+f0.5", "recent+l0+f2"):
         assert Policy.parse(text).name == text
     assert Policy.parse("triattention_per_layer_perhead+l3.1").recent_layers == (3, 1)
-    for bad in ("triattention", "oracle_union", "recent_union", "triattention_per_head+x3", "window", "random+w"):
+    assert Policy.parse("triattention_per_head+default+f0.25").share == 0.25
+    for bad in ("triattention", "oracle_union", "recent_union", "triattention_per_head+x3", "window", "random+w",
+                "recent+l0+f0", "recent+l0+f-1", "recent+fx"):
         with pytest.raises(ValueError):
             Policy.parse(bad)
 
@@ -60,6 +62,23 @@ def test_simulated_rounds_hold_the_prompt_the_budget_and_the_tail():
     for t, held in record:
         assert held.shape == (1, 2, t) and (held.sum(-1) == 8 + 16).all()
         assert held[..., :8 + 2].all() and held[..., t - 16 + 2:].all()  # prompt, sinks, the newest 14
+
+
+def test_a_per_layer_split_holds_the_same_total():
+    """+fF: the layers on recency keep their newest F x budget, the others share the rest of the same total."""
+    from benchmarks.quality import Policy, simulate
+
+    model = tiny_model("qwen3")  # 2 layers
+    model.config._attn_implementation = "eager"
+    ids = torch.randint(0, TINY["vocab_size"], (96,))
+    record = []
+    simulate(model, ids, 8, 16, 4, Policy.parse("recent+l0+f0.5"), record=record)
+    assert record
+    for t, held in record:  # layer 0: its newest 8; layer 1: the other 24 of the 2 x 16, its newest
+        assert (held[0, :, 8:].sum(-1) == 8).all() and held[0, :, t - 8:].all()
+        assert (held[1, :, 8:].sum(-1) == 24).all() and held[1, :, t - 24:].all()
+    with pytest.raises(ValueError, match="per-layer split"):
+        simulate(model, ids, 8, 16, 4, Policy.parse("recent+f0.5"))
 
 
 @pytest.mark.parametrize("mode,options", [("union", {}), ("per_head", {}), ("union", BARE),
