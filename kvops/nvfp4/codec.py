@@ -140,8 +140,8 @@ class PageBlobCodec:
         Notes
         -----
         Enqueued on the current stream (a staged call also uses a side stream, ordered after the current one's
-        earlier work and before its later work); no host sync, no allocation (the staged buffer at the first
-        staged call). One staged encode at a time per codec and device.
+        earlier work and before its later work); no host sync, no allocation (but the staged buffer, at the first
+        staged call: make that one before any capture). One staged encode at a time per codec and device.
         """
         self._check("PageBlobCodec.encode", pools, cold_pages, page_pairs)
         check_bool("PageBlobCodec.encode", "validate", validate)
