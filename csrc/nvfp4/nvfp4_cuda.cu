@@ -567,8 +567,8 @@ void run_staged(bool encode, const at::Tensor& cold_pages, const at::Tensor& pag
   after.block(main);
 }
 
-void check_staging(const at::Tensor& staging, const at::Tensor& cold_pages, const at::Tensor& page_pairs,
-                   const at::Device& device, const char* what) {
+void check_staging(const at::Tensor& staging, at::TensorList pools, const at::Tensor& cold_pages,
+                   const at::Tensor& page_pairs, const at::Device& device, const char* what) {
   TORCH_CHECK_VALUE(staging.scalar_type() == at::kByte && staging.dim() == 2 && staging.size(0) >= 2 &&
                         staging.size(1) == cold_pages.size(1) && staging.stride(1) == 1 && staging.stride(0) % 16 == 0,
                     what, ": staging must be uint8 [rows >= 2, ", cold_pages.size(1),
@@ -577,6 +577,10 @@ void check_staging(const at::Tensor& staging, const at::Tensor& cold_pages, cons
   TORCH_CHECK_VALUE(staging.device() == device, what, ": staging is on ", staging.device(), ", expected ", device);
   TORCH_CHECK_VALUE(reinterpret_cast<uintptr_t>(staging.data_ptr()) % 16 == 0, what,
                     ": staging must start 16-byte aligned");
+  // the kernels write staging while they read (encode) or write (decode) the pools
+  for (size_t p = 0; p < pools.size(); ++p)
+    TORCH_CHECK_VALUE(!staging.storage().is_alias_of(pools[p].storage()), what, ": staging shares memory with pools[",
+                      p, "]");
   TORCH_CHECK_VALUE(cold_pages.is_cpu() && page_pairs.is_cpu(), what,
                     ": staging serves cold_pages in pinned host memory with page_pairs on the host; got cold_pages on ",
                     cold_pages.device(), " and page_pairs on ", page_pairs.device());
@@ -593,7 +597,7 @@ void run_codec(at::TensorList pools, const at::Tensor& cold_pages, const at::Ten
                       "; pools must be on the GPU when cold_pages or page_pairs are");
   c10::cuda::CUDAGuard guard(device);
   const auto descs = check_codec_call(pools, cold_pages, page_pairs, plan, validate, encode, refused);
-  if (staging) check_staging(*staging, cold_pages, page_pairs, device, what);
+  if (staging) check_staging(*staging, pools, cold_pages, page_pairs, device, what);
   int32_t* refusals = refused ? refused->data_ptr<int32_t>() : nullptr;
   uint8_t* blobs = static_cast<uint8_t*>(device_address(cold_pages, device, "cold_pages", what));
   const int32_t* pairs = static_cast<const int32_t*>(device_address(page_pairs, device, "page_pairs", what));
