@@ -9,9 +9,11 @@ Rows:
   topk_eager  the same call without a graph (includes Python and DLPack argument overhead).
   topk_native  rows of at most 4096 keys: kvops::topk_short_rows_ (one warp per row) called directly, from a CUDA
               graph, also at fewer rows than SMs, where kvops.topk takes the CuTe class.
-  topk_long_native  fewer rows than SMs, longer than 4096 keys (issue 27's shapes among them): kvops::topk_long_rows_
-              (several CTAs a row) called directly, from a CUDA graph, against torch.topk + sort; the same shapes'
-              row `torch_topk_unsorted` is torch.topk(sorted=False) alone, against torch.topk + sort.
+  topk_long_native, topk_cute  up to two rows per SM: kvops::topk_long_rows_ (several CTAs a row) and the CuTe
+              class (one CTA a row) called directly, from a CUDA graph: the measurements behind the rule between
+              them (kvops/topk/ops.py).
+  torch_topk_unsorted  fewer rows than SMs, longer than 4096 keys (issue 27's shapes among them):
+              torch.topk(sorted=False) alone, against torch.topk + sort.
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ from __future__ import annotations
 import torch
 
 from kvops.topk import SHORT_ROW, long_rows_native, short_rows_native, topk
+from kvops.topk.ops import cute_rows
 
 from .common import Row, device_copy_gbps, graphed, time_us
 
@@ -29,6 +32,7 @@ def run(quick: bool = False) -> tuple[list[Row], list[str]]:
     copy_gbps = device_copy_gbps()
     iters = 5 if quick else 50
     rows_out: list[Row] = []
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
     shapes = [(64, 32768, 2048), (9216, 2176, 2048)] if quick else [
         (rows, N, k) for k in (2048, 8192) for N in (16384, 32768, 131072) for rows in (32, 64, 256)] + [
         (rows, 2176, 2048) for rows in (1, 8, 32, 132, 288, 1152, 2304, 9216)] + [
@@ -45,9 +49,12 @@ def run(quick: bool = False) -> tuple[list[Row], list[str]]:
         if N <= SHORT_ROW:
             timed.append(("topk_native", time_us(graphed(lambda: short_rows_native(scores, lengths, None, k, out)),
                                                  iters=iters)))
-        elif rows < torch.cuda.get_device_properties(0).multi_processor_count:
+        if rows <= 2 * sms:
             timed.append(("topk_long_native", time_us(graphed(lambda: long_rows_native(scores, lengths, None, k, out)),
                                                       iters=iters)))
+            timed.append(("topk_cute", time_us(graphed(lambda: cute_rows(scores, lengths, None, k, out)),
+                                               iters=iters)))
+        if N > SHORT_ROW and rows < sms:
             timed.append(("torch_topk_unsorted", time_us(graphed(lambda: scores.topk(k, dim=1, sorted=False)),
                                                          iters=iters)))
         for routine, us in timed:

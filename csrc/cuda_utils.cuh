@@ -42,6 +42,24 @@ void prepare_kernel(Kernel kernel, const char* op, int smem_bytes = 0) {
   opted[key] = std::max(smem_bytes, 48 * 1024);
 }
 
+// How many CTAs of `kernel` (`threads` a CTA, no dynamic shared memory) the current GPU holds at once: its
+// occupancy times the SMs, cached per (kernel, device). A kernel whose CTAs wait for each other must launch no more.
+template <class Kernel>
+int resident_ctas(Kernel kernel, int threads) {
+  static std::mutex mu;
+  static std::map<std::pair<const void*, int>, int> known;
+  int dev = 0;
+  C10_CUDA_CHECK(cudaGetDevice(&dev));
+  const auto key = std::make_pair(reinterpret_cast<const void*>(kernel), dev);
+  std::lock_guard<std::mutex> lock(mu);
+  const auto it = known.find(key);
+  if (it != known.end()) return it->second;
+  int per_sm = 0, sms = 0;
+  C10_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kernel, threads, 0));
+  C10_CUDA_CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev));
+  return known[key] = std::max(per_sm, 1) * sms;
+}
+
 inline int sm_count() {
   int dev = 0, sms = 0;
   C10_CUDA_CHECK(cudaGetDevice(&dev));

@@ -373,11 +373,12 @@ def _long_rows(rows, N, k, device):
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("rows,N,k", [(1, 1, 1), (3, 5000, 300), (8, 2048, 2047), (2, 70_001, 2048),
                                       (9, 33_000, 2048), (3, 50_000, 10_000), (6, 9000, 9000), (5, 4100, 5000),
-                                      (200, 6000, 64)])
+                                      (200, 6000, 64), (140, 12_000, 300), (100, 20_000, 3000)])
 @pytest.mark.parametrize("aligned", [True, False])
 def test_long_rows_native_matches_reference(device, rows, N, k, aligned):
     """kvops::topk_long_rows_ (csrc/topk, several CTAs a row on the GPU) against the reference: one slice or
-    many, k below, at and above the length, rows 16-byte aligned or not (the GPU's vector or scalar loads), with
+    many, slices held in registers or partly read again (the last two shapes on a GPU of 132 SMs), k below, at
+    and above the length, rows 16-byte aligned or not (the GPU's vector or scalar loads), with
     and without offsets; the output poisoned first, so a slot the kernel misses shows."""
     from kvops.topk import long_rows_native
 

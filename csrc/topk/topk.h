@@ -12,7 +12,7 @@ namespace kvops {
 namespace topk {
 
 constexpr int64_t kShortRow = 4096;  // topk_short_rows_'s widest row: 128 keys a lane of a warp
-constexpr int64_t kLongRow = (int64_t(1) << 31) - 1;  // topk_long_rows_'s: an index fits int32
+constexpr int64_t kLongRow = (int64_t(1) << 31) - 4096;  // topk_long_rows_'s: an index a tile past it fits int32
 
 // A float's bits as an order-preserving unsigned key: NaN lowest (0), -0.0 == +0.0. One rule, written once per
 // language: kvops/topk/reference.py's sort_keys states it (tests check every copy against it).

@@ -1,25 +1,29 @@
-// CUDA backend of kvops::topk_long_rows_: several CTAs per row, for rows too few to give every SM one, each of any
-// length.
+// CUDA backend of kvops::topk_long_rows_: one launch, several CTAs per row when the rows are too few to give every
+// SM one, for rows of any length.
 //
-// A row is cut into C slices of S keys (whole tiles of 2048), one 512-thread CTA each, chosen so that the batch has
-// about two CTAs per SM. The k-th largest key T (order-preserving unsigned patterns, topk.h's ukey) is found by
-// three radix passes over digits of 11, 11 and 10 bits, one launch each, whose slice histograms are summed in
-// global memory (a shared-memory histogram per CTA, then one atomic per non-empty bin). Each launch first picks
-// the previous pass's digit from the summed histogram: every CTA of the row picks the same one, and the row's
-// first CTA stores it (with the count still needed) for the launches after. A fourth launch picks T and counts,
-// per slice, the keys > T and == T; the fifth writes each slice's kept indices, in index order, from where the
-// slices before it end: keys > T, and keys == T while the row still needs them (the lowest indices first, so ties
-// go to the lowest index). A row with at most k keys keeps them all and is padded with -1.
+// A row is cut into C slices of S keys (whole tiles of 2048), one 512-thread CTA each, with C chosen so that the
+// batch fills the GPU's resident CTAs (occupancy x SMs) and no more: the CTAs of a row meet at barriers in global
+// memory, so all of them must be resident at once (C = 1 needs no other CTA). A slice's first kHeld tiles stay in
+// registers from one load (every load of a thread in flight together); the tiles after them, if any, are read
+// again on each pass (from L2 while the batch's scores fit there).
 //
-// The scores are read five times: the first pass from DRAM, the others mostly from L2 while the batch's scores
-// fit there. The workspace (histograms, the picks, the slice counts: about 20 KB a row) is zeroed by one memset
-// and comes from the caching allocator, so a captured graph replays it.
+// The k-th largest key T (order-preserving unsigned patterns, topk.h's ukey) is found by three radix passes over
+// digits of 11, 11 and 10 bits: each CTA counts its slice's digits in shared memory, adds the non-empty bins to the
+// row's histogram in global memory, and after the row's barrier every CTA picks the same digit from the sum. A
+// fourth pass counts, per slice, the keys > T and == T; after the last barrier each slice writes its kept indices,
+// in index order, from where the slices before it end: keys > T, and keys == T while the row still needs them
+// (the lowest indices first, so ties go to the lowest index). A row with at most k keys keeps them all and is
+// padded with -1.
+//
+// The workspace (three histograms, the barrier's counter, the slice counts: about 20 KB a row) is zeroed by one
+// memset and comes from the caching allocator, so a captured graph replays it.
 #include <ATen/ATen.h>
 #include <c10/cuda/CUDAGuard.h>
 #include <torch/library.h>
 
 #include <cub/block/block_reduce.cuh>
 #include <cub/block/block_scan.cuh>
+#include <cuda/atomic>
 
 #include "../cuda_utils.cuh"
 #include "topk.h"
@@ -30,10 +34,12 @@ namespace topk {
 namespace {
 
 constexpr int kThreads = 512, kPer = 4, kTile = kThreads * kPer;  // a thread's 4 consecutive keys of a tile
-// The workspace of a row, in 32-bit words: the three passes' histograms, then the pick of each launch (the
-// threshold's bits so far and how many keys equal to them the row still needs), then (> T, == T) per slice.
-constexpr int kHist0 = 0, kHist1 = 2048, kHist2 = 4096, kPicks = 5120, kCounts = 5128;
-// pass p's digit: key >> shift(p) & (bins(p) - 1), counted at hist(p)
+constexpr int kHeld = 4;                                          // tiles a CTA keeps in registers
+constexpr int kMinCtas = 2;                                       // CTAs per SM the registers must allow
+// The workspace of a row, in 32-bit words: the three passes' histograms, the barrier's arrivals, then
+// (> T, == T) per slice.
+constexpr int kHist0 = 0, kHist1 = 2048, kHist2 = 4096, kArrived = 5120, kCounts = 5124;
+// pass p's digit: key >> shift(p) & (bins(p) - 1), summed at hist(p)
 __host__ __device__ constexpr int shift(int p) { return p == 0 ? 21 : p == 1 ? 10 : 0; }
 __host__ __device__ constexpr int bins(int p) { return p == 2 ? 1024 : 2048; }
 __host__ __device__ constexpr int hist_at(int p) { return p == 0 ? kHist0 : p == 1 ? kHist1 : kHist2; }
@@ -51,37 +57,35 @@ struct Args {
   int N, k, C, S, words;
 };
 
-// The slice [begin, end) of this CTA's row, and the row's length (0 when the CTA has no keys).
-struct Slice {
-  int row, c, length, begin, end;
-  __device__ Slice(const Args& a) {
-    row = blockIdx.x / a.C;
-    c = blockIdx.x % a.C;
-    length = min(max(a.lengths[row], 0), a.N);
-    begin = c * a.S;
-    end = min(begin + a.S, length);
-  }
-};
-
-// Keys i .. i + 3 (i a multiple of 4) of a row, those at or past `end` invalid. VEC: the row is 16-byte aligned.
+// Keys i .. i + 3 (i a multiple of 4) of a row, those at or past `end` invalid (key 0, which no count reads).
+// VEC: the row is 16-byte aligned.
 template <bool VEC>
-__device__ __forceinline__ void load(const int32_t* row, int i, int end, uint32_t (&key)[kPer], bool (&valid)[kPer]) {
+__device__ __forceinline__ void load(const int32_t* row, int i, int end, uint32_t (&key)[kPer]) {
   if (VEC && i + kPer <= end) {
     const int4 v = __ldg(reinterpret_cast<const int4*>(row + i));
     key[0] = ukey(v.x), key[1] = ukey(v.y), key[2] = ukey(v.z), key[3] = ukey(v.w);
-#pragma unroll
-    for (int j = 0; j < kPer; ++j) valid[j] = true;
     return;
   }
 #pragma unroll
-  for (int j = 0; j < kPer; ++j) {
-    valid[j] = i + j < end;
-    key[j] = valid[j] ? ukey(__ldg(row + i + j)) : 0u;
-  }
+  for (int j = 0; j < kPer; ++j) key[j] = i + j < end ? ukey(__ldg(row + i + j)) : 0u;
 }
 
-// The digit d of a summed histogram with #{digit >= d} >= need > #{digit > d}, and #{digit > d}, in every thread.
-// Thread t owns the PER bins from the top down at BINS - 1 - PER t, so an exclusive scan counts the bins above.
+// Every CTA of the row has arrived here `phase` times (the row's C CTAs are resident together). The release
+// orders this CTA's global atomics before the arrival; the acquire orders the reads after it.
+__device__ __forceinline__ void row_barrier(uint32_t* arrived, uint32_t target) {
+  __syncthreads();
+  if (threadIdx.x == 0) {
+    cuda::atomic_ref<uint32_t, cuda::thread_scope_device> count(*arrived);
+    count.fetch_add(1, cuda::memory_order_release);
+    while (count.load(cuda::memory_order_acquire) < target) {
+    }
+  }
+  __syncthreads();
+}
+
+// The digit d of a summed histogram (global memory, read past L1) with #{digit >= d} >= need > #{digit > d},
+// and #{digit > d}, in every thread. Thread t owns the PER bins from the top down at BINS - 1 - PER t, so an
+// exclusive scan counts the bins above.
 template <int BINS>
 __device__ void pick(const uint32_t* hist, uint32_t need, uint32_t& digit, uint32_t& above,
                      Scan::TempStorage& scan, uint32_t (&picked)[2]) {
@@ -89,11 +93,10 @@ __device__ void pick(const uint32_t* hist, uint32_t need, uint32_t& digit, uint3
   const int top = BINS - 1 - PER * int(threadIdx.x);
   uint32_t c[PER], sum = 0;
 #pragma unroll
-  for (int j = 0; j < PER; ++j) sum += c[j] = hist[top - j];
-  if (threadIdx.x == 0) picked[0] = picked[1] = 0;  // (only read if the counts lack `need` keys: never)
+  for (int j = 0; j < PER; ++j) sum += c[j] = __ldcg(hist + top - j);
   uint32_t before;
   Scan(scan).ExclusiveSum(sum, before);
-  if (before < need && before + sum >= need) {  // exactly one thread
+  if (before < need && before + sum >= need) {  // exactly one thread: the row has more than `need` keys left
     uint32_t a = before;
     int j = 0;
     while (j < PER - 1 && a + c[j] < need) a += c[j++];
@@ -103,6 +106,7 @@ __device__ void pick(const uint32_t* hist, uint32_t need, uint32_t& digit, uint3
   __syncthreads();
   digit = picked[0];
   above = picked[1];
+  __syncthreads();  // picked and scan are reused
 }
 
 // One key into a shared-memory histogram; the lanes adding to one bin at once add once.
@@ -111,97 +115,83 @@ __device__ __forceinline__ void add(uint32_t* hist, uint32_t bin) {
   if (int(threadIdx.x & 31) == __ffs(peers) - 1) atomicAdd(&hist[bin], __popc(peers));
 }
 
-// Pass P: the digit of pass P - 1 (stored by the row's first CTA as pick P), then the histogram of digit P over
-// the keys that match the threshold so far.
-template <bool VEC, int P>
-__global__ void __launch_bounds__(kThreads) hist_kernel(Args a) {
-  const Slice s(a);
-  if (s.length <= a.k || s.begin >= s.end) return;  // (the first CTA of a row with more than k keys never returns)
-  constexpr int BINS = bins(P);
-  __shared__ uint32_t hist[BINS];
-  __shared__ Scan::TempStorage scan;
-  __shared__ uint32_t picked[2];
-  uint32_t* ws = a.ws + int64_t(s.row) * a.words;
-  uint32_t prefix = 0, mask = 0;
-  if constexpr (P > 0) {
-    const uint32_t need = P == 1 ? uint32_t(a.k) : ws[kPicks + 2 * (P - 1) + 1];
-    uint32_t digit, above;
-    prefix = P == 1 ? 0u : ws[kPicks + 2 * (P - 1)];
-    pick<bins(P - 1)>(ws + hist_at(P - 1), need, digit, above, scan, picked);
-    prefix |= digit << shift(P - 1);
-    mask = ~0u << shift(P - 1);
-    if (s.c == 0 && threadIdx.x == 0) ws[kPicks + 2 * P] = prefix, ws[kPicks + 2 * P + 1] = need - above;
+template <bool VEC>
+__global__ void __launch_bounds__(kThreads, kMinCtas) long_rows_kernel(Args a) {
+  const int row = blockIdx.x / a.C, c = blockIdx.x % a.C;
+  const int length = min(max(a.lengths[row], 0), a.N);
+  const int begin = c * a.S, end = min(begin + a.S, length);  // this CTA's keys (none when begin >= end)
+  const int tiles = end > begin ? (end - begin + kTile - 1) / kTile : 0;
+  int32_t* out = a.out + int64_t(row) * a.k;
+  const int32_t offset = a.offsets ? a.offsets[row] : 0;
+  if (length <= a.k) {  // every key is kept, index i at slot i; the row's CTAs share the padding
+    for (int i = begin + threadIdx.x; i < end; i += kThreads) out[i] = i + offset;
+    for (int64_t j = length + int64_t(c) * kThreads + threadIdx.x; j < a.k; j += int64_t(a.C) * kThreads) out[j] = -1;
+    return;  // (every CTA of the row: no barrier waits for this one)
   }
-  for (int i = threadIdx.x; i < BINS; i += kThreads) hist[i] = 0;
-  __syncthreads();
-  const int32_t* row = a.bits + int64_t(s.row) * a.stride;
-  for (int i = s.begin + int(threadIdx.x) * kPer; i < s.end; i += kTile) {
-    uint32_t key[kPer];
-    bool valid[kPer];
-    load<VEC>(row, i, s.end, key, valid);
+  const int32_t* src = a.bits + int64_t(row) * a.stride;
+  const int first = begin + int(threadIdx.x) * kPer;  // this thread's first key of every tile
+  uint32_t held[kHeld][kPer];
+#pragma unroll
+  for (int t = 0; t < kHeld; ++t) load<VEC>(src, first + t * kTile, t < tiles ? end : 0, held[t]);
+  // f(tile, keys, i): the slice's tiles in order, keys i .. i + 3 of this thread (past `end`: key 0, not valid)
+  auto each_tile = [&](auto&& f) {
+#pragma unroll
+    for (int t = 0; t < kHeld; ++t)
+      if (t < tiles) f(held[t], first + t * kTile);
+    for (int t = kHeld; t < tiles; ++t) {
+      uint32_t key[kPer];
+      load<VEC>(src, first + t * kTile, end, key);
+      f(key, first + t * kTile);
+    }
+  };
+
+  __shared__ uint32_t hist[2048];
+  __shared__ union {
+    Scan::TempStorage scan;
+    Reduce::TempStorage reduce;
+  } tmp;
+  __shared__ uint32_t picked[2];
+  __shared__ unsigned long long before_all;
+  uint32_t* ws = a.ws + int64_t(row) * a.words;
+  uint32_t prefix = 0, need = uint32_t(a.k);  // T's bits so far; the keys matching them the row still needs
+#pragma unroll
+  for (int p = 0; p < 3; ++p) {
+    constexpr int kBinsMax = 2048;
+    const int nbins = bins(p);
+    const uint32_t mask = p == 0 ? 0u : ~0u << shift(p - 1);
+    for (int i = threadIdx.x; i < kBinsMax; i += kThreads) hist[i] = 0;
+    __syncthreads();
+    each_tile([&](const uint32_t(&key)[kPer], int i) {
+#pragma unroll
+      for (int j = 0; j < kPer; ++j)
+        if (i + j < end && (key[j] & mask) == prefix) add(hist, key[j] >> shift(p) & (nbins - 1));
+    });
+    __syncthreads();
+    for (int i = threadIdx.x; i < nbins; i += kThreads)
+      if (hist[i]) atomicAdd(ws + hist_at(p) + i, hist[i]);
+    row_barrier(ws + kArrived, uint32_t(p + 1) * a.C);
+    uint32_t digit, above;
+    if (p < 2)
+      pick<2048>(ws + hist_at(p), need, digit, above, tmp.scan, picked);
+    else
+      pick<1024>(ws + hist_at(p), need, digit, above, tmp.scan, picked);
+    prefix |= digit << shift(p);
+    need -= above;
+  }
+  const uint32_t threshold = prefix;  // T; the row keeps `need` of its keys == T
+  uint32_t greater = 0, equal = 0;
+  each_tile([&](const uint32_t(&key)[kPer], int i) {
 #pragma unroll
     for (int j = 0; j < kPer; ++j)
-      if (valid[j] && (key[j] & mask) == prefix) add(hist, key[j] >> shift(P) & (BINS - 1));
-  }
-  __syncthreads();
-  for (int i = threadIdx.x; i < BINS; i += kThreads)
-    if (hist[i]) atomicAdd(ws + hist_at(P) + i, hist[i]);
-}
-
-// T from the last histogram (the row's first CTA stores it as pick 3, with the keys == T the row keeps), then this
-// slice's keys > T and == T.
-template <bool VEC>
-__global__ void __launch_bounds__(kThreads) count_kernel(Args a) {
-  const Slice s(a);
-  if (s.length <= a.k || s.begin >= s.end) return;
-  __shared__ union {
-    Scan::TempStorage scan;
-    Reduce::TempStorage reduce;
-  } tmp;
-  __shared__ uint32_t picked[2];
-  uint32_t* ws = a.ws + int64_t(s.row) * a.words;
-  uint32_t digit, above;
-  const uint32_t need = ws[kPicks + 5];
-  pick<bins(2)>(ws + kHist2, need, digit, above, tmp.scan, picked);
-  const uint32_t threshold = ws[kPicks + 4] | digit;
-  if (s.c == 0 && threadIdx.x == 0) ws[kPicks + 6] = threshold, ws[kPicks + 7] = need - above;
-  __syncthreads();  // tmp is reused
-  const int32_t* row = a.bits + int64_t(s.row) * a.stride;
-  uint32_t greater = 0, equal = 0;
-  for (int i = s.begin + int(threadIdx.x) * kPer; i < s.end; i += kTile) {
-    uint32_t key[kPer];
-    bool valid[kPer];
-    load<VEC>(row, i, s.end, key, valid);
-#pragma unroll
-    for (int j = 0; j < kPer; ++j) greater += valid[j] && key[j] > threshold, equal += valid[j] && key[j] == threshold;
-  }
+      greater += i + j < end && key[j] > threshold, equal += i + j < end && key[j] == threshold;
+  });
   const unsigned long long both = Reduce(tmp.reduce).Sum(greater | (static_cast<unsigned long long>(equal) << 32));
-  if (threadIdx.x == 0) ws[kCounts + 2 * s.c] = uint32_t(both), ws[kCounts + 2 * s.c + 1] = uint32_t(both >> 32);
-}
-
-// The kept indices of this slice, in index order, from where the slices before it end.
-template <bool VEC>
-__global__ void __launch_bounds__(kThreads) write_kernel(Args a) {
-  const Slice s(a);
-  int32_t* out = a.out + int64_t(s.row) * a.k;
-  const int32_t offset = a.offsets ? a.offsets[s.row] : 0;
-  if (s.length <= a.k) {  // every key is kept, index i at slot i; the row's CTAs share the padding
-    for (int i = s.begin + threadIdx.x; i < s.end; i += kThreads) out[i] = i + offset;
-    for (int64_t j = s.length + int64_t(s.c) * kThreads + threadIdx.x; j < a.k; j += int64_t(a.C) * kThreads)
-      out[j] = -1;
-    return;
-  }
-  if (s.begin >= s.end) return;
-  __shared__ union {
-    Scan::TempStorage scan;
-    Reduce::TempStorage reduce;
-  } tmp;
-  __shared__ unsigned long long before_all;
-  const uint32_t* ws = a.ws + int64_t(s.row) * a.words;
-  const uint32_t threshold = ws[kPicks + 6], need = ws[kPicks + 7];  // the keys == T the row keeps
+  if (threadIdx.x == 0) ws[kCounts + 2 * c] = uint32_t(both), ws[kCounts + 2 * c + 1] = uint32_t(both >> 32);
+  row_barrier(ws + kArrived, 4u * a.C);
+  if (begin >= end) return;
   unsigned long long mine = 0;  // (> T, == T) of the slices before this one
-  for (int c = threadIdx.x; c < s.c; c += kThreads)
-    mine += ws[kCounts + 2 * c] | (static_cast<unsigned long long>(ws[kCounts + 2 * c + 1]) << 32);
+  for (int s = threadIdx.x; s < c; s += kThreads)
+    mine += __ldcg(ws + kCounts + 2 * s) | (static_cast<unsigned long long>(__ldcg(ws + kCounts + 2 * s + 1)) << 32);
   mine = Reduce(tmp.reduce).Sum(mine);
   if (threadIdx.x == 0) before_all = mine;
   __syncthreads();
@@ -209,45 +199,25 @@ __global__ void __launch_bounds__(kThreads) write_kernel(Args a) {
   uint32_t slot = uint32_t(before_all) + ties_before;  // this slice's first output slot
   const uint32_t quota = need - ties_before;            // keys == T this slice and the later ones may keep
   uint32_t seen = 0;                                    // keys == T in this slice's earlier tiles
-  const int32_t* row = a.bits + int64_t(s.row) * a.stride;
-  for (int base = s.begin; base < s.end; base += kTile) {  // the same trip count in every thread
-    const int i = base + int(threadIdx.x) * kPer;
-    uint32_t key[kPer];
-    bool valid[kPer];
-    load<VEC>(row, i, s.end, key, valid);
-    uint32_t greater = 0, equal = 0;
+  each_tile([&](const uint32_t(&key)[kPer], int i) {    // the same tiles in every thread
+    uint32_t gt = 0, eq = 0;
 #pragma unroll
-    for (int j = 0; j < kPer; ++j) greater += valid[j] && key[j] > threshold, equal += valid[j] && key[j] == threshold;
+    for (int j = 0; j < kPer; ++j) gt += i + j < end && key[j] > threshold, eq += i + j < end && key[j] == threshold;
     // a tile holds 2048 keys: both counts fit 16 bits
     uint32_t pre, total;
-    Scan(tmp.scan).ExclusiveSum(greater | equal << 16, pre, total);
+    Scan(tmp.scan).ExclusiveSum(gt | eq << 16, pre, total);
     const uint32_t room = quota > seen ? quota - seen : 0u;  // keys == T this tile may keep
     uint32_t tie = pre >> 16, at = slot + (pre & 0xFFFF) + min(tie, room);
 #pragma unroll
     for (int j = 0; j < kPer; ++j) {
-      const bool equal_j = valid[j] && key[j] == threshold;
-      if ((valid[j] && key[j] > threshold) || (equal_j && tie < room)) out[at++] = i + j + offset;
+      const bool valid = i + j < end, equal_j = valid && key[j] == threshold;
+      if ((valid && key[j] > threshold) || (equal_j && tie < room)) out[at++] = i + j + offset;
       tie += equal_j;
     }
     slot += (total & 0xFFFF) + min(total >> 16, room);
     seen += total >> 16;
     __syncthreads();  // tmp.scan is reused
-  }
-}
-
-template <bool VEC>
-void launch(const Args& a, int blocks, cudaStream_t stream) {
-  prepare_kernel(hist_kernel<VEC, 0>, "topk_long_rows_");
-  hist_kernel<VEC, 0><<<blocks, kThreads, 0, stream>>>(a);
-  C10_CUDA_KERNEL_LAUNCH_CHECK();
-  hist_kernel<VEC, 1><<<blocks, kThreads, 0, stream>>>(a);
-  C10_CUDA_KERNEL_LAUNCH_CHECK();
-  hist_kernel<VEC, 2><<<blocks, kThreads, 0, stream>>>(a);
-  C10_CUDA_KERNEL_LAUNCH_CHECK();
-  count_kernel<VEC><<<blocks, kThreads, 0, stream>>>(a);
-  C10_CUDA_KERNEL_LAUNCH_CHECK();
-  write_kernel<VEC><<<blocks, kThreads, 0, stream>>>(a);
-  C10_CUDA_KERNEL_LAUNCH_CHECK();
+  });
 }
 
 void long_rows_cuda(const at::Tensor& scores, const at::Tensor& lengths, const std::optional<at::Tensor>& offsets,
@@ -256,12 +226,17 @@ void long_rows_cuda(const at::Tensor& scores, const at::Tensor& lengths, const s
   const int64_t rows = scores.size(0), N = scores.size(1);
   if (rows == 0) return;
   const c10::cuda::CUDAGuard guard(scores.device());
-  // C slices a row: about two CTAs per SM over the batch, whole tiles each
+  const bool vec = reinterpret_cast<uintptr_t>(scores.const_data_ptr()) % 16 == 0 && (rows == 1 || scores.stride(0) % 4 == 0);
+  const auto kernel = vec ? long_rows_kernel<true> : long_rows_kernel<false>;
+  prepare_kernel(kernel, "topk_long_rows_");
+  // C slices a row, as many as the resident CTAs allow (a row's CTAs wait for each other), no more than it takes
+  // to hold the row in registers
+  const int64_t resident = resident_ctas(kernel, kThreads);
   const int64_t tiles = std::max<int64_t>(1, (N + kTile - 1) / kTile);
-  int64_t C = std::min<int64_t>(tiles, std::max<int64_t>(1, (2 * sm_count() + rows - 1) / rows));
+  int64_t C = std::clamp<int64_t>(resident / rows, 1, (tiles + kHeld - 1) / kHeld);
   const int64_t S = (tiles + C - 1) / C * kTile;
   C = std::max<int64_t>(1, (N + S - 1) / S);
-  TORCH_CHECK_VALUE(rows * C < (int64_t(1) << 31) && S < (int64_t(1) << 31), "kvops::topk_long_rows_: ", rows,
+  TORCH_CHECK_VALUE(rows * C < (int64_t(1) << 31), "kvops::topk_long_rows_: ", rows,
                     " rows of ", N, " keys exceed one launch");
   const int64_t words = kCounts + 2 * C;
   const at::Tensor ws = at::zeros({rows, words}, scores.options().dtype(at::kInt));
@@ -269,12 +244,8 @@ void long_rows_cuda(const at::Tensor& scores, const at::Tensor& lengths, const s
                lengths.const_data_ptr<int32_t>(), offsets ? offsets->const_data_ptr<int32_t>() : nullptr,
                out.data_ptr<int32_t>(), reinterpret_cast<uint32_t*>(ws.data_ptr<int32_t>()), int(N), int(k), int(C),
                int(S), int(words)};
-  const bool vec = reinterpret_cast<uintptr_t>(a.bits) % 16 == 0 && (rows == 1 || a.stride % 4 == 0);
-  const cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
-  if (vec)
-    launch<true>(a, int(rows * C), stream);
-  else
-    launch<false>(a, int(rows * C), stream);
+  kernel<<<int(rows * C), kThreads, 0, c10::cuda::getCurrentCUDAStream()>>>(a);
+  C10_CUDA_KERNEL_LAUNCH_CHECK();
 }
 
 }  // namespace

@@ -1,11 +1,14 @@
 """kvops::topk_ and its entry point kvops.topk: per-row top-k over rows of ragged lengths, ascending indices,
 lowest index wins ties (docs/topk.md).
 
-Two shape classes on the GPU, chosen from the shape, both built ahead of time and on the current stream:
+Three shape classes on the GPU, chosen from the shape, all built ahead of time and on the current stream:
 - at least one row per SM, each of up to SHORT_ROW keys (the steady-state rounds: hundreds to thousands of rows of
   budget + beta keys): kvops::topk_short_rows_ (csrc/topk), one warp per row with its keys in registers, 8-bit
   digits over shared-memory histograms, up to four rows per CTA (fewer when the rows are few, so that they reach
   every SM);
+- at most a quarter as many rows as SMs, each longer than LONG_ROW keys: kvops::topk_long_rows_ (csrc/topk), each
+  row cut into slices that several CTAs rank together in one launch (on the H200 from 131072 keys at 32 rows and
+  below; at 64 rows or 32768 keys the CuTe class is faster: benchmarks/RESULTS.md);
 - otherwise: the CuTe DSL radix select in radix_cute.py (one 1024-thread CTA per row, the row staged in shared
   memory; faster for a few rows), one kernel per staging-copy width (shapes are dynamic), built ahead of time
   (kvops/_cute.py).
@@ -28,6 +31,7 @@ from .reference import topk_torch
 
 MAX_K = 2**31 - 1  # indices are int32
 SHORT_ROW = 4096    # the widest row the short-row class serves (csrc/topk/topk.h's kShortRow)
+LONG_ROW = 65536    # rows longer than this, at most a quarter as many as SMs, go to the multi-CTA class (measured)
 
 
 def short_rows_native(scores: torch.Tensor, lengths: torch.Tensor, offsets: torch.Tensor | None, k: int,
@@ -45,8 +49,8 @@ def _short_rows_native_fake(scores, lengths, offsets, k, out):
 def long_rows_native(scores: torch.Tensor, lengths: torch.Tensor, offsets: torch.Tensor | None, k: int,
                      out: torch.Tensor) -> None:
     """kvops::topk_long_rows_ (csrc/topk), the native multi-CTA class: rows of any width, each cut into slices
-    that several CTAs rank together (about two CTAs per SM over the batch); arguments as kvops.topk takes them,
-    k >= 1 (checked by the op)."""
+    that several CTAs rank together in one launch (as many CTAs as the GPU holds at once); arguments as
+    kvops.topk takes them, k >= 1 (checked by the op)."""
     torch.ops.kvops.topk_long_rows_(scores, lengths, offsets, k, out)
 
 
@@ -78,18 +82,29 @@ def _sm_count(index: int) -> int:
     return torch.cuda.get_device_properties(index).multi_processor_count
 
 
+def cute_rows(scores: torch.Tensor, lengths: torch.Tensor, offsets: torch.Tensor | None, k: int,
+              out: torch.Tensor) -> None:
+    """The CuTe class (radix_cute.py, one CTA per row) called directly on CUDA tensors kvops.topk's checks have
+    passed, k >= 1."""
+    vector = scores.data_ptr() % 16 == 0 and scores.stride(0) % 4 == 0 and scores.shape[1] % 4 == 0
+    # the kernel reads the fp32 bit patterns; without offsets it is handed the lengths, which it does not read
+    _cute.ffi_function(SPECS[vector], _cute.arch(scores.device))(scores.view(torch.int32), lengths,
+                                                                lengths if offsets is None else offsets,
+                                                                int(offsets is not None), out, k)
+
+
 def _topk_cuda(scores, lengths, offsets, k, out):
     device = scores.device
     rows, N = scores.shape
-    if N <= SHORT_ROW and rows >= _sm_count(device.index if device.index is not None else torch.cuda.current_device()) \
-            and k >= 1:
-        short_rows_native(scores, lengths, offsets, k, out)
+    if k < 1 or rows == 0:  # nothing to write (kvops.topk never calls with these)
         return
-    vector = scores.data_ptr() % 16 == 0 and scores.stride(0) % 4 == 0 and scores.shape[1] % 4 == 0
-    # the kernel reads the fp32 bit patterns; without offsets it is handed the lengths, which it does not read
-    _cute.ffi_function(SPECS[vector], _cute.arch(device))(scores.view(torch.int32), lengths,
-                                                         lengths if offsets is None else offsets,
-                                                         int(offsets is not None), out, k)
+    sms = _sm_count(device.index if device.index is not None else torch.cuda.current_device())
+    if N <= SHORT_ROW and rows >= sms:
+        short_rows_native(scores, lengths, offsets, k, out)
+    elif N > LONG_ROW and 4 * rows <= sms:  # a few long rows, each given several CTAs
+        long_rows_native(scores, lengths, offsets, k, out)
+    else:
+        cute_rows(scores, lengths, offsets, k, out)
 
 
 @python_op("topk_", mutates_args={"out"}, cuda=_topk_cuda)
