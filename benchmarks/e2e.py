@@ -159,33 +159,47 @@ def _held_tokens(name: str, context: int, args) -> float:
     return args.prompt + args.budget + args.beta / 2
 
 
-def _measure(name: str, model, calibration, ids: torch.Tensor, args, device: torch.device) -> dict:
+def _measure(name: str, model, calibration, ids: torch.Tensor, args, device: torch.device, r: dict) -> dict:
     """Fill one cache with the context, decode once untimed, then decode timed. The untimed decode leaves what a
     server that has run a while has: compiled graphs, and per-shape attention plans (cuDNN's SDPA builds one per
     new KV length, about 2 ms per layer on the host); the default cache is cropped back to the context so that
     its timed decode sees the same lengths, and kvops' held lengths cycle every beta steps. A dense static cache
-    reads all its slots under a mask whatever it holds, so it simply goes on decoding."""
+    reads all its slots under a mask whatever it holds, so it simply goes on decoding. Fills `r` as it goes: its
+    "phase" names the phase running (what an out-of-memory error interrupted), and on the GPU the allocator's
+    high-water mark after each phase is recorded."""
     context = ids.shape[1] - 1
+    cuda = device.type == "cuda"
+    if cuda:
+        torch.cuda.reset_peak_memory_stats(device)
+    r["phase"] = "fill"
     cache = _new_cache(name, model, calibration, context, args)
     timer = _RoundTimer(cache) if name.startswith("kvops") else None
     _fill(model, cache, ids[:, :-1], args.prompt, args.beta if timer else 2048)
-    r = dict(batch=ids.shape[0], context=context)
+    if cuda:
+        r["peak_gib_fill"] = torch.cuda.max_memory_allocated(device) / 2**30
     if timer:
         r["kv_bytes"] = kv_bytes(cache)
     else:
         r["kv_bytes"] = sum(t.numel() * t.element_size() for layer in cache.layers for t in (layer.keys, layer.values))
+    r["phase"] = "warm-up decode"
     r["warmup_decode_s"], seq = _decode(model, cache, ids, args.new_tokens, device)
+    if cuda:
+        r["peak_gib_warmup"] = torch.cuda.max_memory_allocated(device) / 2**30
     if name == "default":
         cache.crop(-(cache.get_seq_length() - context))  # back to the context
         seq = ids
     rounds, round_s = (cache.num_rounds, timer.total_seconds()) if timer else (0, 0.0)
+    r["phase"] = "timed decode"
     r["decode_s"], _ = _decode(model, cache, seq, args.new_tokens, device)
     r["tokens_per_s"] = ids.shape[0] * args.new_tokens / r["decode_s"]
+    if cuda:
+        r["peak_gib_decode"] = torch.cuda.max_memory_allocated(device) / 2**30
     if timer:
         r["decode_rounds"], r["decode_round_s"] = cache.num_rounds - rounds, timer.total_seconds() - round_s
         r["capacity_tokens"] = cache.pools[0].shape[3]
-    if device.type == "cuda" and name not in STATIC:  # a compiled step is timed by the decode alone
+    if cuda and name not in STATIC:  # a compiled step is timed by the decode alone
         r["step_host_ms"], r["step_gpu_ms"] = _step(model, cache, ids.shape[0], device)
+    del r["phase"]
     return r
 
 
@@ -271,11 +285,14 @@ def run(args) -> dict:
                 for attempt in range(4 if peak else 1):
                     torch.manual_seed(batch)
                     ids = torch.randint(1, fields["vocab_size"], (batch, context + 1), device=device)
+                    r = dict(batch=batch, context=context)
                     try:
-                        r = _measure(name, model, calibration, ids, args, device)
+                        _measure(name, model, calibration, ids, args, device, r)
                         break
                     except torch.cuda.OutOfMemoryError:
-                        r = dict(batch=batch, context=context, oom=True)
+                        r["oom"] = True  # with the phase it ran out in
+                        if device.type == "cuda":
+                            r["peak_gib_at_oom"] = torch.cuda.max_memory_allocated(device) / 2**30
                     # released outside the handler: while it runs, the exception's traceback holds the failed
                     # attempt's cache
                     print(json.dumps(dict(cache=name, **r)), flush=True)
@@ -312,7 +329,8 @@ def _table(out: dict) -> list[str]:
              f"{'step ms':>8} {'floor ms':>8} {'x floor':>7}"]
     for r in out["rows"]:
         if r.get("oom"):
-            lines.append(f"{r['context']:>7} {r['cache']:16} {r['batch']:>5}  out of memory in the timed decode")
+            lines.append(f"{r['context']:>7} {r['cache']:16} {r['batch']:>5}  out of memory in the "
+                         f"{r.get('phase', 'benchmark')}")
             continue
         same = dense.get((r["context"], r["batch"]))
         peak = dense_peak.get(r["context"]) if r["peak"] else None

@@ -49,11 +49,14 @@ def test_peak_steps_down_while_the_benchmark_runs_out_of_memory(monkeypatch, cap
 
     measured = []
 
-    def measure(name, model, calibration, ids, args, device):
+    def measure(name, model, calibration, ids, args, device, r):
         measured.append(ids.shape[0])
+        r["phase"] = "fill"
         if ids.shape[0] > 3:
             raise torch.cuda.OutOfMemoryError("fake")
-        return dict(batch=ids.shape[0], context=ids.shape[1] - 1, kv_bytes=1, decode_s=1.0, tokens_per_s=1.0)
+        del r["phase"]
+        r.update(kv_bytes=1, decode_s=1.0, tokens_per_s=1.0)
+        return r
 
     monkeypatch.setattr(e2e, "_measure", measure)
     monkeypatch.setattr(e2e, "_peak_batch", lambda *a: 5)
@@ -63,4 +66,5 @@ def test_peak_steps_down_while_the_benchmark_runs_out_of_memory(monkeypatch, cap
     out = e2e.run(args)
     assert measured == [5, 4, 3]
     assert [(r["batch"], r["peak"], r.get("oom", False)) for r in out["rows"]] == [(3, True, False)]
-    assert capsys.readouterr().out.count('"oom": true') == 2  # each failed batch is reported
+    printed = capsys.readouterr().out
+    assert printed.count('"oom": true') == 2 and printed.count('"phase": "fill"') == 2  # each failed batch, where
