@@ -545,11 +545,12 @@ def test_bad_arguments_raise_before_anything_moves(device):
 
 @requires_cuda
 def test_more_layers_than_one_launch_holds():
-    """513 layers: the CUDA backend splits the layer slots over two launches."""
+    """513 layers: the CUDA backend splits the layer slots over two launches (and moves the window layer, the
+    last, to the front of the first)."""
     T, H, L, R, K = 16, 1, 513, 2, 5
     P, table, kept, scored, tail, base = _batch(R, T, K, 1, "cuda")
     pools = _pools("hnd", L, P, H, T, 64, torch.bfloat16, "cuda")
-    windows = [0] * (L - 1) + [3]  # the last layer, in the second launch, reads the window row
+    windows = [0] * (L - 1) + [3]  # the last layer reads the window row
     expect, _ = compact_reference(pools, table, kept, scored, tail, base, windows)
     n = compact(build_compaction_params(pools, table, kept, scored, tail, base, max_tail=5, layer_windows=windows))
     mask = _defined_mask(table, n, P, T).cuda()

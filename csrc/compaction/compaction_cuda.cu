@@ -12,6 +12,7 @@
 #include <torch/library.h>
 
 #include <algorithm>
+#include <vector>
 
 #include "../cuda_utils.cuh"
 #include "compaction.h"
@@ -59,8 +60,9 @@ __global__ void __launch_bounds__(kWarps * 32, kMinBlocks) compact_layers_kernel
   const MovePlan& plan = p.plan;
   const int H = plan.pool.heads;
   if (stream >= int64_t(plan.requests) * p.layers * 2 * H) return;
+  // layer-major: the grid's first CTAs walk the launch's first layer slots (the longest walks: see the host)
   const int h = int(stream % H), plane = int(stream / H % 2);
-  const int l = int(stream / (2 * H) % p.layers), r = int(stream / (2 * H * p.layers));
+  const int r = int(stream / (2 * H) % plan.requests), l = int(stream / (2 * H * plan.requests));
   const LayerSlot& layer = p.layer[l];
   const int64_t row = (int64_t(r) * plan.list_rows + layer.row_base + layer.head_stride * h) * plan.list_capacity;
   const int32_t *list = plan.sources + row, *walk = plan.moves + (plan.moves ? row : 0);
@@ -111,11 +113,23 @@ void compact_layers_cuda(at::TensorList pools, const at::Tensor& page_table, con
   p.chunk_tokens = std::min(32, 32 * kVecsPerLane / row_vecs);
   const cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
   const int64_t L = int64_t(pools.size());
+  // Layers whose heads share the last list row first: a window row (the layers that keep their newest tokens)
+  // moves every kept token each round, tens of times a decision row's moves, and a walk is one warp's chain of
+  // chunks. Started first, those walks overlap the short ones instead of trailing them (a stable order, so
+  // nothing changes where no layer has such a row).
+  std::vector<int64_t> order(L);
+  for (int64_t i = 0; i < L; ++i) order[i] = i;
+  const auto window = [&](int64_t l) {
+    return plan.list_rows > 1 && head_row_stride[l] == 0 && layer_row_base[l] == plan.list_rows - 1;
+  };
+  std::stable_partition(order.begin(), order.end(), window);
   for (int64_t first = 0; first < L; first += kLayersPerLaunch) {  // layers are independent
     p.layers = int32_t(std::min<int64_t>(kLayersPerLaunch, L - first));
-    for (int i = 0; i < p.layers; ++i)
-      p.layer[i] = LayerSlot{static_cast<char*>(pools[first + i].data_ptr()), int32_t(layer_row_base[first + i]),
-                             int32_t(head_row_stride[first + i])};
+    for (int i = 0; i < p.layers; ++i) {
+      const int64_t l = order[first + i];
+      p.layer[i] = LayerSlot{static_cast<char*>(pools[l].data_ptr()), int32_t(layer_row_base[l]),
+                             int32_t(head_row_stride[l])};
+    }
     const int64_t streams = int64_t(plan.requests) * p.layers * 2 * plan.pool.heads;
     if (streams == 0) continue;
     compact_layers_kernel<<<unsigned((streams + kWarps - 1) / kWarps), kWarps * 32, 0, stream>>>(p);
