@@ -420,6 +420,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--prompt", type=int, default=16, help="prompt tokens of each window (never evicted)")
     ap.add_argument("--window", type=int, default=1024, help="tokens per evaluation window")
     ap.add_argument("--windows", type=int, default=4)
+    ap.add_argument("--skip-windows", type=int, default=0,
+                    help="evaluation windows to pass over first (fresh windows for a result chosen on earlier ones)")
     ap.add_argument("--methods", help=f"comma-separated (default {','.join(METHODS)}; with --quick "
                                       f"{','.join(QUICK_METHODS)})")
     ap.add_argument("--cache-windows", type=int, default=1,
@@ -432,6 +434,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--csv")
     ap.add_argument("--plot")
     a = ap.parse_args(argv)
+    if a.skip_windows < 0:
+        ap.error(f"--skip-windows: a count of windows >= 0, got {a.skip_windows}")
     if a.quick:
         vars(a).update(QUICK)
     a.methods = a.methods or ",".join(QUICK_METHODS if a.quick else METHODS)
@@ -454,7 +458,8 @@ def main(argv: list[str] | None = None) -> int:
         split = min(a.calibration_tokens, ids.numel() // 2)
         calibration = load_calibration(calibrate(model, ids[:split].to(a.device)), config)
         evaluation = ids[split:]
-    windows = [evaluation[i * a.window:(i + 1) * a.window].to(a.device) for i in range(a.windows)]
+    windows = [evaluation[i * a.window:(i + 1) * a.window].to(a.device)
+               for i in range(a.skip_windows, a.skip_windows + a.windows)]
     windows = [w for w in windows if w.numel() == a.window]
     if not windows:
         ap.error(f"--text holds fewer than {a.window} evaluation tokens")
