@@ -20,8 +20,7 @@ from __future__ import annotations
 
 import torch
 
-from kvops.topk import SHORT_ROW, long_rows_native, short_rows_native, topk
-from kvops.topk.ops import cute_rows
+from kvops.topk import SHORT_ROW, cute_rows, long_rows_native, short_rows_native, topk
 
 from .common import Row, device_copy_gbps, graphed, time_us
 
