@@ -159,7 +159,7 @@ def _held_tokens(name: str, context: int, args) -> float:
     return args.prompt + args.budget + args.beta / 2
 
 
-def _measure(name: str, model, calibration, ids: torch.Tensor, args, device: torch.device, r: dict) -> dict:
+def _measure(name: str, model, calibration, ids: torch.Tensor, args, device: torch.device, r: dict) -> None:
     """Fill one cache with the context, decode once untimed, then decode timed. The untimed decode leaves what a
     server that has run a while has: compiled graphs, and per-shape attention plans (cuDNN's SDPA builds one per
     new KV length, about 2 ms per layer on the host); the default cache is cropped back to the context so that
@@ -200,7 +200,6 @@ def _measure(name: str, model, calibration, ids: torch.Tensor, args, device: tor
     if cuda and name not in STATIC:  # a compiled step is timed by the decode alone
         r["step_host_ms"], r["step_gpu_ms"] = _step(model, cache, ids.shape[0], device)
     del r["phase"]
-    return r
 
 
 def _fits(name: str, model, calibration, batch: int, context: int, args, device: torch.device, per_token: int

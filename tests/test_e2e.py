@@ -56,7 +56,6 @@ def test_peak_steps_down_while_the_benchmark_runs_out_of_memory(monkeypatch, cap
             raise torch.cuda.OutOfMemoryError("fake")
         del r["phase"]
         r.update(kv_bytes=1, decode_s=1.0, tokens_per_s=1.0)
-        return r
 
     monkeypatch.setattr(e2e, "_measure", measure)
     monkeypatch.setattr(e2e, "_peak_batch", lambda *a: 5)

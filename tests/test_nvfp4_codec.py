@@ -762,6 +762,7 @@ def test_staged_refusals_touch_nothing(device):
             codec.encode(pools, host, pairs.cuda(), staged=True)
         with pytest.raises(ValueError, match="pageable"):
             codec.encode(pools, host, pairs, staged=True)
+        assert not codec._staging  # refused before the buffer is allocated
         with pytest.raises(ValueError, match="staging shares memory with pools"):  # the op, called directly
             torch.ops.kvops.nvfp4_encode_pages_(pools, host, pairs.pin_memory(), codec.plan, False,
                                                 pools[0].view(torch.uint8).view(-1)[:4 * codec.cold_page_bytes]

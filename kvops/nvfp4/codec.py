@@ -94,14 +94,24 @@ class PageBlobCodec:
                              f"{tuple(cold_pages.shape)}")
         check_disjoint(what, "pools", pools, [("cold_pages", cold_pages)])
 
-    def _staging_buffer(self, what: str, pools: Sequence[torch.Tensor], staged: bool, encode: bool):
-        """The device buffer of a staged call in this direction (allocated once), or None."""
+    def _staging_buffer(self, what: str, pools: Sequence[torch.Tensor], cold_pages: torch.Tensor,
+                        page_pairs: torch.Tensor, staged: bool, encode: bool):
+        """The device buffer of a staged call in this direction (allocated once), or None. A call the staged path
+        cannot serve is refused before the buffer is allocated (the op checks the same again)."""
         check_bool(what, "staged", staged)
         if not staged:
             return None
         device = pools[0].device
         if device.type != "cuda":
             raise ValueError(f"{what}: staged transfers need the pools on the GPU, got {device}")
+
+        def where(t: torch.Tensor) -> str:
+            return f"on {t.device}" if not t.is_cpu else "in pinned host memory" if t.is_pinned() else \
+                "in pageable host memory"
+
+        if not (cold_pages.is_cpu and cold_pages.is_pinned() and page_pairs.is_cpu and page_pairs.is_pinned()):
+            raise ValueError(f"{what}: staging serves cold_pages in pinned host memory with page_pairs in pinned "
+                             f"host memory; got cold_pages {where(cold_pages)} and page_pairs {where(page_pairs)}")
         if device.index is None:
             device = torch.device("cuda", torch.cuda.current_device())
         key = (device, encode)
@@ -145,7 +155,7 @@ class PageBlobCodec:
         """
         self._check("PageBlobCodec.encode", pools, cold_pages, page_pairs)
         check_bool("PageBlobCodec.encode", "validate", validate)
-        staging = self._staging_buffer("PageBlobCodec.encode", pools, staged, True)
+        staging = self._staging_buffer("PageBlobCodec.encode", pools, cold_pages, page_pairs, staged, True)
         torch.ops.kvops.nvfp4_encode_pages_(list(pools), cold_pages, page_pairs, self.plan, validate, staging)
 
     def decode(self, cold_pages: torch.Tensor, pools: Sequence[torch.Tensor], page_pairs: torch.Tensor,
@@ -175,6 +185,6 @@ class PageBlobCodec:
         """
         self._check("PageBlobCodec.decode", pools, cold_pages, page_pairs)
         check_bool("PageBlobCodec.decode", "validate", validate)
-        staging = self._staging_buffer("PageBlobCodec.decode", pools, staged, False)
+        staging = self._staging_buffer("PageBlobCodec.decode", pools, cold_pages, page_pairs, staged, False)
         torch.ops.kvops.nvfp4_decode_pages_(cold_pages, list(pools), page_pairs, self.plan, validate,
                                            self.refused(pools[0].device), staging)
