@@ -228,18 +228,21 @@ def test_static_cache_compiles_the_decode_step_once(attention, device):
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("groups", [1, 2, 4])
 def test_grouped_sdpa_equals_sdpa_under_a_mask(groups, device):
-    """One query token of grouped heads under a mask: the packed call equals sdpa over repeated K/V; other shapes
-    are sdpa's own."""
+    """Grouped heads under a mask shared by the heads (a decode step, a prefill chunk): the packed call equals sdpa
+    over repeated K/V, for boolean and additive masks, broadcast over the batch or the query tokens or not."""
     from transformers.integrations.sdpa_attention import repeat_kv
 
     module = torch.nn.Module()
     module.num_key_value_groups, module.is_causal = groups, True
     B, Hkv, S, D = 3, 2, 37, 16
     k, v = (torch.randn(B, Hkv, S, D, device=device) for _ in range(2))
-    for q in (1, 5):
+    for q, mask_shape, additive in ((1, (B, 1, 1, S), False), (5, (B, 1, 5, S), False), (5, (1, 1, 5, S), True),
+                                    (4, (B, 1, 1, S), False)):
         query = torch.randn(B, Hkv * groups, q, D, device=device)
-        mask = torch.rand(B, 1, q, S, device=device) > 0.3
+        mask = torch.rand(mask_shape, device=device) > 0.3
         mask[..., 0] = True
+        if additive:
+            mask = torch.zeros(mask_shape, device=device).masked_fill(~mask, float("-inf"))
         got, _ = grouped_sdpa(module, query, k, v, mask, scaling=0.3)
         want = torch.nn.functional.scaled_dot_product_attention(
             query, repeat_kv(k, groups), repeat_kv(v, groups), attn_mask=mask, scale=0.3).transpose(1, 2)
