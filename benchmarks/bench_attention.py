@@ -6,6 +6,9 @@ head_dim]``, one page per request, ``capacity`` slots of which `tokens` are held
 in random order (``paged``). All calls replay from CUDA graphs with L2 flushed (a decode step's layers do not
 fit L2).
 
+``decode_layers`` rows time a step's attention as a step runs it: one call per layer over that layer's own pools,
+36 back to back in one graph, per layer (no flush needed: the layers' pools are many times L2).
+
 Bytes counted: the K and V each request holds, read once. Baselines, on the same data, the faster is named:
   sdpa_masked  what GROUPED_SDPA does in a static cache: sdpa over every slot under a boolean mask, the grouped
                heads packed as query rows (no K/V repeat);
@@ -24,6 +27,7 @@ from .common import Row, device_copy_gbps, graphed, time_us
 FAMILY = "attention"
 HQ, HKV, D = 32, 8, 128
 PAGE = 16
+LAYERS = 36  # decode_layers: a step's layers, each over its own pools (Qwen3-8B's count)
 
 
 def _case(batch: int, tokens: int, capacity: int, paged: bool, kv_dtype: torch.dtype):
@@ -77,6 +81,20 @@ def run(quick: bool = False) -> tuple[list[Row], list[str]]:
         rows.append(Row.make(FAMILY, "decode", f"b{batch} x {tokens} of {capacity} {layout}", kv_dtype, us, nbytes,
                              copy_gbps, baseline, baseline_us))
         query = pool = table = lengths = None  # freed before the next case
+        torch.cuda.empty_cache()
+    # a decode step's attention: one call per layer, each over its own pools, back to back in one graph (no flush:
+    # 36 layers' pools are far larger than L2, so each layer reads from memory, with no flush's dirty lines ahead)
+    for batch in (1, 8) if quick else (1, 8, 32):
+        tokens, capacity = 3136, 3201
+        layers = [_case(batch, tokens, capacity, False, torch.bfloat16) for _ in range(LAYERS)]
+        nbytes = batch * 2 * HKV * tokens * D * 2
+        calls = {"kvops": [lambda c=c: decode_attention(c[0], c[1][:, 0], c[1][:, 1], c[2], c[3]) for c in layers],
+                 "sdpa_exact": [_baselines(c[0], c[1], tokens)["sdpa_exact"] for c in layers]}
+        timed = {name: time_us(graphed(lambda fns=fns: [fn() for fn in fns]), iters, flush=False) / LAYERS
+                 for name, fns in calls.items()}
+        rows.append(Row.make(FAMILY, "decode_layers", f"b{batch} x {tokens} of {capacity}, {LAYERS} layers",
+                             torch.bfloat16, timed["kvops"], nbytes, copy_gbps, "sdpa_exact", timed["sdpa_exact"]))
+        layers = None
         torch.cuda.empty_cache()
     notes.insert(0, f"Qwen3-8B heads (32 on 8, head_dim 128), one query token; copy bandwidth {copy_gbps:.0f} GB/s; "
                     "bytes: the held K and V. Baselines (graphed, same data):")

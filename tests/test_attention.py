@@ -64,9 +64,11 @@ def test_fp8_cache_with_scales(device, dtype, D):
 
 
 @requires_cuda
-@pytest.mark.parametrize("splits", [0, 1, 2, 7, 64])
-def test_splits_agree(splits):
-    case = _case("cuda", R=3, Hq=16, Hkv=4, S=64, starts=True)
+@pytest.mark.parametrize("splits", [0, 1, 2, 7, 8, 9, 64])
+@pytest.mark.parametrize("D,kv_dtype", [(128, torch.bfloat16), (64, torch.float8_e4m3fn), (256, torch.bfloat16)])
+def test_splits_agree(splits, D, kv_dtype):
+    """Up to 8 splits merge in a thread-block cluster, more in a second kernel: both agree with one split."""
+    case = _case("cuda", R=3, Hq=16, Hkv=4, D=D, S=64, kv_dtype=kv_dtype, starts=True)
     out = _check(*case, num_splits=splits)
     torch.testing.assert_close(out, decode_attention(*case[:5], starts=case[5], num_splits=1), atol=1e-2, rtol=1e-2)
 
@@ -119,13 +121,14 @@ def test_compile_fullgraph(device):
 
 
 @requires_cuda
-def test_cuda_graph_replays_on_new_lengths_and_data():
+@pytest.mark.parametrize("splits", [0, 4, 12])  # the rule's, a cluster's, the merge kernel's
+def test_cuda_graph_replays_on_new_lengths_and_data(splits):
     query, k, v, table, lengths, starts = _case("cuda", R=4, Hq=32, Hkv=8, S=32)
     static_q, static_len = query.clone(), lengths.clone()
-    decode_attention(static_q, k, v, table, static_len)  # warm up outside the capture
+    decode_attention(static_q, k, v, table, static_len, num_splits=splits)  # warm up outside the capture
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        out = decode_attention(static_q, k, v, table, static_len)
+        out = decode_attention(static_q, k, v, table, static_len, num_splits=splits)
     for _ in range(3):
         static_q.copy_(torch.randn_like(static_q))
         static_len.copy_(torch.randint(0, 160, (4,), device="cuda").int())
