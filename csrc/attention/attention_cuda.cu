@@ -8,23 +8,18 @@
 //   softmax the running max and sum per row in log2 units, on the accumulator fragments (a quad holds a row);
 //   output  O += P V    P from S's fragments (A), V rows by ldmatrix.trans (B).
 // fp8 tiles are widened to the query's type in shared memory first. At the end the warps' (max, sum, O) are merged
-// through shared memory. With several splits each CTA holds its rows' normalised output and log-sum-exp; up to
-// kClusterSplits splits of a (request, KV head, row block) run as one thread-block cluster and merge through its
-// distributed shared memory (sm_90+), so the step is one launch; with more, the CTAs write them to global memory and
-// a second kernel merges the splits. (A CUDA-core version of this kernel plateaued at 47% of the copy bandwidth on
+// through shared memory; with several splits each CTA writes its rows' normalised output and log-sum-exp, and a
+// second kernel merges the splits. (A CUDA-core version of this kernel plateaued at 47% of the copy bandwidth on
 // the H200, bound by its per-token work; see benchmarks/RESULTS.md for this one.)
 #include <ATen/ATen.h>
 #include <c10/cuda/CUDAGuard.h>
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 #include <cuda_fp8.h>
-#include <cooperative_groups.h>
 #include <torch/library.h>
 
 #include <algorithm>
 #include <climits>
-#include <mutex>
-#include <tuple>
 #include <type_traits>
 
 #include "../cuda_utils.cuh"
@@ -40,7 +35,6 @@ constexpr int kThreads = 32 * kWarps;
 constexpr int kM = 16;            // query rows per CTA: the mma's M (more take more row blocks)
 constexpr int kTile = 16;         // tokens per warp tile: the mma's K of P V
 constexpr int kMinSplitTokens = 64;
-constexpr int kClusterSplits = 8;  // the most splits merged in one cluster (the portable cluster size)
 constexpr float kLog2e = 1.4426950408889634f;
 
 struct Params {
@@ -51,7 +45,6 @@ struct Params {
   float* part_out;     // [R, Hq, q, splits, D]: each split's normalised output
   float* part_lse;     // [R, Hq, q, splits]: its log2-sum-exp2 of the scaled scores, -inf when it saw nothing
   int32_t group, rows, row_blocks, splits, split_tokens;
-  int32_t cluster;     // the splits are one cluster's CTAs, merged through its shared memory (part_* unused)
 };
 
 // 2^x by the SFU (ex2.approx: 2 ulp; 2^-inf = 0)
@@ -142,56 +135,11 @@ struct Shape {
   // the final merge: every warp's O [kM][D + 8] (padded: a quad's rows fall in different banks), max and sum
   static constexpr int kAccStride = D + 8;
   static constexpr int kMergeBytes = kWarps * kM * (kAccStride + 2) * 4;
-  // then, in a cluster, the CTA's normalised O [kM][D] and log2-sum-exp2 [kM] (read by the cluster), and the merge
-  // weights of its rows [kM][kClusterSplits]
-  static constexpr int kClusterBytes = (kM * D + kM + kM * kClusterSplits) * 4;
-  static constexpr int kSmemBytes = std::max(kWarps * kWarpBytes, kMergeBytes + kClusterBytes);
+  static constexpr int kSmemBytes = std::max(kWarps * kWarpBytes, kMergeBytes);
   static_assert(kWideRowBytes / 16 >= 8 && kStages * kStageBytes % 16 == 0 && kChunks >= 2, "tile shape");
 };
 
 __device__ __forceinline__ int swizzle(int token, int chunk) { return chunk ^ (token & 7); }
-
-// The splits of one (request, KV head, row block) are one cluster: each CTA's rows are in its shared memory
-// (s_out [kM][D] normalised, s_lse [kM]); the cluster's CTAs share the rows' elements and write the output.
-template <typename T, int D>
-__device__ void merge_cluster(const Params& p, int r, int hk, int row0, int nrows, float* s_out, float* s_lse,
-                              float* s_w) {
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-  namespace cg = cooperative_groups;
-  const DecodeArgs& a = p.a;
-  cg::cluster_group cluster = cg::this_cluster();
-  const int splits = int(cluster.num_blocks()), rank = int(cluster.block_rank());
-  cluster.sync();  // every split's rows are written
-  if (threadIdx.x < nrows) {  // the row's weight per split, by its share of the softmax sum
-    const int j = threadIdx.x;
-    float lse[kClusterSplits], M = -INFINITY;
-#pragma unroll
-    for (int s = 0; s < kClusterSplits; ++s) {
-      lse[s] = s < splits ? *cluster.map_shared_rank(s_lse + j, s) : -INFINITY;
-      M = fmaxf(M, lse[s]);
-    }
-    float sum = 0.f;
-#pragma unroll
-    for (int s = 0; s < kClusterSplits; ++s) {
-      lse[s] = lse[s] == -INFINITY ? 0.f : fast_exp2(lse[s] - M);
-      sum += lse[s];
-    }
-#pragma unroll
-    for (int s = 0; s < kClusterSplits; ++s) s_w[j * kClusterSplits + s] = sum > 0.f ? lse[s] / sum : 0.f;
-  }
-  __syncthreads();
-  for (int idx = rank * kThreads + threadIdx.x; idx < nrows * D; idx += splits * kThreads) {
-    const int j = idx / D, d = idx % D;
-    float x = 0.f;
-    for (int s = 0; s < splits; ++s) x = fmaf(s_w[j * kClusterSplits + s], *cluster.map_shared_rank(s_out + idx, s), x);
-    const int row = row0 + j, head = hk * p.group + row / a.q_tokens, t = row % a.q_tokens;
-    static_cast<T*>(p.out)[((int64_t(r) * a.q_tokens + t) * a.q_heads + head) * D + d] = from_float<T>(x);
-  }
-  cluster.sync();  // no CTA leaves while the others read its shared memory
-#else
-  __trap();  // the host launches clusters on sm_90 and later only
-#endif
-}
 
 template <typename T, typename KT, int D>
 __global__ void __launch_bounds__(kThreads) decode_kernel(const __grid_constant__ Params p) {
@@ -390,8 +338,6 @@ __global__ void __launch_bounds__(kThreads) decode_kernel(const __grid_constant_
   float* s_acc = reinterpret_cast<float*>(smem);  // [kWarps][kM][kAccStride]
   float* s_m = s_acc + kWarps * kM * S::kAccStride;
   float* s_l = s_m + kWarps * kM;
-  float* s_out = reinterpret_cast<float*>(smem + S::kMergeBytes);  // a cluster's: [kM][D], then [kM], [kM][8]
-  float* s_lse = s_out + kM * D;
 #pragma unroll
   for (int h = 0; h < 2; ++h) {
     l[h] += __shfl_xor_sync(0xffffffffu, l[h], 1);
@@ -423,16 +369,12 @@ __global__ void __launch_bounds__(kThreads) decode_kernel(const __grid_constant_
     const int row = row0 + j, head = hk * p.group + row / a.q_tokens, t = row % a.q_tokens;
     if (p.splits == 1) {
       static_cast<T*>(p.out)[((int64_t(r) * a.q_tokens + t) * a.q_heads + head) * D + d] = from_float<T>(x);
-    } else if (p.cluster) {
-      s_out[idx] = x;
-      if (d == 0) s_lse[j] = sum > 0.f ? M + log2f(sum) : -INFINITY;
     } else {
       const int64_t at = ((int64_t(r) * a.q_heads + head) * a.q_tokens + t) * p.splits + split;
       p.part_out[at * D + d] = x;
       if (d == 0) p.part_lse[at] = sum > 0.f ? M + log2f(sum) : -INFINITY;
     }
   }
-  if (p.cluster) merge_cluster<T, D>(p, r, hk, row0, nrows, s_out, s_lse, s_lse + kM);
 }
 
 // One CTA per (request, head, query token): the splits' outputs weighted by their share of the softmax sum.
@@ -467,40 +409,6 @@ __global__ void merge_kernel(const __grid_constant__ Params p) {
     for (int s = 0; s < p.splits; ++s) x = fmaf(w[s], po[int64_t(s) * D + d], x);
     o[d] = from_float<QT>(x * inv);
   }
-}
-
-// Whether `kernel` can run as clusters of `splits` CTAs along x on this GPU (sm_90 and later, and the SMs of one
-// GPC hold such a cluster with this shared memory), cached per (kernel, device, splits).
-template <class Kernel>
-bool clusters_fit(Kernel kernel, dim3 grid, int smem, int splits) {
-  static std::mutex mu;
-  static std::map<std::tuple<const void*, int, int>, bool> known;
-  int dev = 0;
-  C10_CUDA_CHECK(cudaGetDevice(&dev));
-  const auto key = std::make_tuple(reinterpret_cast<const void*>(kernel), dev, splits);
-  std::lock_guard<std::mutex> lock(mu);
-  const auto it = known.find(key);
-  if (it != known.end()) return it->second;
-  int major = 0;
-  C10_CUDA_CHECK(cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, dev));
-  int clusters = 0;
-  if (major >= 9) {
-    cudaLaunchConfig_t config{};
-    cudaLaunchAttribute attr{};
-    config.gridDim = dim3(splits, grid.y, grid.z);
-    config.blockDim = dim3(kThreads);
-    config.dynamicSmemBytes = smem;
-    attr.id = cudaLaunchAttributeClusterDimension;
-    attr.val.clusterDim.x = unsigned(splits);
-    attr.val.clusterDim.y = attr.val.clusterDim.z = 1;
-    config.attrs = &attr;
-    config.numAttrs = 1;
-    if (cudaOccupancyMaxActiveClusters(&clusters, kernel, &config) != cudaSuccess) {
-      (void)cudaGetLastError();
-      clusters = 0;
-    }
-  }
-  return known[key] = clusters > 0;
 }
 
 template <typename QT, typename KT, int D>
@@ -538,24 +446,6 @@ void launch_d(Params& p, const at::Tensor& query) {
   }
   p.split_tokens = std::max(1, (capacity + p.splits - 1) / p.splits);
   p.splits = std::max(1, (capacity + p.split_tokens - 1) / p.split_tokens);  // no split past the capacity
-  const dim3 grid(p.splits, a.kv_heads * p.row_blocks, a.requests);
-  const cudaStream_t stream = at::cuda::getCurrentCUDAStream();
-  p.cluster = p.splits > 1 && p.splits <= kClusterSplits && clusters_fit(kernel, grid, smem, p.splits);
-  if (p.cluster) {  // one launch: the splits merge in their cluster
-    cudaLaunchConfig_t config{};
-    cudaLaunchAttribute attr{};
-    config.gridDim = grid;
-    config.blockDim = dim3(kThreads);
-    config.dynamicSmemBytes = smem;
-    config.stream = stream;
-    attr.id = cudaLaunchAttributeClusterDimension;
-    attr.val.clusterDim.x = unsigned(p.splits);
-    attr.val.clusterDim.y = attr.val.clusterDim.z = 1;
-    config.attrs = &attr;
-    config.numAttrs = 1;
-    C10_CUDA_CHECK(cudaLaunchKernelEx(&config, kernel, p));
-    return;
-  }
   at::Tensor part_out, part_lse;
   if (p.splits > 1) {
     const auto f32 = query.options().dtype(at::kFloat);
@@ -564,7 +454,8 @@ void launch_d(Params& p, const at::Tensor& query) {
     p.part_out = part_out.data_ptr<float>();
     p.part_lse = part_lse.data_ptr<float>();
   }
-  kernel<<<grid, kThreads, smem, stream>>>(p);
+  const cudaStream_t stream = at::cuda::getCurrentCUDAStream();
+  kernel<<<dim3(p.splits, a.kv_heads * p.row_blocks, a.requests), kThreads, smem, stream>>>(p);
   C10_CUDA_KERNEL_LAUNCH_CHECK();
   if (p.splits > 1) {
     prepare_kernel(merge_kernel<QT>, "attention_decode");
