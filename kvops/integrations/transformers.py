@@ -29,6 +29,7 @@ multi-turn sessions); once every row is offloaded the device pools are released.
 from __future__ import annotations
 
 import collections
+import functools
 import inspect
 import os
 from dataclasses import dataclass
@@ -647,27 +648,29 @@ GROUPED_SDPA = "kvops_grouped_sdpa"
 
 def grouped_sdpa(module, query, key, value, attention_mask, **kwargs):
     """transformers' ``sdpa`` attention, except that grouped-query heads under a mask shared by the heads read K
-    and V without repeating them: the G query heads of a KV head become G x q query rows of that head, each under
-    its query token's mask row.
+    and V without repeating them.
 
     A static cache needs a mask (it hides the slots past the held tokens), and transformers' ``sdpa`` then repeats K
     and V once per query head: G times the cache's bytes written and read again per layer, at a decode step and at
-    every prefill chunk (at batch 221 of Qwen3-8B's 3201 slots a chunk's repeat takes 12 GB). Select it with
-    ``model.set_attn_implementation(GROUPED_SDPA)``; every other case is ``sdpa``'s own.
+    every prefill chunk (at batch 221 of Qwen3-8B's 3201 slots a chunk's repeat takes 12 GB). Here one query token
+    packs the G query heads of a KV head as G query rows of it under the row's mask; several tokens take one call
+    per group member g (query head h * G + g of each KV head h), each under the mask as it is, so neither K and V
+    nor the mask is copied. Select it with ``model.set_attn_implementation(GROUPED_SDPA)``; every other case is
+    ``sdpa``'s own.
     """
     groups = getattr(module, "num_key_value_groups", 1)
     B, Hq, q, D = query.shape
     if attention_mask is None or attention_mask.dim() != 4 or attention_mask.shape[1] != 1 or groups == 1 or \
             kwargs.get("position_bias") is not None:  # a mask per head would need packing too
         return _sdpa(module, query, key, value, attention_mask, **kwargs)
-    Hkv, S = Hq // groups, attention_mask.shape[-1]
-    # row g * q + t of KV head h is query head h * G + g at token t, under mask row t
-    mask = attention_mask if q == 1 else attention_mask.expand(-1, -1, q, -1)[:, :, None].expand(
-        -1, -1, groups, -1, -1).reshape(attention_mask.shape[0], 1, groups * q, S)
-    packed = torch.nn.functional.scaled_dot_product_attention(
-        query.reshape(B, Hkv, groups * q, D), key, value, attn_mask=mask,
-        dropout_p=kwargs.get("dropout", 0.0), scale=kwargs.get("scaling"))
-    return packed.reshape(B, Hq, q, D).transpose(1, 2).contiguous(), None
+    sdpa = functools.partial(torch.nn.functional.scaled_dot_product_attention, attn_mask=attention_mask,
+                             dropout_p=kwargs.get("dropout", 0.0), scale=kwargs.get("scaling"))
+    if q == 1:
+        out = sdpa(query.reshape(B, Hq // groups, groups, D), key, value)
+    else:
+        grouped = query.reshape(B, Hq // groups, groups, q, D)
+        out = torch.stack([sdpa(grouped[:, :, g], key, value) for g in range(groups)], dim=2)
+    return out.reshape(B, Hq, q, D).transpose(1, 2).contiguous(), None
 
 
 KVOPS_ATTENTION = "kvops_decode"
