@@ -99,7 +99,7 @@ class NVFP4ColdPageConfig(KVCacheCompressionConfig):
         # a pool [page, (1,) * (plane_dim - 1), plane, row] checks the spec as the codec will
         shape = (1, *[1] * (self.plane_dim - 1), 2, self.row_size) if self.plane_dim else (1, self.row_size)
         try:
-            _check_spec(0, shape, torch.bfloat16, RowSpec(global_scale=self.global_scale))
+            _check_spec(0, shape, torch.bfloat16, RowSpec(global_scale=self.global_scale, plane_dim=self.plane_dim))
         except ValueError as e:
             bad("global_scale", str(e))
         try:
@@ -139,17 +139,13 @@ class TriAttentionConfig(KVCacheCompressionConfig):
 
     def __post_init__(self):
         what = "TriAttentionConfig"
-        check_int(what, "budget", self.budget, 1, MAX_POSITIONS)
-        check_int(what, "beta", self.beta, 1, MAX_POSITIONS)
+        check_round_sizes(what, self.budget, self.beta)
         check_choice(what, "eviction_mode", self.eviction_mode, MODES)
         # checked now as far as it can be without the model (keep_policy() resolves it for one)
         policy = resolve_keep_policy(what, self.eviction_mode, self.budget, self.beta, MAX_POSITIONS,
                                      self.sink_tokens, self.recent_window, self.recent_layers)
         if self.recent_layers is not None:
             object.__setattr__(self, "recent_layers", policy.recent_layers)
-        if self.budget + 2 * self.beta > MAX_POSITIONS:
-            raise ValueError(f"{what}: budget + 2 * beta (the decode tokens a round scores) must be at most "
-                             f"{MAX_POSITIONS} (int32 cache positions), got {self.budget + 2 * self.beta}")
         check_bool(what, "normalize_scores", self.normalize_scores)
         check_choice(what, "compaction_order", self.compaction_order, ORDERS)
         if self.calibration_path is None:
@@ -187,6 +183,16 @@ class TriAttentionConfig(KVCacheCompressionConfig):
         """The validated calibration for this model (raises on a geometry mismatch)."""
         from .triattention import load_calibration
         return load_calibration(self.calibration_path, model_config)
+
+
+def check_round_sizes(what: str, budget, beta) -> None:
+    """`budget` and `beta`: ints >= 1 whose round (up to budget + 2 * beta decode tokens scored) fits int32 cache
+    positions."""
+    check_int(what, "budget", budget, 1, MAX_POSITIONS)
+    check_int(what, "beta", beta, 1, MAX_POSITIONS)
+    if budget + 2 * beta > MAX_POSITIONS:
+        raise ValueError(f"{what}: budget + 2 * beta (the decode tokens a round scores) must be at most "
+                         f"{MAX_POSITIONS} (int32 cache positions), got {budget + 2 * beta}")
 
 
 def check_keep_policy(what: str, budget: int, sink_tokens, recent_window, recent_layers) -> tuple[int, ...]:
@@ -228,8 +234,7 @@ def resolve_keep_policy(what: str, mode: str, budget: int, beta: int, num_layers
     - every mode: layer 0 keeps its newest tokens instead of scored ones (when the model has another layer).
     """
     check_choice(what, "mode", mode, MODES)
-    check_int(what, "budget", budget, 1)
-    check_int(what, "beta", beta, 1)
+    check_round_sizes(what, budget, beta)
     per_head = mode == "per_head"
 
     def given(value) -> int:  # a given int, else 0 (check_keep_policy refuses a bad one below)
@@ -262,9 +267,9 @@ def config_from_dict(data: Mapping[str, Any]) -> KVCacheCompressionConfig:
         raise ValueError(f"config_from_dict: algorithm {algorithm!r} is not one of {sorted(CONFIGS)}")
     cls = CONFIGS[algorithm]
     fields = {f.name for f in dataclasses.fields(cls)}
-    unknown = sorted(set(data) - fields - {"algorithm"})
+    unknown = sorted(map(repr, set(data) - fields - {"algorithm"}))  # repr: keys of any type sort
     if unknown:
-        raise ValueError(f"config_from_dict: {cls.__name__} has no field(s) {unknown}")
+        raise ValueError(f"config_from_dict: {cls.__name__} has no field(s) {', '.join(unknown)}")
     return cls(**{k: v for k, v in data.items() if k != "algorithm"})
 
 

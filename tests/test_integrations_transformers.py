@@ -518,8 +518,11 @@ def test_constructor_checks_every_argument():
             (dict(static="yes"), TypeError, "static must be a bool"),
             (dict(budget=16.0), TypeError, "budget must be an int"),
             (dict(budget=True), TypeError, "budget must be an int"),
-            (dict(budget=0), ValueError, "budget must be >= 1"),
+            (dict(budget=0), ValueError, r"budget must be in \[1, "),
             (dict(beta=2.5), TypeError, "beta must be an int"),
+            (dict(budget=2**31), ValueError, r"budget must be in \[1, 2147483647\]"),
+            (dict(budget=2**31 - 8, beta=4), ValueError, "budget \\+ 2 \\* beta"),
+            (dict(round_history=10**20), ValueError, "round_history must be in"),
             (dict(mode=1), TypeError, "mode must be a str"),
             (dict(mode="per_token"), ValueError, "mode must be one of"),
             (dict(compaction_order=["fill"]), TypeError, "compaction_order must be a str"),
@@ -550,6 +553,16 @@ def test_a_calibration_for_another_model_is_refused_at_construction(field, value
     config = {**model.config.to_dict(), field: value}
     with pytest.raises(ValueError, match=f"calibration.*{match}"):
         TriAttentionCache(config, cal)
+
+
+def test_a_first_step_past_int32_positions_is_refused_before_allocating():
+    """The prompt plus the slots a round needs must fit int32 cache positions: checked before any pool exists."""
+    model, cal = _setup()
+    cache = TriAttentionCache(model.config, cal, budget=2**31 - 9, beta=4)  # room for a prompt of 3 tokens
+    k = torch.randn(1, 2, 4, 16).bfloat16()
+    with pytest.raises(ValueError, match="int32 cache positions"):
+        cache.update(k, k, 0)
+    assert cache.pools is None and cache.prompt == 0 and cache._step is None
 
 
 def test_a_model_unlike_its_config_is_refused_before_allocating():
@@ -585,12 +598,18 @@ def test_batch_and_length_operations_of_transformers():
     assert torch.equal(got, want)
     for bad in (torch.tensor([0, 1]), torch.zeros(6), [0] * 6, torch.zeros(6, 1, dtype=torch.long)):
         _refused(cache, lambda: cache.reorder_cache(bad), ValueError, "beam_idx must be a 1-D integer tensor of 6")
+    for bad in (torch.tensor([0, 1, 2, 3, 4, 6]), torch.tensor([0, 1, 2, 3, 4, -1])):  # a row index out of range
+        _refused(cache, lambda: cache.reorder_cache(bad), ValueError, r"row indices in \[0, 6\)")
+    for bad in (torch.tensor(1), torch.zeros(1, 5)):  # not a step's 1-D positions
+        _refused(cache, lambda: cache.get_mask_sizes(bad), ValueError, "query_length must be an int or")
     for name, args in (("crop", (-1,)), ("batch_repeat_interleave", (2,)),
                        ("batch_select_indices", (torch.tensor([0]),)),
                        ("early_initialization", (1, 2, 16, torch.bfloat16, "cpu"))):
         _refused(cache, lambda: getattr(cache, name)(*args), NotImplementedError, f"TriAttentionCache.{name}")
     cache.reset()
     assert cache.pools is None and cache.held == 0 and cache.get_seq_length() == 0 and not cache.rounds
+    with pytest.raises(ValueError, match="holds no tokens yet"):
+        cache.reorder_cache(torch.arange(6))
     again = model.generate(ids, max_new_tokens=8, num_beams=3, do_sample=False, **_with(model, cache))
     assert torch.equal(again, want)
 

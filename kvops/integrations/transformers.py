@@ -32,6 +32,7 @@ import collections
 import functools
 import inspect
 import os
+import sys
 from dataclasses import dataclass
 from typing import Mapping
 
@@ -41,7 +42,7 @@ from .._checks import check_bool, check_choice, check_device, check_int
 from .._dispatch import python_op
 from ..calibrate import require_transformers
 from ..compaction import MODES, ORDERS, decision_rows
-from ..config import DEFAULT_MODE, resolve_keep_policy
+from ..config import DEFAULT_MODE, MAX_POSITIONS, check_round_sizes, resolve_keep_policy
 from ..attention import HEAD_DIMS, QUERY_DTYPES, decode_attention
 from ..manager import TriAttentionRound, policy_selector, round_order
 from ..nvfp4 import PageBlobCodec, RowSpec
@@ -61,8 +62,14 @@ def _write_slots(pool: torch.Tensor, slots: torch.Tensor, key_states: torch.Tens
 
 
 def _tokens(query_length):
-    """A step's token count, from what transformers passes as the query length (an int or the positions)."""
-    return query_length.shape[0] if isinstance(query_length, torch.Tensor) else query_length
+    """A step's token count, from what transformers passes as the query length (an int, or the step's positions:
+    a 1-D tensor). check_int refuses any other kind."""
+    if isinstance(query_length, torch.Tensor):
+        if query_length.dim() != 1:
+            raise ValueError(f"TriAttentionCache.get_mask_sizes: query_length must be an int or the step's 1-D "
+                             f"positions, got a tensor of shape {tuple(query_length.shape)}")
+        return query_length.shape[0]
+    return query_length
 
 
 _KV_DTYPES = (torch.bfloat16, torch.float16)
@@ -142,7 +149,9 @@ class TriAttentionCache(_transformers_module.Cache):
         The model's config (layers, heads, RoPE), or its ``to_dict()``.
     calibration : str, os.PathLike, dict or Calibration
         A shipped name (``kvops.triattention.SHIPPED``), a file from ``kvops calibrate``, its loaded dict, or a
-        loaded Calibration; checked against the config's layers, heads, KV heads, head_dim and RoPE frequencies.
+        loaded Calibration; checked against the config's layers, heads, KV heads, head_dim and number of RoPE
+        frequencies (a Calibration's frequencies are its own: ``load_calibration`` takes them from the config, the
+        file or its arguments).
     budget, beta : int
         Generated tokens kept per round, and the tokens between rounds: a round runs once a row holds more than
         ``budget`` generated tokens and ``beta`` arrived since its last round, so it never holds more than
@@ -186,10 +195,9 @@ class TriAttentionCache(_transformers_module.Cache):
                  recent_layers: tuple[int, ...] | None = None, compaction_order: str = "fill",
                  cuda_graphs: bool = True, static: bool = False, round_history: int | None = 1):
         what = "TriAttentionCache"
-        check_int(what, "budget", budget, 1)
-        check_int(what, "beta", beta, 1)
+        check_round_sizes(what, budget, beta)
         if round_history is not None:
-            check_int(what, "round_history", round_history)
+            check_int(what, "round_history", round_history, 0, sys.maxsize)  # a deque's maxlen
         check_choice(what, "mode", mode, MODES)
         check_choice(what, "compaction_order", compaction_order, ORDERS)
         check_bool(what, "cuda_graphs", cuda_graphs)
@@ -321,12 +329,13 @@ class TriAttentionCache(_transformers_module.Cache):
 
     def reorder_cache(self, beam_idx: torch.Tensor) -> None:
         """Beam search: batch row i takes what row ``beam_idx[i]`` holds (every row holds as many tokens, so the
-        counters stay). `beam_idx`: an integer tensor of one index per row, each in [0, batch); not read back."""
+        counters stay). `beam_idx`: an integer tensor of one index per row, each in [0, batch) (read back: one
+        sync)."""
         what = "TriAttentionCache.reorder_cache"
         if self._offloaded:
             raise RuntimeError(f"{what}: rows {sorted(self._offloaded)} are offloaded; onboard them first")
         if self.pools is None:
-            raise RuntimeError(f"{what}: the cache holds no tokens yet")
+            raise ValueError(f"{what}: the cache holds no tokens yet")
         B = self.pools[0].shape[0]
         if not isinstance(beam_idx, torch.Tensor) or beam_idx.dim() != 1 or beam_idx.shape[0] != B or \
                 beam_idx.dtype.is_floating_point or beam_idx.dtype.is_complex or beam_idx.dtype == torch.bool:
@@ -334,6 +343,11 @@ class TriAttentionCache(_transformers_module.Cache):
                              f"{getattr(beam_idx, 'dtype', type(beam_idx).__name__)} "
                              f"{tuple(getattr(beam_idx, 'shape', ()))}")
         check_device(what, beam_idx=beam_idx)  # not meta
+        # read back (beam search syncs at every step anyway): an index out of range would fail half-way on the CPU
+        # and trip a device assert on the GPU
+        bad = (beam_idx < 0) | (beam_idx >= B)
+        if bool(bad.any()):
+            raise ValueError(f"{what}: beam_idx must hold row indices in [0, {B}), got {beam_idx.tolist()}")
         self._entry()
         idx = beam_idx.to(self.device, torch.long)
         for t in (*self.pools, self.slot_positions):
@@ -364,17 +378,20 @@ class TriAttentionCache(_transformers_module.Cache):
         return self._write(layer_idx, key_states, value_states)
 
     def _allocate(self, key_states: torch.Tensor) -> None:
+        """The first step's pools, sized by its length (the prompt); nothing is kept if an allocation fails."""
         B, H, q, D = key_states.shape
-        self.prompt = q
         capacity = q + self.max_generated
-        self.pools = [torch.zeros(B, 2, H, capacity, D, dtype=key_states.dtype, device=key_states.device)
-                      for _ in range(self.num_layers)]
-        self.slot_positions = torch.arange(capacity, device=key_states.device).expand(
-            B, self._list_rows, capacity).clone()
-        self._round_held = q
+        if capacity > MAX_POSITIONS:
+            raise ValueError(f"TriAttentionCache.update: the prompt ({q} tokens) + budget + beta + 1 must be at most "
+                             f"{MAX_POSITIONS} slots (int32 cache positions), got {capacity}")
+        device = key_states.device
+        pools = [torch.zeros(B, 2, H, capacity, D, dtype=key_states.dtype, device=device)
+                 for _ in range(self.num_layers)]
+        slot_positions = torch.arange(capacity, device=device).expand(B, self._list_rows, capacity).clone()
+        counters = [torch.zeros((), dtype=torch.long, device=device) for _ in range(2)] if self.static else None
+        self.pools, self.slot_positions, self.prompt, self._round_held = pools, slot_positions, q, q
         if self.static:
-            self._offset = torch.zeros((), dtype=torch.long, device=key_states.device)
-            self._logical = torch.zeros((), dtype=torch.long, device=key_states.device)
+            self._offset, self._logical = counters
             self._mark_static()
 
     def _mark_static(self) -> None:
