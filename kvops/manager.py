@@ -61,6 +61,12 @@ def _request(what: str, name: str, request) -> Request:
     return request
 
 
+def _distinct(what: str, name: str, ids: list) -> None:
+    """Each request at most once in a hook's batch (a repeated id would be applied twice)."""
+    if len(set(ids)) != len(ids):
+        raise ValueError(f"{what}: a request appears twice in {name}")
+
+
 def _step_items(what: str, batch) -> list:
     """A decode step's (request id, confirmed tokens) pairs: hashable ids, counts that are ints >= 0."""
     batch = _sequence(what, "batch", batch)
@@ -69,6 +75,7 @@ def _step_items(what: str, batch) -> list:
             raise TypeError(f"{what}: batch[{i}] must be a (request id, confirmed tokens) pair, got {item!r}"[:300])
         check_hashable(what, f"batch[{i}]", item[0])
         check_int(what, f"batch[{i}] confirmed tokens", item[1])
+    _distinct(what, "the batch", [rid for rid, _ in batch])
     return batch
 
 
@@ -86,13 +93,17 @@ class KVCacheCompressionManager:
 
     def on_context_step_end(self, requests: Sequence[Request]) -> None:
         what = self._what("on_context_step_end")
-        for i, request in enumerate(_sequence(what, "requests", requests)):
+        requests = _sequence(what, "requests", requests)
+        for i, request in enumerate(requests):
             _request(what, f"requests[{i}]", request)
+        _distinct(what, "requests", [r.id for r in requests])
 
     def on_generation_step_begin(self, batch: Sequence[Any]) -> None:
         what = self._what("on_generation_step_begin")
-        for i, rid in enumerate(_sequence(what, "batch", batch)):
+        batch = _sequence(what, "batch", batch)
+        for i, rid in enumerate(batch):
             check_hashable(what, f"batch[{i}]", rid)
+        _distinct(what, "the batch", batch)
 
     def on_generation_step_end(self, batch: Sequence[tuple[Any, int]]) -> None:
         _step_items(self._what("on_generation_step_end"), batch)
@@ -158,6 +169,13 @@ class TriAttentionManager(KVCacheCompressionManager):
         if rid not in self.prompt_length:
             raise ValueError(f"{what}: {name}: request {rid!r} was never admitted (on_request_init) or has finished")
 
+    def _prefilled(self, what: str, name: str, rid) -> None:
+        """Decode steps start once the request's context steps have written its whole prompt."""
+        if self.accounted_length[rid] < self.prompt_length[rid]:
+            raise ValueError(f"{what}: {name}: request {rid!r} has written {self.accounted_length[rid]} of its "
+                             f"{self.prompt_length[rid]} prompt tokens; decode steps start after its last context "
+                             f"step")
+
     def _cache_length(self, what: str, rid) -> int:
         try:
             return self.kv_cache.length(rid)
@@ -186,8 +204,7 @@ class TriAttentionManager(KVCacheCompressionManager):
             if request.prompt_length != self.prompt_length[request.id]:
                 raise ValueError(f"{what}: requests[{i}] ({request.id!r}) has prompt_length {request.prompt_length}, "
                                  f"it was admitted with {self.prompt_length[request.id]}")
-        if len({r.id for r in requests}) != len(requests):
-            raise ValueError(f"{what}: a request appears twice in requests")
+        _distinct(what, "requests", [r.id for r in requests])
         lengths = [self._cache_length(what, r.id) for r in requests]
         for request, length in zip(requests, lengths):
             if length > request.prompt_length:
@@ -202,8 +219,8 @@ class TriAttentionManager(KVCacheCompressionManager):
         batch = _sequence(what, "batch", batch)
         for i, rid in enumerate(batch):
             self._admitted(what, f"batch[{i}]", rid)
-        if len(set(batch)) != len(batch):
-            raise ValueError(f"{what}: a request appears twice in the batch")
+            self._prefilled(what, f"batch[{i}]", rid)
+        _distinct(what, "the batch", batch)
 
     def on_request_finish(self, request: Request) -> None:
         what = "TriAttentionManager.on_request_finish"
@@ -225,8 +242,7 @@ class TriAttentionManager(KVCacheCompressionManager):
         batch = _step_items(what, batch)  # every item first, then apply
         for i, (rid, _) in enumerate(batch):
             self._admitted(what, f"batch[{i}]", rid)
-        if len({rid for rid, _ in batch}) != len(batch):
-            raise ValueError(f"{what}: a request appears twice in the batch")
+            self._prefilled(what, f"batch[{i}]", rid)
         lengths, since, due = {}, {}, []
         for rid, confirmed in batch:
             length = self._cache_length(what, rid)
@@ -430,7 +446,10 @@ def policy_selector(what: str, calibration, budget: int, mode: str, max_decode: 
     scored = [layer for layer in range(L) if layer not in layers]
     if layers:
         calibration = calibration.for_layers(scored)
-        if k_scale is not None and isinstance(k_scale, torch.Tensor) and k_scale.shape[:1] == (L,):
+        if isinstance(k_scale, torch.Tensor) and k_scale.dim() in (1, 2):
+            if k_scale.shape[0] != L:  # the selector would count only the scored layers in its message
+                raise ValueError(f"{what}: k_scale must be [{L}] (per layer) or [{L}, KV heads], got shape "
+                                 f"{tuple(k_scale.shape)}")
             k_scale = k_scale[scored]
     protected = sink_tokens + recent_window
     return TriAttentionSelector(calibration, budget - protected, mode, max_decode=max_decode - protected,
@@ -438,6 +457,9 @@ def policy_selector(what: str, calibration, budget: int, mode: str, max_decode: 
 
 
 MANAGERS = {TriAttentionConfig: TriAttentionManager, NVFP4ColdPageConfig: NVFP4ColdPageManager}
+# model_config's sizes create_compression_manager compares with the cache
+MODEL_SIZES = ("num_hidden_layers", "num_attention_heads", "num_key_value_heads", "head_dim", "hidden_size",
+               "kv_lora_rank", "qk_rope_head_dim")
 
 
 def create_compression_manager(config: KVCacheCompressionConfig, kv_cache, model_config: Mapping[str, Any], *,
@@ -459,6 +481,9 @@ def create_compression_manager(config: KVCacheCompressionConfig, kv_cache, model
         raise ValueError(f"{what}: unsupported config {type(config).__name__}")
     if not isinstance(model_config, Mapping):
         raise TypeError(f"{what}: model_config must be a dict, got {type(model_config).__name__}")
+    for key in MODEL_SIZES:  # the fields the checks below read, where given
+        if model_config.get(key) is not None:
+            check_int(f"{what}: model_config", key, model_config[key], 0 if key == "qk_rope_head_dim" else 1)
     needs = ("device",) + (("length", "resident", "page_table", "shrink", "views", "page_size")
                            if isinstance(config, TriAttentionConfig) else ())
     missing = [name for name in needs if not hasattr(kv_cache, name)]

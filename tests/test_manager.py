@@ -204,6 +204,9 @@ def test_a_cache_with_a_k_scale_gives_it_to_the_selector(calibration):
     cache.k_scale = torch.tensor([0.5, 0.0])
     with pytest.raises(ValueError, match="positive and finite"):
         create_compression_manager(tri, cache, MODEL)
+    cache.k_scale = torch.tensor([0.5, 2.0, 3.0])  # the model's layers are counted, not only the scored ones
+    with pytest.raises(ValueError, match=r"k_scale must be \[2\] \(per layer\) or \[2, KV heads\]"):
+        create_compression_manager(dataclasses.replace(tri, recent_layers=None), cache, MODEL)
 
 
 def test_admission(calibration):
@@ -339,6 +342,28 @@ def test_hooks_refuse_bad_requests_before_changing_anything(calibration):
     assert manager.since_round == before
 
 
+def test_decode_steps_wait_for_the_whole_prompt(calibration):
+    """A chunked prefill that has written part of the prompt takes no decode hook: its tokens would count toward
+    beta and the round would come early."""
+    cache = _cache()
+    manager = create_compression_manager(TriAttentionConfig(budget=8, beta=2, calibration_path=calibration), cache,
+                                         MODEL)
+    cache.add_request("a")
+    manager.on_request_init(Request("a", 10))
+    cache.append("a", *_kv(4))
+    manager.on_context_step_end([Request("a", 10)])  # 4 of 10
+    cache.append("a", *_kv(6))
+    _refused(manager, cache, lambda: manager.on_generation_step_end([("a", 6)]), ValueError,
+             "has written 4 of its 10 prompt tokens")
+    _refused(manager, cache, lambda: manager.on_generation_step_begin(["a"]), ValueError,
+             "has written 4 of its 10 prompt tokens")
+    manager.on_context_step_end([Request("a", 10)])  # the rest of the prompt
+    manager.on_generation_step_begin(["a"])
+    cache.append("a", *_kv(1))
+    manager.on_generation_step_end([("a", 1)])
+    assert manager.since_round == {"a": 1}
+
+
 # issue 30: bad input, second pass
 
 def _snapshot(manager, cache):
@@ -428,7 +453,7 @@ def test_confirmed_tokens_must_be_what_the_cache_gained(calibration):
     cache.append("c", *_kv(4))
     manager.on_context_step_end([Request("c", 6)])
     cache.append("c", *_kv(3))
-    _refused(manager, cache, step([("c", 1)]), ValueError, "'c' confirmed 1 tokens, but its cache grew by 3")
+    _refused(manager, cache, step([("c", 3)]), ValueError, "'c' has written 4 of its 6 prompt tokens")
     _refused(manager, cache, lambda: manager.on_context_step_end([Request("c", 6)]), ValueError,
              "holds 7 tokens after its context step, more than its prompt_length 6")
     _refused(manager, cache, lambda: manager.on_context_step_end([Request("c", 5)]), ValueError,
@@ -515,6 +540,11 @@ def test_model_head_dim_is_checked_against_the_cache_and_the_row_size(calibratio
         create_compression_manager(NVFP4ColdPageConfig(row_size=32), _cache(), [("head_dim", 32)])
     with pytest.raises(TypeError, match="TriAttentionManager: config must be a TriAttentionConfig, got dict"):
         TriAttentionManager({"budget": 8}, _cache(), MODEL)
+    for key, value in (("num_hidden_layers", "2"), ("head_dim", "32"), ("head_dim", True), ("kv_lora_rank", "a"),
+                       ("num_key_value_heads", 2.0)):  # the sizes the checks compare are ints
+        for config in (tri, NVFP4ColdPageConfig(row_size=32)):
+            with pytest.raises(TypeError, match=f"model_config: {key} must be an int"):
+                create_compression_manager(config, _cold_cache(), {**MODEL, key: value})
 
 
 def test_a_round_over_no_requests_does_nothing(calibration):
@@ -766,6 +796,11 @@ def test_the_default_hooks_check_their_argument_types():
     ]
     for fn, match in cases:
         with pytest.raises(TypeError, match=match):
+            fn()
+    for fn in (lambda: manager.on_generation_step_begin(["a", "a"]),  # a request twice in one batch
+               lambda: manager.on_generation_step_end([("a", 1), ("a", 1)]),
+               lambda: manager.on_context_step_end([Request("a", 1), Request("a", 1)])):
+        with pytest.raises(ValueError, match="a request appears twice"):
             fn()
     manager.on_request_init(Request("a", 3))
     manager.on_context_step_end((Request("a", 3),))
