@@ -15,7 +15,7 @@ from typing import Sequence
 import torch
 import triton
 
-from ._checks import as_device, check_bool, check_device, check_hashable, check_int
+from ._checks import as_device, check_bool, check_device, check_disjoint, check_hashable, check_int
 from .compaction import build_compaction_params, compact
 from .nvfp4 import PageBlobCodec, RowSpec
 
@@ -25,6 +25,9 @@ class _Request:
     length: int = 0
     pages: list[int] = field(default_factory=list)  # GPU pages, in token order
     slots: list[int] | None = None                  # host slots while offloaded (pages is then empty)
+
+
+KV_DTYPES = (torch.bfloat16, torch.float16, torch.float8_e4m3fn, torch.float8_e5m2)  # csrc/compaction's
 
 
 class PagedKVCache:
@@ -39,8 +42,9 @@ class PagedKVCache:
         check_int("PagedKVCache", "host_slots", host_slots)
         if not isinstance(dtype, torch.dtype):
             raise TypeError(f"PagedKVCache: dtype must be a torch.dtype, got {type(dtype).__name__} {dtype!r}")
-        if not dtype.is_floating_point:
-            raise ValueError(f"PagedKVCache: dtype must be a floating-point KV dtype (bf16, fp16, fp8), got {dtype}")
+        if dtype not in KV_DTYPES:
+            raise ValueError(f"PagedKVCache: dtype must be a floating-point KV dtype the compaction moves (bf16, fp16, "
+                             f"fp8 e4m3fn or e5m2), got {dtype}")
         device = as_device("PagedKVCache", device)
         if device.type == "meta":
             raise ValueError("PagedKVCache: device must be a real device, got meta")
@@ -130,15 +134,23 @@ class PagedKVCache:
         return self._get(rid).slots is None
 
     def append(self, rid, k: torch.Tensor, v: torch.Tensor) -> None:
-        """Append n tokens, k and v [n, H, D] in the pool dtype (prefill: many; decode: one)."""
+        """Append n tokens, k and v [n, H, D] (prefill: many; decode: one): dense floating-point tensors of one
+        dtype on the cache's device, converted to the pool dtype."""
+        what = "PagedKVCache.append"
         req = self._get(rid)
         if req.slots is not None:
             raise ValueError(f"PagedKVCache: request {rid!r} is offloaded; onboard it before appending")
         H, D = self.num_kv_heads, self.head_dim
-        check_device("PagedKVCache.append", k=k, v=v)
+        check_device(what, self.device, k=k, v=v)
+        if k.layout != torch.strided or v.layout != torch.strided:
+            raise ValueError(f"{what}: k and v must be dense (strided) tensors, got {k.layout} and {v.layout}")
+        if not k.dtype.is_floating_point or v.dtype != k.dtype:
+            raise TypeError(f"{what}: k and v must be floating-point tensors of one dtype, got {k.dtype} and "
+                            f"{v.dtype}")
         if k.shape != v.shape or k.dim() != 3 or k.shape[1:] != (H, D):
-            raise ValueError(f"PagedKVCache.append: k and v must both be [n, {H}, {D}], got {tuple(k.shape)} and "
+            raise ValueError(f"{what}: k and v must both be [n, {H}, {D}], got {tuple(k.shape)} and "
                              f"{tuple(v.shape)}")
+        check_disjoint(what, "pools", self.pools, [("k", k), ("v", v)])  # written layer by layer while read
         n = k.shape[0]
         extra = self._pages_for(req.length + n) - len(req.pages)
         if extra > len(self._free_pages):
@@ -192,8 +204,9 @@ class PagedKVCache:
                 destination_bases: torch.Tensor, *, max_tail: int, validate: bool = True,
                 order: str = "fill") -> torch.Tensor:
         """Move each request's kept tokens down in place (kvops.compaction), then release the pages past the new
-        lengths. Returns the new lengths. Validation (on by default here) raises before anything moves, also
-        when scored + tail differs from a request's length (tokens past it would be dropped). order: "fill" (the
+        lengths. Returns the new lengths. Validation (on by default here: ``compact(validate=)``) raises before
+        anything moves; so does, always, scored + tail differing from a request's length (tokens past it would be
+        dropped, and the lengths the move returns would not fit the request). order: "fill" (the
         default) or "ordered" (kvops.compaction.build_compaction_params). No requests (empty rids and tensors):
         nothing moves, and the result is empty."""
         check_bool("PagedKVCache.compact", "validate", validate)
@@ -202,11 +215,10 @@ class PagedKVCache:
             raise ValueError("PagedKVCache.compact: offloaded requests cannot be compacted")
         params = build_compaction_params(self.views(), self.page_table(rids), kept, scored_lengths, tail_lengths,
                                          destination_bases, max_tail=max_tail, order=order)  # checks the arguments
-        if validate:
-            ends = (scored_lengths.long() + tail_lengths.long()).tolist()
-            if ends != [r.length for r in reqs]:
-                raise ValueError(f"PagedKVCache.compact: scored_lengths + tail_lengths ({ends}) must equal the "
-                                 f"requests' lengths {[r.length for r in reqs]}")
+        ends = (scored_lengths.long() + tail_lengths.long()).tolist()  # a sync, fine for a reference cache
+        if ends != [r.length for r in reqs]:
+            raise ValueError(f"PagedKVCache.compact: scored_lengths + tail_lengths ({ends}) must equal the "
+                             f"requests' lengths {[r.length for r in reqs]}")
         new_lengths = compact(params, len(reqs), validate=validate).tolist()
         self.shrink(rids, new_lengths)
         return torch.tensor(new_lengths, dtype=torch.int32)

@@ -18,10 +18,10 @@ def _kv(n, device):
     return (torch.randn(n, H, D, device=device).bfloat16(), torch.randn(n, H, D, device=device).bfloat16())
 
 
-def _expect_unchanged(cache, fn, match):
+def _expect_unchanged(cache, fn, match, error=(ValueError, TypeError)):
     state = (list(cache._free_pages), list(cache._free_slots),
              {r: (q.length, list(q.pages), q.slots and list(q.slots)) for r, q in cache._requests.items()})
-    with pytest.raises((ValueError, TypeError), match=match):
+    with pytest.raises(error, match=match):
         fn()
     after = (list(cache._free_pages), list(cache._free_slots),
              {r: (q.length, list(q.pages), q.slots and list(q.slots)) for r, q in cache._requests.items()})
@@ -165,6 +165,19 @@ def test_refused_calls_change_nothing():
                       "must equal the requests' lengths")  # 18 < 20: tokens 18, 19 would be dropped
     _expect_unchanged(cache, lambda: cache.compact(["a", "a"], kept.expand(2, 1, 4), i32(18, 18), i32(2, 2),
                                                    i32(8, 8), max_tail=2), "distinct")
+    # without validation too: b's lengths do not add up (12 + 5), and a's tokens must not move before that is seen
+    _expect_unchanged(cache, lambda: cache.compact(["a", "b"], torch.cat([kept, kept - 4]), i32(18, 12), i32(2, 5),
+                                                   i32(8, 4), max_tail=2, validate=False),
+                      "must equal the requests' lengths")
+    bf = lambda *shape, **kw: torch.randn(*shape, **kw).bfloat16()  # noqa: E731
+    for k, v, error, match in ((bf(1, H, D).to_sparse(), bf(1, H, D).to_sparse(), ValueError, "dense"),
+                               (torch.ones(1, H, D, dtype=torch.int64), torch.ones(1, H, D), TypeError, "floating"),
+                               (torch.ones(1, H, D, dtype=torch.complex64), torch.ones(1, H, D, dtype=torch.complex64),
+                                TypeError, "floating"),
+                               (torch.ones(1, H, D), bf(1, H, D), TypeError, "of one dtype"),
+                               (cache.pools[1][0, 0, :, :1].transpose(0, 1), bf(1, H, D), ValueError,
+                                r"k shares memory with pools\[1\]")):  # read while the layers are written
+        _expect_unchanged(cache, lambda: cache.append("b", k, v), match, error)
     with pytest.raises(ValueError, match="host_slots"):
         PagedKVCache(L, H, D, T, 4, host_slots=-1)
     with pytest.raises(TypeError, match="num_layers"):
@@ -239,6 +252,7 @@ def test_constructor_and_call_arguments_name_the_rule():
     cases = [
         (lambda: PagedKVCache(L, H, D, T, 4, dtype="bf16"), TypeError, "dtype must be a torch.dtype"),
         (lambda: PagedKVCache(L, H, D, T, 4, dtype=torch.int64), ValueError, "floating-point"),
+        (lambda: PagedKVCache(L, H, D, T, 4, dtype=torch.float32), ValueError, "compaction moves"),
         (lambda: PagedKVCache(L, H, D, T, 4, device="gpu0"), ValueError, "device must be"),
         (lambda: PagedKVCache(L, H, D, T, 4, codec_specs=specs), ValueError, f"codec_specs must be a list of {L}"),
         (lambda: PagedKVCache(L, H, D, T, 4, codec_specs=[specs[0], 1]), TypeError, "codec_specs\\[1\\] must be"),
