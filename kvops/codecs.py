@@ -15,7 +15,7 @@ from typing import Sequence
 
 import torch
 
-from ._checks import check_bool, check_int
+from ._checks import check_bool, check_disjoint, check_int
 from .config import NVFP4ColdPageConfig
 from .nvfp4 import PageBlobCodec, RowSpec
 
@@ -71,19 +71,25 @@ class ColdPageCodec:
         if len(set(ids)) != len(ids):
             raise ValueError(f"{what}: layer group ids must be distinct, got {ids}")
         codecs, signatures = {}, {}
-        self.configure_error = None
         for group in groups:
             try:
-                codecs[group.layer_group] = PageBlobCodec(group.pools, [self.row_spec(group)] * len(group.pools))
+                codec = PageBlobCodec(group.pools, [self.row_spec(group)] * len(group.pools))
+                # every later call's checks of the pools, now: a decode of no pages (the pools are its outputs)
+                device = group.pools[0].device
+                codec.decode(torch.empty(0, codec.cold_page_bytes, dtype=torch.uint8, device=device), group.pools,
+                             torch.empty(0, 2, dtype=torch.int32, device=device))
             except ValueError as e:
                 self.configure_error = f"layer group {group.layer_group}: {e}"
                 return False
+            codecs[group.layer_group] = codec
             # Groups batch together only when everything the kernel reads from them is identical.
             signatures[group.layer_group] = tuple((tuple(p.shape), tuple(p.stride()), p.dtype, p.device)
                                                   for p in group.pools) + (self.row_spec(group),)
+        # a pool in two groups would be encoded or decoded twice (within a group the decode above refused it)
+        check_disjoint(what, "the groups' pools (in order)", [p for group in groups for p in group.pools])
         first: dict[tuple, int] = {}
         self._batch_ids = {g: first.setdefault(sig, g) for g, sig in signatures.items()}
-        self._codecs = codecs
+        self._codecs, self.configure_error = codecs, None
         self._pools = {d.layer_group: tuple(d.pools) for d in groups}
         return True
 
@@ -118,8 +124,12 @@ class ColdPageCodec:
                staged: bool = False) -> None:
         """Encode pages into cold slots: page_pairs int32 [N, 2] of (slot in dst_base, page). `staged`: through a
         device buffer and the copy engine, for a pinned host dst_base and host pairs (``PageBlobCodec.encode``)."""
+        codec = self._codec(layer_group)
+        if isinstance(dst_base, torch.Tensor):  # the group's own pools: PageBlobCodec.encode checks them
+            check_disjoint(f"{type(self).__name__}.encode", "the configured groups' pools",
+                           [p for pools in self._pools.values() for p in pools], [("dst_base", dst_base)])
         with self._on(stream):
-            self._codec(layer_group).encode(self._pools[layer_group], dst_base, page_pairs, staged=staged)
+            codec.encode(self._pools[layer_group], dst_base, page_pairs, staged=staged)
 
     def decode(self, layer_group: int, src_base: torch.Tensor, page_pairs: torch.Tensor, stream=None,
                validate: bool = False, staged: bool = False) -> None:

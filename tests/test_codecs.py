@@ -1,5 +1,7 @@
 """The cold-page codec interface: configure, sizes, batching ids, and encode/decode through it."""
 
+import re
+
 import torch
 
 from conftest import DEVICES
@@ -88,6 +90,31 @@ def test_configure_refuses_caller_errors_and_keeps_the_previous_configuration():
         codec.cold_page_bytes(1)
     with pytest.raises(TypeError, match="layer_group must be an int"):
         codec.cold_page_bytes([0])
+
+
+def test_configure_checks_the_pools_as_every_call_will():
+    """Pools no later call would take are refused by configure (False, the previous plan kept), and a pool in two
+    groups is a caller error; an encode's destination may not lie in any configured group's pool."""
+    codec, groups = LosslessColdPageCodec(), _groups("cpu")
+    assert codec.configure(groups[:2])
+    a = groups[0].pools[0]
+    for pools, match in (((a, a), r"pools\[0\] and pools\[1\] share memory"),
+                         ((a[:1].expand(6, -1, -1, -1, -1),), "share memory"),
+                         ((a.to("meta"),), "meta"),
+                         ((a.transpose(3, 4),), "")):  # rows not contiguous
+        assert not codec.configure([LayerGroupPools(5, pools)])
+        assert codec.configure_error.startswith("layer group 5") and re.search(match, codec.configure_error)
+        assert codec.cold_page_bytes(1) > 0  # the previous plan stays
+    with pytest.raises(ValueError, match="share memory"):
+        codec.configure([groups[0], LayerGroupPools(3, groups[0].pools[1:])])
+    assert codec.batching_layer_group_id(1) == 0
+    size = codec.cold_page_bytes(0)
+    g1 = groups[1].pools[0]
+    saved = g1.clone()
+    dst = g1.view(-1).view(torch.uint8)[:2 * size].view(2, size)  # group 1's pool as group 0's blobs
+    with pytest.raises(ValueError, match="dst_base shares memory"):
+        codec.encode(0, dst, torch.tensor([[0, 3]], dtype=torch.int32))
+    assert torch.equal(g1, saved)
 
 
 def test_decode_can_validate_the_slots():

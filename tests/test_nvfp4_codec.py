@@ -5,7 +5,7 @@ import torch
 
 import kvops
 
-from kvops.nvfp4 import PageBlobCodec, RowSpec
+from kvops.nvfp4 import PageBlobCodec, RowSpec, dequantize, quantize
 from kvops.nvfp4 import reference as ref
 
 from conftest import DEVICES, bytes_of, opcheck, poison_, requires_cuda
@@ -370,7 +370,16 @@ def test_call_errors_touch_nothing(device):
     outs = [p.clone() for p in pools]
     with pytest.raises(ValueError, match="slot 7 is out of range"):
         codec.decode(cold, outs, torch.tensor([[0, 7]], dtype=torch.int32))
-    assert all(torch.equal(a, b) for a, b in zip(outs, pools))
+    # pairs inside what the call writes: the first pair's write would turn the later pairs into garbage
+    in_pool = outs[0][-1].view(-1)[:4].view(torch.int32).view(1, 2)
+    in_pool.zero_()
+    saved_outs = [p.clone() for p in outs]
+    with pytest.raises(ValueError, match=r"page_pairs shares memory with pools\[0\]"):
+        codec.decode(cold, outs, in_pool)
+    assert all(torch.equal(a, b) for a, b in zip(outs, saved_outs))
+    expect(ValueError, r"page_pairs shares memory with pools\[0\]", lambda: codec.encode(outs, cold, in_pool))
+    in_cold = cold[0, :8].view(torch.int32).view(1, 2)
+    expect(ValueError, "page_pairs shares memory with cold_pages", lambda: codec.encode(pools, cold, in_cold))
     if device == "cuda":
         expect(ValueError, "pinned", lambda: codec.encode(pools, cold, ok.cpu()))
         expect(ValueError, "pinned", lambda: codec.encode(pools, torch.zeros_like(cold.cpu()), ok))
@@ -637,6 +646,8 @@ def test_allocate_checks_num_slots():
             codec.allocate(bad)
     with pytest.raises(TypeError, match="pin_memory must be a bool"):
         codec.allocate(2, pin_memory="yes")
+    with pytest.raises(ValueError, match="device must be a real device"):
+        codec.allocate(2, device="meta")
     assert codec.allocate(0).shape == (0, codec.cold_page_bytes)
 
 
@@ -666,6 +677,15 @@ def test_spec_and_call_argument_types_are_named():
         codec.refused("nodevice")
     with pytest.raises(TypeError, match="PageBlobCodec.allocate: device must be"):
         codec.allocate(2, device=2.5)
+    with pytest.raises(ValueError, match="global_scale 1000* is not a positive finite float32"):
+        PageBlobCodec([pool], [RowSpec.full(64, plane_dim=1, global_scale=10**400)])
+    # the kernels take 3 dims between page and row besides the plane dim: a pool with none has one dim fewer
+    deep = torch.zeros(2, 2, 1, 3, 2, 64, dtype=torch.bfloat16)
+    PageBlobCodec([deep], [RowSpec.full(64, plane_dim=1)])
+    with pytest.raises(ValueError, match="at most 3 dims between page and row are supported besides the plane dim"):
+        PageBlobCodec([deep], [RowSpec.full(64)])
+    with pytest.raises(TypeError, match="dequantize: dtype must be a torch.dtype, got str"):
+        dequantize(*quantize(pool[0, 0]), dtype="bfloat16")
 
 
 def _runs_and_gaps(n, slots):

@@ -130,8 +130,8 @@ std::vector<PoolDesc> make_pool_descs(const std::vector<at::Tensor>& pools, at::
     int64_t rows = 1;
     for (int k = 1; k < nd - 1; ++k) {
       if (k == plane_dim) continue;
-      TORCH_CHECK_VALUE(other < kMaxOtherDims, what, ": pools[", p, "] has more than ", kMaxOtherDims + 1,
-                        " dims between page and row");
+      TORCH_CHECK_VALUE(other < kMaxOtherDims, what, ": pools[", p, "] has more than ", kMaxOtherDims,
+                        " dims between page and row besides the plane dim");
       d.dim_size[other] = FastDiv(uint32_t(t.size(k)));
       d.dim_stride[other] = t.stride(k) * d.esize;
       rows *= t.size(k);

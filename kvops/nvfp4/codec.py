@@ -7,7 +7,8 @@ from typing import Sequence
 
 import torch
 
-from .._checks import as_device, check_bool, check_device, check_device_or_host, check_disjoint, check_int
+from .._checks import (as_device, check_bool, check_device, check_device_or_host, check_disjoint, check_int,
+                       overlap)
 from .layout import PoolLayout, RowSpec, plan_layout
 
 
@@ -74,6 +75,9 @@ class PageBlobCodec:
         if pin_memory is not None:
             check_bool("PageBlobCodec.allocate", "pin_memory", pin_memory)
         device = as_device("PageBlobCodec.allocate", device)
+        if device.type == "meta":
+            raise ValueError("PageBlobCodec.allocate: device must be a real device (the codec writes the cold pages), "
+                             "got meta")
         if pin_memory is None:
             pin_memory = device.type == "cpu" and torch.cuda.is_available()
         return torch.zeros(num_slots, self.cold_page_bytes, dtype=torch.uint8, device=device, pin_memory=pin_memory)
@@ -92,7 +96,10 @@ class PageBlobCodec:
         if cold_pages.dim() != 2 or cold_pages.shape[1] != self.cold_page_bytes:
             raise ValueError(f"{what}: cold_pages must be [num_slots, {self.cold_page_bytes}], got "
                              f"{tuple(cold_pages.shape)}")
-        check_disjoint(what, "pools", pools, [("cold_pages", cold_pages)])
+        # page_pairs too: a call that wrote over its own pairs would read garbage pairs after the first
+        check_disjoint(what, "pools", pools, [("cold_pages", cold_pages), ("page_pairs", page_pairs)])
+        if not torch.compiler.is_compiling() and overlap(page_pairs, cold_pages):  # traced tensors have no addresses
+            raise ValueError(f"{what}: page_pairs shares memory with cold_pages")
 
     def _staging_buffer(self, what: str, pools: Sequence[torch.Tensor], cold_pages: torch.Tensor,
                         page_pairs: torch.Tensor, staged: bool, encode: bool):

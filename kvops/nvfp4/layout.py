@@ -174,13 +174,16 @@ def _check_spec(i: int, shape: tuple[int, ...], dtype: torch.dtype, spec: RowSpe
             bad(f"residual_range {spec.residual_range} lies outside quantized_range {spec.quantized_range}")
     if spec.plane_dim is not None and not 1 <= spec.plane_dim <= len(shape) - 2:
         bad(f"plane_dim {spec.plane_dim} is not a dim between page and row")
+    if spec.plane_dim is None and len(shape) - 2 > MAX_MIDDLE_DIMS - 1:
+        bad(f"at most {MAX_MIDDLE_DIMS - 1} dims between page and row are supported besides the plane dim (a pool "
+            f"with no plane_dim has none)")
     g = spec.global_scale
     if isinstance(g, str):
         if g not in SCALE_POLICIES:
             bad(f"global_scale {g!r} is not one of {SCALE_POLICIES} or a positive float")
-    elif isinstance(g, bool) or not isinstance(g, (int, float)) or not (0 < float(g) < float("inf")):
+    elif isinstance(g, bool) or not isinstance(g, (int, float)) or not (0 < g < float("inf")):
         bad(f"global_scale {g!r} must be a positive finite float")
-    elif not 0 < float(torch.tensor(float(g), dtype=torch.float32)) < float("inf"):
+    elif not 0 < (float(torch.tensor(float(g), dtype=torch.float32)) if g < 2.0**128 else float("inf")) < float("inf"):
         bad(f"global_scale {g!r} is not a positive finite float32")
 
 

@@ -49,6 +49,8 @@ def dequantize(packed: torch.Tensor, scales: torch.Tensor, global_scale: torch.T
         ``[..., n]`` of `dtype`.
     """
     _check_args("dequantize", packed=packed, scales=scales, global_scale=global_scale)
+    if not isinstance(dtype, torch.dtype):  # the op's schema would refuse it with a RuntimeError
+        raise TypeError(f"dequantize: dtype must be a torch.dtype, got {type(dtype).__name__} {dtype!r}")
     return _ops.nvfp4_dequantize(packed, scales, global_scale, dtype)
 
 
