@@ -627,6 +627,22 @@ def test_aliased_or_meta_pools_are_refused(device):
         build_compaction_params([pools[0], "pool", pools[2]], *args, max_tail=5)
     assert _unchanged(pools, before)
 
+    # an index inside a pool the move writes would be overwritten by an earlier layer's move and steer the later ones
+    def first_bytes(pool, like):  # a tensor like `like` over the first bytes of the pool's own memory
+        raw = torch.empty(0, dtype=torch.uint8, device=pool.device)
+        raw.set_(pool.untyped_storage(), pool.storage_offset() * pool.itemsize, (like.numel() * like.itemsize,))
+        return raw.view(like.dtype).view(like.shape).copy_(like)
+
+    inside, lengths = first_bytes(pools[1], table), first_bytes(pools[2], scored)
+    before = [bytes_of(p).clone() for p in pools]
+    with pytest.raises(ValueError, match=r"page_table shares memory with pools\[1\]"):
+        build_compaction_params(pools, inside, *args[1:], max_tail=5)
+    with pytest.raises(ValueError, match=r"page_table shares memory with pools\[1\]"):
+        compact_layers_(pools, inside, params.sources, params.new_lengths, base, [0] * 3, [0] * 3)
+    with pytest.raises(ValueError, match=r"scored_lengths shares memory with pools\[2\]"):
+        build_compaction_params(pools, table, kept, lengths, tail, base, max_tail=5)
+    assert _unchanged(pools, before)
+
 
 def test_interleaved_layer_views_of_one_pool_are_not_aliases():
     """Layers as views of one [page, layer, plane, head, token, dim] allocation (TensorRT-LLM's pool) share a

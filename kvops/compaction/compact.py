@@ -38,7 +38,10 @@ def compact_layers_(pools: Sequence[torch.Tensor], page_table: torch.Tensor, sou
             raise ValueError(f"{what}: {name} needs one int per layer ({len(pools)}), got {values!r}")
     check_int32(what, device, page_table=(page_table, 2), sources=(sources, 3), new_lengths=(new_lengths, 1),
                 destination_bases=(destination_bases, 1), **({} if moves is None else {"moves": (moves, 3)}))
-    check_disjoint(what, "pools", list(pools))
+    # the indices too: a move that wrote over its page table or lists would steer the later moves
+    check_disjoint(what, "pools", list(pools), [("page_table", page_table), ("sources", sources),
+                                                ("new_lengths", new_lengths), ("destination_bases", destination_bases)]
+                   + ([] if moves is None else [("moves", moves)]))
     torch.ops.kvops.compaction_compact_layers_(list(pools), page_table, sources, new_lengths, destination_bases,
                                                list(layer_row_base), list(head_row_stride), moves)
 
@@ -163,7 +166,9 @@ def build_compaction_params(pools: Sequence[torch.Tensor], page_table: torch.Ten
                          f"{kept.stride()}")
     check_int(what, "max_tail", max_tail, 0, 2**31 - 1 - kept.shape[2])  # a list index fits int32
     check_choice(what, "order", order, ORDERS)
-    check_disjoint(what, "pools", pools)
+    # the indices too: a move that wrote over its page table or decisions would steer the later moves
+    check_disjoint(what, "pools", pools, [("page_table", page_table), ("kept", kept), ("scored_lengths", scored_lengths),
+                                          ("tail_lengths", tail_lengths), ("destination_bases", destination_bases)])
     L, H = len(pools), pools[0].shape[2]
     R, rows, K = kept.shape
     for name, t in (("page_table", page_table), ("scored_lengths", scored_lengths), ("tail_lengths", tail_lengths),
