@@ -648,6 +648,9 @@ def test_allocate_checks_num_slots():
         codec.allocate(2, pin_memory="yes")
     with pytest.raises(ValueError, match="device must be a real device"):
         codec.allocate(2, device="meta")
+    if not torch.cuda.is_available():
+        with pytest.raises(ValueError, match="pin_memory=True needs CUDA"):
+            codec.allocate(2, pin_memory=True)
     assert codec.allocate(0).shape == (0, codec.cold_page_bytes)
 
 

@@ -80,6 +80,8 @@ class PageBlobCodec:
                              "got meta")
         if pin_memory is None:
             pin_memory = device.type == "cpu" and torch.cuda.is_available()
+        elif pin_memory and not torch.cuda.is_available():  # torch would say "Found no NVIDIA driver"
+            raise ValueError("PageBlobCodec.allocate: pin_memory=True needs CUDA, which this process does not have")
         return torch.zeros(num_slots, self.cold_page_bytes, dtype=torch.uint8, device=device, pin_memory=pin_memory)
 
     def _check(self, what: str, pools: Sequence[torch.Tensor], cold_pages: torch.Tensor,
