@@ -94,6 +94,22 @@ def test_matches_sdpa_over_held_slots(R, Hq, Hkv, N):
 
 
 @pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("value", [float("nan"), float("inf")])
+def test_non_finite_keys_propagate_as_in_the_reference(device, value):
+    """A held key that is NaN, or +inf under a query it scores +inf with, makes that query head's output NaN for
+    the request that holds it, as in sdpa and the reference; other heads and requests, and a row that sees
+    nothing (zeros), are unaffected."""
+    query, k, v, table, lengths, starts = _case(device, R=3)
+    k[table[0, 0], 1, 0, 5] = value  # position 0 of request 0, KV head 1 (query heads 4-7)
+    query[0, 4, :, 5] = 1.0  # head 4's score of that key: NaN, or +inf
+    out = decode_attention(query, k, v, table, lengths)
+    want = reference(query, k, v, table, lengths)
+    assert out[0, :, 4].isnan().all() and not out[0, :, :4].isnan().any() and not out[2].isnan().any()
+    assert (out[1] == 0).all()  # request 1 holds nothing
+    torch.testing.assert_close(out.float(), want.float(), atol=2e-2, rtol=2e-2, equal_nan=True)
+
+
+@pytest.mark.parametrize("device", DEVICES)
 def test_cache_is_not_written(device):
     query, k, v, table, lengths, starts = _case(device)
     before = k.clone(), v.clone(), table.clone(), lengths.clone()
@@ -143,6 +159,7 @@ def test_cuda_graph_replays_on_new_lengths_and_data(splits):
     (lambda q, k, t: dict(query=q.float()), TypeError, "query must be bfloat16"),
     (lambda q, k, t: dict(query=q[:, :, :, :64].contiguous()[..., :48]), ValueError, "head_dim"),
     (lambda q, k, t: dict(query=q[..., ::2]), ValueError, "head_dim"),
+    (lambda q, k, t: dict(query=q[..., :0]), ValueError, "head_dim must be 64, 128 or 256, got 0"),  # no 1/sqrt(0)
     (lambda q, k, t: dict(query=q[:, :5]), ValueError, "multiple"),
     (lambda q, k, t: dict(k_cache=k.half()), TypeError, "k_cache must be"),
     (lambda q, k, t: dict(v_cache=k[:, :, :3]), ValueError, "v_cache"),

@@ -56,7 +56,8 @@ at::Tensor decode_cpu(const at::Tensor& query, const at::Tensor& k_cache, const 
     const at::Tensor hidden = pos.unsqueeze(0).ge(limit.unsqueeze(1));                   // [G * q, n]
     S.masked_fill_(hidden.unsqueeze(0), -std::numeric_limits<float>::infinity());
     const at::Tensor seen = hidden.logical_not().any(1);  // rows that see a position
-    at::Tensor P = at::softmax(S, -1).nan_to_num_(0.0).mul_(seen.view({1, G * q, 1}));
+    // a row that sees nothing is zeros (its softmax is 0/0); NaN or inf in the data propagates, as in sdpa
+    at::Tensor P = at::softmax(S, -1).masked_fill_(seen.logical_not().view({1, G * q, 1}), 0.0);
     const at::Tensor O = at::bmm(P, V).view({Hkv, G, q, D}).permute({2, 0, 1, 3}).reshape({q, Hq, D});
     out[r].copy_(O);
   }

@@ -55,8 +55,8 @@ def decode_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.
     what = "kvops.attention.decode_attention"
     check_device(what, query=query, k_cache=k_cache, v_cache=v_cache, page_table=page_table, lengths=lengths,
                  **({} if starts is None else {"starts": starts}))
-    if scale is None:
-        scale = 1.0 / math.sqrt(query.shape[-1]) if query.dim() == 4 else 1.0
+    if scale is None:  # a placeholder for a shape the op refuses (naming query or head_dim) before using it
+        scale = 1.0 / math.sqrt(query.shape[-1]) if query.dim() == 4 and query.shape[-1] > 0 else 1.0
     for name, value in (("scale", scale), ("k_scale", k_scale), ("v_scale", v_scale)):
         if isinstance(value, bool) or not isinstance(value, (int, float)):
             raise TypeError(f"{what}: {name} must be a float, got {type(value).__name__} {value!r}")
