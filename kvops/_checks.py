@@ -139,6 +139,18 @@ def check_disjoint(what: str, name: str, tensors: Sequence[torch.Tensor],
                 raise ValueError(f"{what}: {other} shares memory with {name}[{i}]")
 
 
+def check_nonnegative(what: str, name: str, t: torch.Tensor) -> None:
+    """Every value of the 1-D integer tensor `t` >= 0 when it is on the host, read on each call (no sync, as
+    kvops.topk reads host offsets); a device one is trusted (reading it would sync; callers' validate does).
+    Eager only: a traced call has no values."""
+    if t.device.type != "cpu" or torch.compiler.is_compiling() or t.numel() == 0:
+        return
+    bad = t < 0
+    if bool(bad.any()):
+        i = int(bad.nonzero()[0])
+        raise ValueError(f"{what}: {name}[{i}] = {int(t[i])}; it must be >= 0")
+
+
 def check_hashable(what: str, name: str, value) -> None:
     """A value usable as a dict key (request ids key every table of a cache or a manager)."""
     try:

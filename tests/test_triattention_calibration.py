@@ -283,7 +283,11 @@ def test_validate_calibration_checks_a_calibration_object():
            (replace(cal, q_abs_mean=cal.q_abs_mean.half()), "q_abs_mean must be float32"),
            (replace(cal, omega=cal.omega.tolist()), "omega must be a tensor"),
            (replace(cal, omega=cal.omega.to("meta")), "omega is a meta tensor"),
-           (replace(cal, q_mean=cal.q_mean.to("meta"), q_abs_mean=cal.q_abs_mean.to("meta")), "meta tensor")]
+           (replace(cal, q_mean=cal.q_mean.to("meta"), q_abs_mean=cal.q_abs_mean.to("meta")), "meta tensor"),
+           (replace(cal, omega=cal.omega[:3]), r"omega has shape \(3,\); q_mean's \(2, 4, 8\) needs \(8,\)"),
+           (replace(cal, q_mean=cal.q_mean[0]), r"q_mean must be \[layers, query heads, frequencies\]"),
+           (replace(cal, num_kv_heads=3), "num_kv_heads 3 must divide q_mean's 4 query heads"),
+           (replace(cal, head_dim=8), "head_dim 8 is below the 16 rotary dims")]
     for broken, match in bad:
         with pytest.raises((TypeError, ValueError), match=match):
             validate_calibration(broken, CONFIG)
@@ -291,6 +295,14 @@ def test_validate_calibration_checks_a_calibration_object():
         validate_calibration({"E_q": cal.q_mean}, CONFIG)
     with pytest.raises(TypeError, match="model_config must be a dict"):
         validate_calibration(cal, [CONFIG])
+    assert torch.equal(cal.for_layers(range(1, 2)).q_mean, cal.q_mean[1:])
+    for layers, error, match in (([True], TypeError, r"layers\[0\] must be an int, got bool"),
+                                 (5, TypeError, "layers must be a list, tuple or range"),
+                                 (torch.tensor([0]), TypeError, "layers must be a list, tuple or range"),
+                                 ((0, 2), ValueError, r"layers\[1\] must be in \[0, 1\]"),
+                                 ([1, 1], ValueError, "layers must be distinct"), ([], ValueError, "layers must be")):
+        with pytest.raises(error, match=match):
+            cal.for_layers(layers)
 
 
 def test_calibration_to_takes_a_real_device():

@@ -74,6 +74,8 @@ def test_bad_arguments(device):
     p, omega = _starts(device, 4), OMEGAS["random"].to(device)
     with pytest.raises(ValueError, match="round_starts"):
         mean_phase(p.float(), omega)
+    with pytest.raises(ValueError, match=r"round_starts\[1\] = -5; it must be >= 0"):  # host starts are read
+        mean_phase(torch.tensor([3, -5]), omega.cpu())
     with pytest.raises(ValueError, match="omega"):
         mean_phase(p, omega.double())
     with pytest.raises(ValueError, match="phase must be"):

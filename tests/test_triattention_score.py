@@ -196,6 +196,18 @@ def test_bad_arguments(device):
     bad("max_decode", max_decode=-1)
     bad("kv_head count 2 must divide the calibration's 7 query heads",
         weights=tuple(w[:, :7].contiguous() for w in weights))
+    for degenerate in (lambda p: p[:0], lambda p: p[:, :0], lambda p: p[:, :, :0], lambda p: p[:, :, :, :0]):
+        bad("k_pools need at least one page, plane .K., KV head and token", k_pools=[degenerate(p) for p in pools])
+    bad("weights must be the 3 tensors", weights=weights[:2])
+    bad("weights must be the 3 tensors", weights=weights + weights[:1])
+    bad(r"weights\[0\] must be \[layers, query heads, frequencies\]", weights=tuple(w[0] for w in weights))
+    bad(r"weights\[1\] must be contiguous float32", weights=(weights[0], weights[1][:, :4], weights[2]))
+    bad(r"max_decode must be in \[0, 2147483647\]", max_decode=2**40)  # int32 positions, not an allocation error
+    for weights_of_a_kind in (None, (weights[0], None, weights[2]), weights[0]):
+        with pytest.raises(TypeError, match="weights must be a tuple of 3 tensors"):
+            score(pools, table, N, P, phase, weights_of_a_kind, 40)
+    if device == "cpu":  # host prompt lengths are read on every call; device ones are trusted
+        bad(r"prompt_lengths\[0\] = -1; it must be >= 0", prompt_lengths=torch.full_like(P, -1))
     with pytest.raises(ValueError, match="mode"):
         reduce_rows(torch.zeros(1, 3, 8, 4), torch.zeros(1, 3, 8, 1, 2), N, P, "per_token", 2)
     with pytest.raises(ValueError, match="stats"):
@@ -214,6 +226,12 @@ def test_bad_arguments(device):
     for k_scale in (torch.ones(3, 2, dtype=torch.float64), torch.ones(3), torch.ones(2, 3).t()):
         with pytest.raises(ValueError, match=r"k_scale must be contiguous float32 \[3, 2\]"):
             reduce_rows(raw, stats, N, P, "union", 2, False, k_scale.to(raw.device))
+    for value in (-1.0, 0.0, float("nan"), float("inf")):  # a host k_scale's values are read (the selector's rule)
+        with pytest.raises(ValueError, match="k_scale must be positive and finite"):
+            reduce_rows(raw.cpu(), stats.cpu(), N.cpu(), P.cpu(), "union", 2, False, torch.full((3, 2), value))
+    for normalize in (None, "no", 1):
+        with pytest.raises(TypeError, match="normalize must be a bool"):
+            reduce_rows(raw, stats, N, P, "union", 2, normalize)
     # the native op checks what its callers pass it, before it writes anything
     op, rows = torch.ops.kvops.triattention_reduce_, torch.full((1, 2, 4), 7.0, device=device)
     topk_args = torch.zeros(2, 1, 2, dtype=torch.int32, device=device)

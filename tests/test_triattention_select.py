@@ -81,7 +81,8 @@ def test_k_scale_is_refused_unless_positive_finite_float32_per_layer():
                               (torch.tensor([1.0, 0.0, 1.0]), ValueError, "positive and finite"),
                               (torch.tensor([1.0, -2.0, 1.0]), ValueError, "positive and finite"),
                               (torch.tensor([1.0, float("nan"), 1.0]), ValueError, "positive and finite"),
-                              (torch.full((L, Hkv), float("inf")), ValueError, "positive and finite")):
+                              (torch.full((L, Hkv), float("inf")), ValueError, "positive and finite"),
+                              (torch.ones(L, device="meta"), ValueError, "k_scale is a meta tensor")):
         with pytest.raises(error, match=match):
             TriAttentionSelector(cal, 8, k_scale=bad)
 
@@ -136,6 +137,47 @@ def test_bad_arguments():
         TriAttentionSelector(cal, 8).select(pools, table, N, P, N.long().repeat(2))
     with pytest.raises(ValueError, match=r"cache_lengths must be int32 \[1\]"):
         TriAttentionSelector(cal, 8).select(pools, table, N.repeat(2), P, N.long())
+    for name, value in (("budget", 2**31), ("max_decode", 2**40)):  # int32 positions
+        with pytest.raises(ValueError, match=f"{name} must be in \\[.*, 2147483647\\]"):
+            TriAttentionSelector(cal, **{"budget": 8, name: value})
+    selector = TriAttentionSelector(cal, 4, "per_head")
+    pools0, table0, N0, _ = paged_pools(cal, [0], [4], 8, "cpu")
+    with pytest.raises(ValueError, match=r"prompt_lengths\[0\] = -6; it must be >= 0"):  # host lengths are read
+        selector.select(pools0, table0, N0, torch.tensor([-6], dtype=torch.int32), N0.long() + 5)
+    with pytest.raises(ValueError, match=r"round_starts\[0\] = -1; it must be >= 0"):
+        selector.select(pools, table, N, P, torch.tensor([-1]))
+    with pytest.raises(ValueError, match="round_starts must be a 1-D int32 or int64"):
+        selector.select(pools, table, N, P, N.float())
+    for degenerate in (lambda p: p[:0], lambda p: p[:, :0], lambda p: p[:, :, :0], lambda p: p[:, :, :, :0]):
+        for sel in (selector, TriAttentionSelector(cal, 4, "per_head", max_decode=20)):
+            with pytest.raises(ValueError, match="k_pools need at least one page, plane .K., KV head and token"):
+                sel.select([degenerate(p) for p in pools], table, N, P, N.long())
+
+
+def test_the_calibrations_fields_are_checked_at_construction():
+    """A Calibration made by hand (not load_calibration) is checked as validate_calibration checks one, less the
+    model: garbage statistics would give garbage keep sets, and wrong shapes would fail deep inside select."""
+    from dataclasses import replace
+
+    cal = synthetic_calibration()  # 3 layers, 8 query / 2 KV heads, F = 16, head_dim 32
+    for broken, error, match in (
+            (replace(cal, q_mean=cal.q_mean * float("nan")), ValueError, "q_mean must be finite everywhere"),
+            (replace(cal, freq_scale_sq=-cal.freq_scale_sq), ValueError, "freq_scale_sq must be finite and > 0"),
+            (replace(cal, omega=cal.omega * 0), ValueError, "omega must be finite and > 0"),
+            (replace(cal, q_abs_mean=-cal.q_abs_mean), ValueError, "q_abs_mean must be finite and >= 0"),
+            (replace(cal, q_abs_mean=cal.q_abs_mean.double()), ValueError, "q_abs_mean must be float32"),
+            (replace(cal, q_mean=cal.q_mean.to(torch.complex128)), ValueError, "q_mean must be complex64"),
+            (replace(cal, omega=cal.omega[:3]), ValueError, r"omega has shape \(3,\); q_mean's \(3, 8, 16\)"),
+            (replace(cal, q_abs_mean=cal.q_abs_mean[:2]), ValueError, "q_abs_mean has shape"),
+            (replace(cal, q_mean=cal.q_mean[:0], q_abs_mean=cal.q_abs_mean[:0]), ValueError, "each >= 1"),
+            (replace(cal, num_kv_heads=3), ValueError, "num_kv_heads 3 must divide q_mean's 8 query heads"),
+            (replace(cal, num_kv_heads=0), ValueError, "num_kv_heads must be >= 1"),
+            (replace(cal, head_dim=16), ValueError, "head_dim 16 is below the 32 rotary dims"),
+            (replace(cal, head_dim=32.0), TypeError, "head_dim must be an int"),
+            (replace(cal, omega=cal.omega.tolist()), TypeError, "omega must be a tensor"),
+            (replace(cal, freq_scale_sq=cal.freq_scale_sq.to("meta")), ValueError, "freq_scale_sq is a meta tensor")):
+        with pytest.raises(error, match=f"TriAttentionSelector: calibration.*{match}"):
+            TriAttentionSelector(broken, 4)
 
 
 @pytest.mark.parametrize("device", DEVICES)

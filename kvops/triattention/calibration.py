@@ -104,13 +104,16 @@ class Calibration:
                        num_kv_heads=len(kv_heads))
 
     def for_layers(self, layers) -> "Calibration":
-        """The statistics of the model's layers `layers` (distinct indices, in order): what a selector scoring
-        only those layers uses (the others keep their newest tokens instead, ``TriAttentionConfig.recent_layers``)."""
-        layers = list(layers)
-        if not layers or len(set(layers)) != len(layers) or \
-                not all(isinstance(x, int) and 0 <= x < self.num_layers for x in layers):
-            raise ValueError(f"Calibration.for_layers: layers must be distinct layer indices in [0, "
-                             f"{self.num_layers}), got {layers!r}")
+        """The statistics of the model's layers `layers` (a list, tuple or range of distinct indices, in order):
+        what a selector scoring only those layers uses (the others keep their newest tokens instead,
+        ``TriAttentionConfig.recent_layers``)."""
+        what = "Calibration.for_layers"
+        if not isinstance(layers, (list, tuple, range)):  # a bool list would index as a mask, a tensor likewise
+            raise TypeError(f"{what}: layers must be a list, tuple or range of layer indices, got "
+                            f"{type(layers).__name__} {layers!r}")
+        layers = [check_int(what, f"layers[{i}]", x, 0, self.num_layers - 1) for i, x in enumerate(layers)]
+        if not layers or len(set(layers)) != len(layers):
+            raise ValueError(f"{what}: layers must be distinct layer indices in [0, {self.num_layers}), got {layers!r}")
         return replace(self, q_mean=self.q_mean[layers].contiguous(), q_abs_mean=self.q_abs_mean[layers].contiguous())
 
     def to(self, device: torch.device | str) -> "Calibration":
@@ -263,18 +266,36 @@ def validate_calibration(calibration: Calibration, model_config: Mapping[str, An
     RoPE's rotary frequencies) must match the calibration's; q_mean must be complex64 and q_abs_mean, omega and
     freq_scale_sq float32, all on one real device (not meta) and finite, with q_abs_mean >= 0 (a mean of
     magnitudes), omega > 0 (inverse frequencies) and freq_scale_sq > 0 (a square; <= 0 would flip or erase every
-    score). Raises TypeError for a wrong kind of argument or field, ValueError naming what does not match.
-    Reads the values (a device sync when they sit on a GPU): call it once, where the calibration is taken. `what`
-    names the caller in the messages.
+    score); ``check_calibration`` checks all of that but the model's geometry. Raises TypeError for a wrong kind
+    of argument or field, ValueError naming what does not match. Reads the values (a device sync when they sit on
+    a GPU): call it once, where the calibration is taken. `what` names the caller in the messages.
     """
     return _validate(what, calibration, model_config)
 
 
 def _validate(what: str, calibration: Calibration, model_config: Mapping[str, Any]) -> Calibration:
+    cal = check_calibration(what, calibration)
+    L, Hq, Hkv, D, F = _geometry(what, model_config)
+    for name, t, shape in (("q_mean", cal.q_mean, (L, Hq, F)), ("q_abs_mean", cal.q_abs_mean, (L, Hq, F)),
+                           ("omega", cal.omega, (F,)), ("freq_scale_sq", cal.freq_scale_sq, (F,))):
+        if tuple(t.shape) != shape:
+            raise ValueError(f"{what}: calibration.{name} has shape {tuple(t.shape)}; the model ({L} layers, {Hq} "
+                             f"query heads, {F} rotary frequencies) needs {shape}")
+    for name, value, want in (("num_kv_heads", cal.num_kv_heads, Hkv), ("head_dim", cal.head_dim, D)):
+        if value != want:
+            raise ValueError(f"{what}: calibration.{name} is {value}, the model's is {want}")
+    return calibration
+
+
+def check_calibration(what: str, calibration: Calibration) -> Calibration:
+    """A Calibration's fields, without a model to compare them with (validate_calibration adds that): q_mean
+    complex64 [L, Hq, F] and q_abs_mean float32 of its shape, omega and freq_scale_sq float32 [F], every dim >= 1,
+    all on one real device; num_kv_heads an int dividing Hq; head_dim an int >= 2F (the rotary dims); finite
+    values with q_abs_mean >= 0, omega > 0 and freq_scale_sq > 0. Reads the values (a device sync on a GPU: call it
+    where the calibration is taken, as TriAttentionSelector does). Returns it unchanged."""
     if not isinstance(calibration, Calibration):
         raise TypeError(f"{what}: calibration must be a Calibration (load_calibration), got "
                         f"{type(calibration).__name__}")
-    L, Hq, Hkv, D, F = _geometry(what, model_config)
     cal = calibration
     check_int(f"{what}: calibration", "num_kv_heads", cal.num_kv_heads, 1)
     check_int(f"{what}: calibration", "head_dim", cal.head_dim, 1)
@@ -282,20 +303,25 @@ def _validate(what: str, calibration: Calibration, model_config: Mapping[str, An
     for name, value in fields.items():
         if not isinstance(value, torch.Tensor):
             raise TypeError(f"{what}: calibration.{name} must be a tensor, got {type(value).__name__}")
-    check_device(f"{what}: calibration", q_mean=cal.q_mean, q_abs_mean=cal.q_abs_mean, omega=cal.omega,
-                 freq_scale_sq=cal.freq_scale_sq)
-    for name, t, dtype, shape in (("q_mean", cal.q_mean, torch.complex64, (L, Hq, F)),
-                                  ("q_abs_mean", cal.q_abs_mean, torch.float32, (L, Hq, F)),
-                                  ("omega", cal.omega, torch.float32, (F,)),
-                                  ("freq_scale_sq", cal.freq_scale_sq, torch.float32, (F,))):
-        if t.dtype != dtype:
-            raise ValueError(f"{what}: calibration.{name} must be {str(dtype).removeprefix('torch.')}, got {t.dtype}")
-        if tuple(t.shape) != shape:
-            raise ValueError(f"{what}: calibration.{name} has shape {tuple(t.shape)}; the model ({L} layers, {Hq} "
-                             f"query heads, {F} rotary frequencies) needs {shape}")
-    for name, value, want in (("num_kv_heads", cal.num_kv_heads, Hkv), ("head_dim", cal.head_dim, D)):
-        if value != want:
-            raise ValueError(f"{what}: calibration.{name} is {value}, the model's is {want}")
+    check_device(f"{what}: calibration", **fields)
+    for name, dtype in (("q_mean", torch.complex64), ("q_abs_mean", torch.float32), ("omega", torch.float32),
+                        ("freq_scale_sq", torch.float32)):
+        if fields[name].dtype != dtype:
+            raise ValueError(f"{what}: calibration.{name} must be {str(dtype).removeprefix('torch.')}, got "
+                             f"{fields[name].dtype}")
+    if cal.q_mean.dim() != 3 or 0 in cal.q_mean.shape:  # an empty dim would leave nothing to score with
+        raise ValueError(f"{what}: calibration.q_mean must be [layers, query heads, frequencies], each >= 1, got "
+                         f"shape {tuple(cal.q_mean.shape)}")
+    L, Hq, F = cal.q_mean.shape
+    for name, shape in (("q_abs_mean", (L, Hq, F)), ("omega", (F,)), ("freq_scale_sq", (F,))):
+        if tuple(fields[name].shape) != shape:
+            raise ValueError(f"{what}: calibration.{name} has shape {tuple(fields[name].shape)}; q_mean's "
+                             f"{(L, Hq, F)} needs {shape}")
+    if Hq % cal.num_kv_heads:
+        raise ValueError(f"{what}: calibration.num_kv_heads {cal.num_kv_heads} must divide q_mean's {Hq} query heads")
+    if cal.head_dim < 2 * F:
+        raise ValueError(f"{what}: calibration.head_dim {cal.head_dim} is below the {2 * F} rotary dims of q_mean's "
+                         f"{F} frequencies")
     for name, t, rule, ok in (("q_mean", torch.view_as_real(cal.q_mean), "finite", None),
                               ("q_abs_mean", cal.q_abs_mean, "finite and >= 0", lambda x: x >= 0),
                               ("omega", cal.omega, "finite and > 0", lambda x: x > 0),

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import torch
 
-from .._checks import check_float32, check_int, check_int32, check_no_meta_mix
+from .._checks import check_bool, check_float32, check_int, check_int32, check_no_meta_mix
 from ..compaction.compact import MODES, decision_rows
 from .score import CHUNK, STATS
 
@@ -32,9 +32,10 @@ def reduce_rows(raw: torch.Tensor, stats: torch.Tensor, cache_lengths: torch.Ten
     group's heads; per_layer_perhead = max over the group's heads, row l * Hkv + g. Columns past N - P, and
     columns with a non-finite score in any (l, h) the row reduces over, are -inf.
 
-    k_scale: float32 [L, Hkv] on raw's device, positive: the keys' dequantization scale (fp8 caches; a score is
-    linear in its key, so the scale multiplies it). Without normalization it is applied; with it, it is not read:
-    z-scores do not change when every score of an (r, l, h) is multiplied by one positive factor."""
+    k_scale: float32 [L, Hkv] on raw's device, positive and finite (its values are checked when it is on the host):
+    the keys' dequantization scale (fp8 caches; a score is linear in its key, so the scale multiplies it). Without
+    normalization it is applied; with it, it is not read: z-scores do not change when every score of an (r, l, h)
+    is multiplied by one positive factor."""
     what = "triattention reduce"
     if mode not in MODES:
         raise ValueError(f"{what}: mode must be one of {MODES}, got {mode!r}")
@@ -48,9 +49,20 @@ def reduce_rows(raw: torch.Tensor, stats: torch.Tensor, cache_lengths: torch.Ten
     check_int32(what, raw.device, cache_lengths=(cache_lengths, 1), prompt_lengths=(prompt_lengths, 1))
     if cache_lengths.shape[0] != R or prompt_lengths.shape[0] != R:
         raise ValueError(f"{what}: cache_lengths and prompt_lengths must have {R} entries (one per request)")
+    check_bool(what, "normalize", normalize)
     if k_scale is not None:
         check_float32(what, raw.device, k_scale=(k_scale, (L, num_kv_heads)))
+        if k_scale.device.type == "cpu" and not torch.compiler.is_compiling():  # a device one: no sync here
+            check_k_scale_values(what, k_scale)
     return reduce_unchecked(raw, stats, cache_lengths, prompt_lengths, mode, num_kv_heads, normalize, k_scale)
+
+
+def check_k_scale_values(what: str, k_scale: torch.Tensor) -> None:
+    """k_scale's values positive and finite: <= 0 would flip or erase the scores, NaN would drop them. Reads them
+    (a sync when on a GPU: the selector reads its k_scale once, at construction)."""
+    host = k_scale.detach().cpu()
+    if not bool((torch.isfinite(host) & (host > 0)).all()):
+        raise ValueError(f"{what}: k_scale must be positive and finite, got {host.flatten()[:8].tolist()}")
 
 
 def reduce_unchecked(raw, stats, cache_lengths, prompt_lengths, mode, num_kv_heads, normalize, k_scale,

@@ -16,8 +16,9 @@ import torch
 import triton
 
 from .. import _cute
-from .._checks import check_device, check_float32, check_int, check_int32
+from .._checks import check_device, check_float32, check_int, check_int32, check_nonnegative
 from .._dispatch import python_op
+from ..topk.ops import MAX_K
 
 CHUNK = 1024  # decode tokens per statistics partial (and per scorer CTA)
 STATS = 3     # per partial: mean, M2 and count of the chunk's finite scores
@@ -112,6 +113,9 @@ def check_pools(what: str, k_pools: Sequence[torch.Tensor], num_layers: int, num
     if first.dim() != 5:
         raise ValueError(f"{what}: k_pools must be 5-D [page, plane, kv_head, token, dim] views, got "
                          f"{tuple(getattr(first, 'shape', ()))}")
+    if 0 in first.shape[:4]:  # nothing to read a key from (zero pages too: every page-table entry would be absent)
+        raise ValueError(f"{what}: k_pools need at least one page, plane (K), KV head and token per page, got "
+                         f"shape {tuple(first.shape)}")
     num_kv_heads = first.shape[2]
     if num_query_heads % num_kv_heads:
         raise ValueError(f"{what}: k_pools' kv_head count {num_kv_heads} must divide the calibration's "
@@ -176,24 +180,34 @@ def score(k_pools: Sequence[torch.Tensor], page_table: torch.Tensor, cache_lengt
     """(raw float32 [R, L, Hq, max_decode], stats float32 [R, L, Hq, ceil(max_decode / CHUNK), STATS]).
 
     k_pools: per-layer [page, plane, kv_head, token, dim] views (plane 0 is K); page_table int32 [R, pages];
-    cache_lengths, prompt_lengths int32 [R]; phase float32 [R, 2, F] (mean_phase); weights: Calibration.
-    score_weights() on the pools' device. Only the first N - P columns of raw are written (NaN for a token whose
-    page is missing from the page table).
+    cache_lengths, prompt_lengths int32 [R] (prompts >= 0, checked when on the host); phase float32 [R, 2, F]
+    (mean_phase); weights: Calibration.score_weights() on the pools' device; max_decode in [0, 2**31 - 1]. Only
+    the first N - P columns of raw are written (NaN for a token whose page is missing from the page table).
     """
     what = "triattention score"
+    if not isinstance(weights, (list, tuple)) or not all(isinstance(w, torch.Tensor) for w in weights):
+        kinds = [type(w).__name__ for w in weights] if isinstance(weights, (list, tuple)) else type(weights).__name__
+        raise TypeError(f"{what}: weights must be a tuple of 3 tensors (Calibration.score_weights()), got {kinds}")
+    if len(weights) != 3:
+        raise ValueError(f"{what}: weights must be the 3 tensors (qr, qi, e) of Calibration.score_weights(), got "
+                         f"{len(weights)}")
+    if weights[0].dim() != 3 or 0 in weights[0].shape:
+        raise ValueError(f"{what}: weights[0] must be [layers, query heads, frequencies], each >= 1, got shape "
+                         f"{tuple(weights[0].shape)}")
     L, Hq, F = weights[0].shape
     device = check_round_inputs(what, k_pools, page_table, cache_lengths, prompt_lengths, L, Hq, F)
     check_float32(what, device, phase=(phase, (page_table.shape[0], 2, F)),
                   **{f"weights[{i}]": (w, (L, Hq, F)) for i, w in enumerate(weights)})
-    check_int(what, "max_decode", max_decode)
+    check_int(what, "max_decode", max_decode, 0, MAX_K)  # int32 positions
     return score_unchecked(k_pools, page_table, cache_lengths, prompt_lengths, phase, weights, max_decode)
 
 
 def check_round_inputs(what: str, k_pools: Sequence[torch.Tensor], page_table: torch.Tensor,
                        cache_lengths: torch.Tensor, prompt_lengths: torch.Tensor, num_layers: int,
                        num_query_heads: int, num_freqs: int) -> torch.device:
-    """The pools (check_pools), an int32 [R, pages] contiguous page table and int32 [R] lengths on their device;
-    returns it."""
+    """The pools (check_pools), an int32 [R, pages] contiguous page table and int32 [R] lengths on their device,
+    host prompt lengths >= 0 (a negative one would read keys before the cache's start; device ones are trusted
+    unless the caller validates); returns the device."""
     check_pools(what, k_pools, num_layers, num_query_heads, num_freqs)
     device = check_int32(what, k_pools[0].device, page_table=(page_table, 2), cache_lengths=(cache_lengths, 1),
                          prompt_lengths=(prompt_lengths, 1))
@@ -203,6 +217,7 @@ def check_round_inputs(what: str, k_pools: Sequence[torch.Tensor], page_table: t
             raise ValueError(f"{what}: {name} must be int32 [{R}] (one per page-table row), got {tuple(t.shape)}")
     if not page_table.is_contiguous():
         raise ValueError(f"{what}: page_table must be contiguous")
+    check_nonnegative(what, "prompt_lengths", prompt_lengths)
     return device
 
 

@@ -11,12 +11,13 @@ import torch
 
 from .._checks import check_bool, check_device, check_int
 from ..distributed import all_reduce_union_rows_, check_group, check_heads_covered, check_same_on_ranks, rank_kv_heads
-from .calibration import Calibration
+from .calibration import Calibration, check_calibration
 from ..compaction.compact import MODES, decision_rows
-from .reduce import reduce_unchecked
+from .phase import check_round_starts
+from .reduce import check_k_scale_values, reduce_unchecked
 from .score import check_round_inputs, score_unchecked
 from ..topk import topk
-from ..topk.ops import topk_unchecked
+from ..topk.ops import MAX_K, topk_unchecked
 
 
 def score_rows(k_pools: Sequence[torch.Tensor], page_table: torch.Tensor, cache_lengths: torch.Tensor,
@@ -42,16 +43,18 @@ class TriAttentionSelector:
     Parameters
     ----------
     calibration : Calibration
-        The model's statistics (``load_calibration``).
+        The model's statistics (``load_calibration``); its fields are checked here (``check_calibration``: a
+        device sync when it sits on a GPU).
     budget : int
-        Decode tokens kept per decision row (>= 1).
+        Decode tokens kept per decision row, in [1, 2**31 - 1].
     mode : str
         ``"union"`` (one row per request), ``"per_head"`` (one per KV head) or ``"per_layer_perhead"``.
     normalize_scores : bool
         z-score each (layer, head)'s scores over the request's decode tokens before reducing.
     max_decode : int, optional
-        The most decode tokens a request may hold (>= budget); it sizes the score buffers. When None, each call
-        takes the bound from its page table (``columns * page_size``), so any length the table holds is scored.
+        The most decode tokens a request may hold, in [budget, 2**31 - 1]; it sizes the score buffers. When None,
+        each call takes the bound from its page table (``columns * page_size``), so any length the table holds is
+        scored.
     k_scale : torch.Tensor, optional
         The keys' dequantization scale of an fp8 cache (vLLM's ``k_scale``): float32 ``[L]`` (per layer) or
         ``[L, Hkv]`` (per layer and KV head), positive and finite. With ``normalize_scores`` it cannot change a
@@ -71,9 +74,7 @@ class TriAttentionSelector:
                  max_decode: int | None = None, k_scale: torch.Tensor | None = None, process_group=None,
                  kv_heads: range | None = None):
         what = "TriAttentionSelector"
-        if not isinstance(calibration, Calibration):
-            raise TypeError(f"{what}: calibration must be a Calibration (load_calibration), got "
-                            f"{type(calibration).__name__}")
+        check_calibration(what, calibration)  # first: the KV-head split below reads its fields
         self.process_group = check_group(what, process_group)
         self.kv_heads = rank_kv_heads(what, self.process_group, calibration.num_kv_heads, kv_heads)
         self.model_kv_heads = calibration.num_kv_heads
@@ -81,10 +82,10 @@ class TriAttentionSelector:
             calibration = calibration.for_kv_heads(self.kv_heads)
         if mode not in MODES:
             raise ValueError(f"{what}: mode must be one of {MODES}, got {mode!r}")
-        check_int(what, "budget", budget, 1)
+        check_int(what, "budget", budget, 1, MAX_K)  # int32 positions and keep counts
         check_bool(what, "normalize_scores", normalize_scores)
         if max_decode is not None:
-            check_int(what, "max_decode", max_decode, budget)
+            check_int(what, "max_decode", max_decode, budget, MAX_K)
         self.calibration, self.budget, self.mode, self.normalize_scores = calibration, budget, mode, normalize_scores
         self.max_decode = max_decode
         self.rows = decision_rows(mode, calibration.num_layers, calibration.num_kv_heads)
@@ -119,17 +120,20 @@ class TriAttentionSelector:
         page_table : torch.Tensor
             int32 ``[R, pages]``: request r's cache position p lives in page ``page_table[r, p // page_size]``.
         cache_lengths, prompt_lengths : torch.Tensor
-            int32 ``[R]``: tokens cached, and the prompt (never evicted) at their start.
+            int32 ``[R]``: tokens cached, and the prompt (never evicted) at their start. Host prompt lengths are
+            checked to be >= 0 on every call (no sync); device ones only with `validate`.
         round_starts : torch.Tensor
-            int32/int64 ``[R]``: each request's logical position (RoPE) of the round.
+            int32/int64 ``[R]``: each request's logical position (RoPE) of the round, >= 0 (checked as the
+            prompt lengths are).
         validate : bool
-            Check on the host (a sync) that 0 <= prompt <= cache length <= the table's reach, that no request
-            holds more than max_decode decode tokens, and that every page-table entry below a cache length is
-            inside the pools; raises ValueError naming the request. With a process group, first (on every rank,
-            two or three small all-reduces) that the page table, lengths and round starts are the same on every
-            rank and that the ranks' heads cover the model's. Without it, a position whose page is absent (-1,
-            outside the pools, or past the table) scores -inf and ranks last, and decode tokens past an explicit
-            max_decode are not scored (leave max_decode unset, or check lengths on the host as the manager does).
+            Check on the host (a sync) that 0 <= prompt <= cache length <= the table's reach, that round starts
+            are >= 0, that no request holds more than max_decode decode tokens, and that every page-table entry
+            below a cache length is inside the pools; raises ValueError naming the request. With a process group,
+            first (on every rank, two or three small all-reduces) that the page table, lengths and round starts are
+            the same on every rank and that the ranks' heads cover the model's. Without it, a position whose page is
+            absent (-1, outside the pools, or past the table) scores -inf and ranks last, and decode tokens past an
+            explicit max_decode are not scored (leave max_decode unset, or check lengths on the host as the manager
+            does).
 
         Returns
         -------
@@ -149,11 +153,11 @@ class TriAttentionSelector:
         if head_dim != cal.head_dim:
             raise ValueError(f"{what}: k_pools have head_dim {head_dim}; the calibration has {cal.head_dim}; "
                              f"pools and calibration must describe one model")
-        check_device(what, device, round_starts=round_starts)
+        check_bool(what, "validate", validate)
+        check_round_starts(what, round_starts, device)
         if round_starts.shape[:1] != page_table.shape[:1]:
             raise ValueError(f"{what}: round_starts must be [{page_table.shape[0]}] (one per page-table row), got "
                              f"{tuple(round_starts.shape)}")
-        check_bool(what, "validate", validate)
         max_decode = self.max_decode or page_table.shape[1] * k_pools[0].shape[3]
         group = self.process_group
         if validate and group is not None:  # first, on every rank: then the local checks agree too
@@ -162,13 +166,13 @@ class TriAttentionSelector:
             if self.mode == "union":
                 check_heads_covered(what, group, device, self.kv_heads, self.model_kv_heads)
         if validate:
-            _check_round(what, k_pools, page_table, cache_lengths, prompt_lengths, max_decode)
+            _check_round(what, k_pools, page_table, cache_lengths, prompt_lengths, round_starts, max_decode)
         omega, weights, k_scale = self._calibration_on(device)
         R = page_table.shape[0]
         # four host calls: mean phase, score, reduce (which also writes the top-k's per-row lengths and offsets: the
         # decode count and the prompt), top-k; no elementwise op between them
         phase = torch.empty((R, 2, cal.num_freqs), dtype=torch.float32, device=device)
-        torch.ops.kvops.triattention_mean_phase_(round_starts.contiguous(), omega, phase)  # (it checks the dtype)
+        torch.ops.kvops.triattention_mean_phase_(round_starts.contiguous(), omega, phase)
         scores, lengths, offsets = score_rows(k_pools, page_table, cache_lengths, prompt_lengths, phase, cal, self.mode,
                                               max_decode, self.normalize_scores, weights, k_scale, topk_args=True)
         if group is not None and self.mode == "union":
@@ -187,18 +191,18 @@ def _check_k_scale(what: str, k_scale, cal: Calibration) -> torch.Tensor:
     if not isinstance(k_scale, torch.Tensor) or k_scale.dtype != torch.float32:
         raise TypeError(f"{what}: k_scale must be a float32 tensor, got "
                         f"{getattr(k_scale, 'dtype', type(k_scale).__name__)}")
+    check_device(what, k_scale=k_scale)  # a meta one has no values to read
     if tuple(k_scale.shape) not in ((L,), (L, Hkv)):
         raise ValueError(f"{what}: k_scale must be [{L}] (per layer) or [{L}, {Hkv}] (per layer and KV head), got "
                          f"{tuple(k_scale.shape)}")
     host = k_scale.detach().cpu()
-    if not bool((torch.isfinite(host) & (host > 0)).all()):
-        raise ValueError(f"{what}: k_scale must be positive and finite, got {host.flatten()[:8].tolist()}")
+    check_k_scale_values(what, host)
     return host.reshape(L, -1).expand(L, Hkv).contiguous()
 
 
 def _check_round(what: str, k_pools: Sequence[torch.Tensor], page_table: torch.Tensor, cache_lengths: torch.Tensor,
-                 prompt_lengths: torch.Tensor, max_decode: int) -> None:
-    """The lengths and the page-table entries a round reads, read back on the host (a sync)."""
+                 prompt_lengths: torch.Tensor, round_starts: torch.Tensor, max_decode: int) -> None:
+    """The lengths, round starts and page-table entries a round reads, read back on the host (a sync)."""
     P, T = k_pools[0].shape[0], k_pools[0].shape[3]
     n, p, table = cache_lengths.long().cpu(), prompt_lengths.long().cpu(), page_table.long().cpu()
 
@@ -208,6 +212,7 @@ def _check_round(what: str, k_pools: Sequence[torch.Tensor], page_table: torch.T
             raise ValueError(f"{what}: request {r} (prompt {int(p[r])}, cache length {int(n[r])}): {message}")
 
     fail((p < 0) | (n < p), "prompt_lengths and cache_lengths need 0 <= prompt <= cache length")
+    fail(round_starts.cpu() < 0, "round_starts must be >= 0")
     fail(n > table.shape[1] * T, f"the cache length exceeds the page table ({table.shape[1]} pages of {T})")
     fail(n - p > max_decode, f"more decode tokens than max_decode={max_decode}; they would not be scored")
     cols = torch.arange(table.shape[1])
