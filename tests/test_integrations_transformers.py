@@ -299,6 +299,29 @@ def test_kvops_attention_leaves_what_its_kernels_do_not_serve_to_grouped_sdpa(de
 
 
 @pytest.mark.parametrize("device", DEVICES)
+def test_what_the_packed_paths_cannot_take_goes_to_sdpa(device):
+    """A mask per head (or of another shape), a V head_dim unlike K's, or a soft cap: each attention function gives
+    what transformers' sdpa gives (a soft cap: its refusal), never a result that ignores it."""
+    from transformers.integrations.sdpa_attention import repeat_kv
+
+    module = torch.nn.Module()
+    module.num_key_value_groups, module.is_causal = 2, True
+    query = torch.randn(2, 4, 1, 64, device=device, dtype=torch.bfloat16)
+    k, v = (torch.randn(2, 2, 9, 64, device=device, dtype=torch.bfloat16) for _ in range(2))
+    per_head = torch.rand(2, 4, 1, 9, device=device) > 0.3
+    per_head[..., 0] = True
+    for mask, value in ((per_head, v), (per_head[:, :1], v[..., :32])):
+        want = torch.nn.functional.scaled_dot_product_attention(
+            query.float(), repeat_kv(k, 2).float(), repeat_kv(value, 2).float(), attn_mask=mask).transpose(1, 2)
+        for attention in (grouped_sdpa, kvops_attention):
+            got, _ = attention(module, query, k, value, mask)
+            torch.testing.assert_close(got.float(), want, atol=2e-2, rtol=2e-2)
+    for attention in (grouped_sdpa, kvops_attention):
+        with pytest.raises(ValueError, match="softcap"):
+            attention(module, query, k, v, per_head[:, :1], softcap=1.0)
+
+
+@pytest.mark.parametrize("device", DEVICES)
 def test_write_slots_op(device):
     """The static cache's write op: the step's K and V land in exactly the given slots of both planes."""
     from kvops.integrations.transformers import _write_slots

@@ -678,8 +678,8 @@ def grouped_sdpa(module, query, key, value, attention_mask, **kwargs):
     groups = getattr(module, "num_key_value_groups", 1)
     B, Hq, q, D = query.shape
     if attention_mask is None or attention_mask.dim() != 4 or attention_mask.shape[1] != 1 or groups == 1 or \
-            kwargs.get("position_bias") is not None:  # a mask per head would need packing too
-        return _sdpa(module, query, key, value, attention_mask, **kwargs)
+            Hq != key.shape[1] * groups or kwargs.get("position_bias") is not None or kwargs.get("softcap"):
+        return _sdpa(module, query, key, value, attention_mask, **kwargs)  # a mask per head would need packing too
     sdpa = functools.partial(torch.nn.functional.scaled_dot_product_attention, attn_mask=attention_mask,
                              dropout_p=kwargs.get("dropout", 0.0), scale=kwargs.get("scaling"))
     if q == 1:
@@ -687,7 +687,7 @@ def grouped_sdpa(module, query, key, value, attention_mask, **kwargs):
     else:
         grouped = query.reshape(B, Hq // groups, groups, q, D)
         out = torch.stack([sdpa(grouped[:, :, g], key, value) for g in range(groups)], dim=2)
-    return out.reshape(B, Hq, q, D).transpose(1, 2).contiguous(), None
+    return out.reshape(B, Hq, q, value.shape[-1]).transpose(1, 2).contiguous(), None
 
 
 KVOPS_ATTENTION = "kvops_decode"
@@ -706,12 +706,14 @@ def kvops_attention(module, query, key, value, attention_mask, **kwargs):
     Select it with ``model.set_attn_implementation(KVOPS_ATTENTION)``.
     """
     B, Hq, q, D = query.shape
+    N = key.shape[2]
     if q != 1 or kwargs.get("dropout", 0.0) or kwargs.get("position_bias") is not None or \
             kwargs.get("s_aux") is not None or kwargs.get("softcap") or kwargs.get("sliding_window") or \
-            D not in HEAD_DIMS or query.dtype not in QUERY_DTYPES or \
-            (attention_mask is not None and attention_mask.dtype != torch.bool):
+            D not in HEAD_DIMS or value.shape[-1] != D or query.dtype not in QUERY_DTYPES or \
+            (attention_mask is not None and (attention_mask.dtype != torch.bool or attention_mask.dim() != 4 or
+                                             attention_mask.shape[0] not in (1, B) or
+                                             attention_mask.shape[1:] != (1, 1, N))):  # one mask row per batch row
         return grouped_sdpa(module, query, key, value, attention_mask, **kwargs)
-    N = key.shape[2]
     table = torch.arange(B, dtype=torch.int32, device=query.device)[:, None]
     if attention_mask is None:
         lengths, starts = torch.full((B,), N, dtype=torch.int32, device=query.device), None
