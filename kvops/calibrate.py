@@ -65,6 +65,9 @@ def require_transformers():
 class QueryStatistics:
     """Running float64 sums of the pre-RoPE queries, per layer, head and frequency, fed by forward hooks."""
 
+    # the metadata fields the measurement writes (to_file_format)
+    MEASURED = ("head_dim", "num_layers", "num_attention_heads", "rope_style", "tokens", "sampled_heads")
+
     def __init__(self, model):
         config = model.config.to_dict()
         check_model_config(config)
@@ -115,20 +118,39 @@ class QueryStatistics:
             for layer in range(self.num_layers) for head in range(self.num_heads)}
         meta = {"head_dim": self.head_dim, "num_layers": self.num_layers, "num_attention_heads": self.num_heads,
                 "rope_style": "half", "tokens": self.tokens,
-                "sampled_heads": [[layer, head] for layer in range(self.num_layers) for head in range(self.num_heads)],
-                **(metadata or {})}
+                "sampled_heads": [[layer, head] for layer in range(self.num_layers) for head in range(self.num_heads)]}
+        meta.update(metadata or {})
         return {"metadata": meta, "stats": stats}
 
 
 @torch.no_grad()
 def calibrate(model, token_ids: torch.Tensor, window: int = 2048, progress: bool = False,
               metadata: Mapping[str, Any] | None = None) -> dict:
-    """Run `token_ids` (int64 [n]) through `model` in windows of `window` tokens (each its own sequence, batch 1)
-    and return the calibration in the official format (save it with ``torch.save``)."""
+    """Run `token_ids` (int64 [n], ids of the model's vocabulary) through `model` in windows of `window` tokens
+    (each its own sequence, batch 1) and return the calibration in the official format (save it with
+    ``torch.save``). `metadata` joins the file's metadata (it may not replace what the measurement writes); the
+    model's train/eval mode is restored after."""
+    if not hasattr(getattr(model, "config", None), "to_dict") or not hasattr(model, "parameters"):
+        raise TypeError(f"calibrate: model must be a transformers model (with a config), got {type(model).__name__}")
     if not isinstance(token_ids, torch.Tensor) or token_ids.dim() != 1 or token_ids.dtype != torch.int64:
         raise ValueError("calibrate: token_ids must be a 1-D int64 tensor")
+    if token_ids.device.type == "meta" or token_ids.numel() == 0:
+        raise ValueError(f"calibrate: token_ids must hold at least one token on a real device, got "
+                         f"{token_ids.numel()} on {token_ids.device}")
+    vocab = getattr(model.config, "vocab_size", None)
+    low, high = int(token_ids.min()), int(token_ids.max())  # a sync, once: calibration runs offline
+    if low < 0 or (isinstance(vocab, int) and high >= vocab):  # the embedding would index outside its table
+        raise ValueError(f"calibrate: token_ids must be ids in [0, {vocab}) (the model's vocab_size), got values in "
+                         f"[{low}, {high}]")
     if isinstance(window, bool) or not isinstance(window, int) or window < 1:
         raise ValueError(f"calibrate: window must be a positive int, got {window!r}")
+    if not isinstance(progress, bool):
+        raise TypeError(f"calibrate: progress must be a bool, got {type(progress).__name__} {progress!r}")
+    if metadata is not None and not isinstance(metadata, Mapping):
+        raise TypeError(f"calibrate: metadata must be a dict or None, got {type(metadata).__name__}")
+    measured = set(metadata or ()) & set(QueryStatistics.MEASURED)
+    if measured:
+        raise ValueError(f"calibrate: metadata may not replace the measured fields {sorted(measured)}")
     stats = QueryStatistics(model)
     device = next(model.parameters()).device
     starts = range(0, token_ids.numel(), window)
@@ -137,6 +159,7 @@ def calibrate(model, token_ids: torch.Tensor, window: int = 2048, progress: bool
         from tqdm.auto import tqdm  # a dependency of transformers
 
         bar = tqdm(total=token_ids.numel(), unit="tok", desc="kvops calibrate")
+    training = model.training
     try:
         model.eval()
         for start in starts:
@@ -146,6 +169,7 @@ def calibrate(model, token_ids: torch.Tensor, window: int = 2048, progress: bool
                 bar.update(chunk.shape[1])
     finally:
         stats.remove()
+        model.train(training)
         if bar is not None:
             bar.close()
     return stats.to_file_format(metadata)

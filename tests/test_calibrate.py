@@ -13,7 +13,7 @@ from conftest import TINY, TINY_MODELS, run_python, tiny_model
 
 transformers = pytest.importorskip("transformers")
 
-from kvops.calibrate import calibrate, check_model_config, main  # noqa: E402
+from kvops.calibrate import QueryStatistics, calibrate, check_model_config, main  # noqa: E402
 from kvops.triattention import TriAttentionSelector, load_calibration  # noqa: E402
 
 
@@ -57,6 +57,28 @@ def test_statistics_equal_the_queries_attention_rotates(name):
                                        atol=1e-6)
     cal = load_calibration(data, config)  # the dict as the file holds it
     assert cal.num_freqs == F and cal.num_kv_heads == model.config.num_key_value_heads
+    assert set(QueryStatistics.MEASURED) == set(data["metadata"])  # what metadata= may not replace
+
+
+def test_the_python_api_refuses_what_the_model_cannot_run():
+    """Ids outside the vocabulary (the embedding would index outside its table), no tokens, a meta tensor, an
+    object that is no model, and metadata that would replace measured fields are refused before the model runs;
+    the model's train mode is restored."""
+    model = tiny_model("qwen3").train()
+    ids = torch.randint(0, TINY["vocab_size"], (20,))
+    for args, kw, error, match in (
+            ((model, torch.tensor([5, TINY["vocab_size"]])), {}, ValueError, "token_ids must be ids in"),
+            ((model, torch.tensor([5, -1])), {}, ValueError, "token_ids must be ids in"),
+            ((model, torch.zeros(0, dtype=torch.int64)), {}, ValueError, "at least one token"),
+            ((model, torch.zeros(3, dtype=torch.int64, device="meta")), {}, ValueError, "at least one token"),
+            ((object(), ids), {}, TypeError, "model must be a transformers model"),
+            ((model, ids), {"metadata": [1]}, TypeError, "metadata must be a dict"),
+            ((model, ids), {"metadata": {"tokens": 999}}, ValueError, "may not replace the measured fields"),
+            ((model, ids), {"progress": "no"}, TypeError, "progress must be a bool")):
+        with pytest.raises(error, match=match):
+            calibrate(*args, **kw)
+    data = calibrate(model, ids, metadata={"note": "x"})
+    assert data["metadata"]["note"] == "x" and data["metadata"]["tokens"] == 20 and model.training
 
 
 def _tokenizer(text, directory):
