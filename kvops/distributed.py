@@ -51,6 +51,7 @@ def rank_kv_heads(what: str, group, num_kv_heads: int, kv_heads=None) -> range:
     holds the r-th contiguous block of ``num_kv_heads / world``; with fewer, each head is replicated on
     ``world / num_kv_heads`` consecutive ranks and rank r holds head ``r // (world / num_kv_heads)``. Without a
     group, every head."""
+    check_int(what, "num_kv_heads", num_kv_heads, 1)
     if kv_heads is not None:
         if not isinstance(kv_heads, range):
             raise TypeError(f"{what}: kv_heads must be a range of the model's KV heads, got "
@@ -92,6 +93,10 @@ def check_same_on_ranks(what: str, group, device: torch.device, **tensors: torch
     the same names. `device`: where the collective runs (a CUDA device for NCCL)."""
     if group is None:
         return
+    for name, t in tensors.items():  # compared as int64: a float would be truncated first
+        if not isinstance(t, torch.Tensor) or t.dtype.is_floating_point or t.dtype.is_complex or t.is_meta:
+            raise TypeError(f"{what}: {name} must be an integer tensor with values, got "
+                            f"{getattr(t, 'dtype', type(t).__name__)}{' on meta' if getattr(t, 'is_meta', 0) else ''}")
     names = list(tensors)
     shapes = torch.zeros(len(names), 5, dtype=torch.int64)
     for i, t in enumerate(tensors.values()):
@@ -129,6 +134,16 @@ def all_reduce_union_rows_(rows: torch.Tensor, count: torch.Tensor, group) -> to
     planes; -inf past a request's `count` decode tokens and where a plane it reduces has a non-finite score),
     in place. A poisoned column must stay poisoned whatever other ranks hold, so it travels as +inf (no finite
     score is +inf) and comes back as -inf. On the current stream, no host sync."""
+    what = "all_reduce_union_rows_"
+    if not isinstance(group, dist.ProcessGroup):  # (check_group's membership calls are left to the selector)
+        raise TypeError(f"{what}: group must be a torch.distributed ProcessGroup, got {type(group).__name__}")
+    if not isinstance(rows, torch.Tensor) or rows.dtype != torch.float32 or rows.dim() != 3 or rows.shape[1] != 1:
+        raise ValueError(f"{what}: rows must be float32 [R, 1, n], got {getattr(rows, 'dtype', type(rows).__name__)} "
+                         f"{tuple(getattr(rows, 'shape', ()))}")
+    if not isinstance(count, torch.Tensor) or count.dtype not in (torch.int32, torch.int64) or \
+            tuple(count.shape) != rows.shape[:1] or count.device != rows.device:
+        raise ValueError(f"{what}: count must be int32 or int64 [{rows.shape[0]}] on {rows.device}, got "
+                         f"{getattr(count, 'dtype', type(count).__name__)} {tuple(getattr(count, 'shape', ()))}")
     n = rows.shape[-1]
     live = torch.arange(n, device=rows.device) < count[:, None, None]
     rows.masked_fill_(live & (rows == -float("inf")), float("inf"))

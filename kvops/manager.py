@@ -22,7 +22,7 @@ from typing import Any, Mapping, Sequence
 import torch
 import triton
 
-from ._checks import check_bool, check_hashable, check_int
+from ._checks import check_bool, check_choice, check_hashable, check_int, check_int32
 from ._targets import CAPABILITIES as SUPPORTED_ARCHS  # noqa: F401  (the archs kvops builds kernels for)
 from .compaction import ORDERS, build_compaction_params, compact, decision_rows
 from .config import KVCacheCompressionConfig, NVFP4ColdPageConfig, TriAttentionConfig
@@ -145,6 +145,10 @@ class TriAttentionManager(KVCacheCompressionManager):
                                         normalize_scores=config.normalize_scores,
                                         k_scale=getattr(kv_cache, "k_scale", None), process_group=self.process_group,
                                         kv_heads=kv_heads)
+        heads = getattr(kv_cache, "num_kv_heads", None)
+        if heads is not None and heads != len(self.selector.kv_heads):  # create_compression_manager checks it too
+            raise ValueError(f"TriAttentionManager: the cache holds {heads} KV heads, kv_heads "
+                             f"{self.selector.kv_heads} names {len(self.selector.kv_heads)}")
         # what every rank's manager must share to run one round (checked with validate, before each step)
         recent = torch.zeros(calibration.num_layers, dtype=torch.int64)
         recent[list(policy.recent_layers)] = 1
@@ -319,14 +323,22 @@ class TriAttentionRound:
 
     def __init__(self, selector: TriAttentionSelector, cache, requests: int, width: int, max_tail: int,
                  cuda_graphs: bool, order: str = "fill", recent_layers: Sequence[int] = ()):
-        check_int("TriAttentionRound", "requests", requests, 1)  # capacities: at least one request, one page
-        check_int("TriAttentionRound", "width", width, 1)
+        what = "TriAttentionRound"
+        check_int(what, "requests", requests, 1)  # capacities: at least one request, one page
+        check_int(what, "width", width, 1)
+        check_bool(what, "cuda_graphs", cuda_graphs)
+        L = len(cache.views())
+        if len(set(recent_layers)) != len(recent_layers) or not all(
+                isinstance(x, int) and not isinstance(x, bool) and 0 <= x < L for x in recent_layers) or \
+                len(recent_layers) == L:
+            raise ValueError(f"{what}: recent_layers must be distinct layers of the cache's {L}, not all of them, got "
+                             f"{list(recent_layers)}")
         self.selector, self.requests = selector, 1 << (requests - 1).bit_length()
         self.width = 1 << (width - 1).bit_length()
         device = cache.device
         self.page_table = torch.full((self.requests, self.width), -1, dtype=torch.int32, device=device)
         self.lengths = torch.zeros(4, self.requests, dtype=torch.int32, device=device)  # scored, prompt, tail, position
-        L, heads = len(cache.views()), selector.calibration.num_kv_heads
+        heads = selector.calibration.num_kv_heads
         self.scored = [layer for layer in range(L) if layer not in recent_layers]
         rows = decision_rows(selector.mode, L, heads)  # the compaction's rows: every layer's
         # per_layer_perhead rows of the scored layers (row l * heads + g) when some layers keep their newest
@@ -357,12 +369,23 @@ class TriAttentionRound:
 
     def run(self, page_table: torch.Tensor, scored: Sequence[int], prompts: Sequence[int], tails: Sequence[int],
             positions: Sequence[int]) -> None:
+        what = "TriAttentionRound.run"
+        check_int32(what, page_table=(page_table, 2))
+        for name, values in (("scored", scored), ("prompts", prompts), ("tails", tails), ("positions", positions)):
+            if not isinstance(values, (list, tuple)):
+                raise TypeError(f"{what}: {name} must be a list of ints, got {type(values).__name__}")
+            for i, v in enumerate(values):  # int32 on the device
+                check_int(what, f"{name}[{i}]", v, 0, 2**31 - 1)
         R = len(scored)
         if not len(prompts) == len(tails) == len(positions) == R or R > self.requests or \
                 tuple(page_table.shape) != (R, self.width):
-            raise ValueError(f"TriAttentionRound.run: page_table [R, {self.width}] and R scored lengths, prompts, "
+            raise ValueError(f"{what}: page_table [R, {self.width}] and R scored lengths, prompts, "
                              f"tails and positions for R <= {self.requests} requests, got {tuple(page_table.shape)} "
                              f"and {len(scored)}, {len(prompts)}, {len(tails)}, {len(positions)}")
+        for r, (n, p, t) in enumerate(zip(scored, prompts, tails)):
+            if p > n or n + t > 2**31 - 1:
+                raise ValueError(f"{what}: request {r} needs prompt <= scored and scored + tail within int32, got "
+                                 f"prompt {p}, scored {n}, tail {t}")
         if R == 0:
             return
         self.page_table[:R].copy_(page_table, non_blocking=True)
@@ -426,6 +449,9 @@ def round_order(order: str, recent_window: int, beta: int) -> str:
     only while the window is no longer than the beta tokens since the last round, which arrive in order. A longer
     window reaches back into the last round's tail, so its rounds run "ordered", which keeps the tail last and in
     order (docs/triattention.md, "Keep policy")."""
+    check_choice("round_order", "order", order, ORDERS)
+    check_int("round_order", "recent_window", recent_window)
+    check_int("round_order", "beta", beta, 1)
     return "ordered" if order == "fill" and recent_window > beta else order
 
 

@@ -15,7 +15,7 @@ from conftest import requires_cuda
 from kvops.cache import PagedKVCache
 from kvops.compaction import MODES
 from kvops.config import NVFP4ColdPageConfig, TriAttentionConfig
-from kvops.distributed import check_group, rank_kv_heads
+from kvops.distributed import all_reduce_union_rows_, check_group, check_same_on_ranks, rank_kv_heads
 from kvops.manager import Request, create_compression_manager
 from kvops.nvfp4.reference import decode_pages, encode_pages
 from kvops.triattention import SHIPPED, TriAttentionSelector, load_calibration
@@ -283,6 +283,33 @@ def test_bad_tensor_parallel_arguments_are_refused_by_name():
     with pytest.raises(TypeError, match="validate must be a bool"):
         create_compression_manager(TriAttentionConfig(budget=8, beta=4, calibration_path="qwen3-8b"),
                                    PagedKVCache(L, HKV, D, T, num_pages=4), MODEL, validate=1)
+
+
+def _helpers_refuse(rank, world, group, device):
+    rows = torch.tensor([[[1.0, -float("inf"), 2.0]]])
+    saved = rows.clone()
+    for args, error, match in (((rows, torch.tensor([3]), "world"), TypeError, "group must be a torch.distributed"),
+                               ((rows, torch.tensor([1.5]), group), ValueError, "count must be int32 or int64"),
+                               ((rows.int(), torch.tensor([3]), group), ValueError, "rows must be float32"),
+                               ((rows, torch.tensor([3, 3]), group), ValueError, "count must be")):
+        with pytest.raises(error, match=match):
+            all_reduce_union_rows_(*args)
+        assert torch.equal(rows, saved)  # refused before the poisoned columns are flipped
+    for bad in (torch.tensor([0.4]), torch.tensor([1j]), [1, 2], torch.empty(2, dtype=torch.int64, device="meta")):
+        with pytest.raises(TypeError, match="x must be an integer tensor"):  # a float would be truncated first
+            check_same_on_ranks("test", group, torch.device(device), x=bad)
+    for bad, error in ((0, ValueError), (True, TypeError), ("4", TypeError)):
+        with pytest.raises(error, match="num_kv_heads"):
+            rank_kv_heads("test", group, bad)
+    cache = PagedKVCache(L, HKV, D, T, num_pages=4)
+    from kvops.manager import TriAttentionManager
+    with pytest.raises(ValueError, match="the cache holds 8 KV heads, kv_heads range\\(0, 1\\) names 1"):
+        TriAttentionManager(TriAttentionConfig(budget=8, beta=4, calibration_path="qwen3-8b"), cache, MODEL,
+                            process_group=group, kv_heads=range(0, 1))
+
+
+def test_the_helpers_refuse_bad_arguments_before_changing_anything():
+    _spawn(_helpers_refuse, 1, "gloo", "cpu")
 
 
 def test_a_rank_calibration_is_the_model_one_restricted_to_its_heads():

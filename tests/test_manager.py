@@ -12,7 +12,7 @@ from conftest import BARE
 from kvops.cache import PagedKVCache
 from kvops.config import NVFP4ColdPageConfig, TriAttentionConfig
 from kvops.manager import (KVCacheCompressionManager, NVFP4ColdPageManager, Request, TriAttentionManager,
-                           TriAttentionRound, create_compression_manager)
+                           TriAttentionRound, create_compression_manager, round_order)
 from kvops.compaction import MODES
 from kvops.compaction.reference import fill_order
 from kvops.triattention.reference import select_reference
@@ -565,6 +565,27 @@ def test_a_round_over_no_requests_does_nothing(calibration):
                  (cache.page_table(["a"] * 3, 4), [9] * 3, [5] * 3, [0] * 3, [9] * 3)):
         with pytest.raises(ValueError, match="TriAttentionRound.run: page_table"):
             round_.run(*args)
+    buffers = round_.page_table.clone(), round_.lengths.clone()
+    for args, error, match in (((table, [9], [5], [0], [2**40]), ValueError, r"positions\[0\] must be in"),
+                               ((table, [9], [5], [-1], [9]), ValueError, r"tails\[0\] must be in"),
+                               ((table, [9.5], [5], [0], [9]), TypeError, r"scored\[0\] must be an int"),
+                               ((table, [True], [5], [0], [9]), TypeError, r"scored\[0\] must be an int"),
+                               ((table, torch.tensor([9]), [5], [0], [9]), TypeError, "scored must be a list"),
+                               ((table, [4], [5], [0], [9]), ValueError, "prompt <= scored"),
+                               ((table.float(), [9], [5], [0], [9]), ValueError, "page_table must be int32")):
+        with pytest.raises(error, match=match):  # before any buffer is written
+            round_.run(*args)
+        assert torch.equal(round_.page_table, buffers[0]) and torch.equal(round_.lengths, buffers[1])
+    for kw, error, match in ((dict(cuda_graphs="no"), TypeError, "cuda_graphs must be a bool"),
+                             (dict(recent_layers=[5]), ValueError, "recent_layers must be distinct layers"),
+                             (dict(recent_layers=[0, 1]), ValueError, "not all of them")):
+        with pytest.raises(error, match=match):
+            TriAttentionRound(manager.selector, cache, 1, 4, 5, **{"cuda_graphs": False, **kw})
+    for args, error, match in ((("zz", 3, 2), ValueError, "order must be one of"),
+                               (("fill", True, 2), TypeError, "recent_window must be an int"),
+                               (("fill", 3, 0), ValueError, "beta must be >= 1")):
+        with pytest.raises(error, match=match):
+            round_order(*args)
     assert _same(before, _snapshot(manager, cache))
 
 
