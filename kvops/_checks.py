@@ -102,7 +102,10 @@ def _offsets_meet(delta: int, dims: Sequence[tuple[int, int]]) -> bool:
 
 
 def overlap(a: torch.Tensor, b: torch.Tensor) -> bool:
-    """Whether two tensors share at least one byte of memory (same storage, intersecting elements)."""
+    """Whether two tensors share at least one byte of memory (same storage, intersecting elements). False while
+    torch.compile traces: traced tensors have no addresses (the checks that use this run in eager calls)."""
+    if torch.compiler.is_compiling():
+        return False
     if a.numel() == 0 or b.numel() == 0 or a.device != b.device or \
             a.untyped_storage().data_ptr() != b.untyped_storage().data_ptr():
         return False

@@ -200,6 +200,10 @@ def test_opcheck_and_compile(device):
     compiled = torch.compile(lambda s, n, o: topk(s, n, 16, offsets=o) + 1, fullgraph=True,
                              backend="aot_eager" if device == "cpu" else "inductor")
     assert torch.equal(compiled(scores, lengths, offsets), topk(scores, lengths, 16, offsets=offsets) + 1)
+    into = torch.compile(lambda s, n, o: topk(s, n, 16, out=o), fullgraph=True,  # out=: its aliasing check is eager's
+                         backend="aot_eager" if device == "cpu" else "inductor")
+    into(scores, lengths, out.fill_(-7))
+    assert torch.equal(out, topk(scores, lengths, 16))
 
 
 @requires_cuda

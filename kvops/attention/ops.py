@@ -59,7 +59,8 @@ def decode_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.
         scale = 1.0 / math.sqrt(query.shape[-1]) if query.dim() == 4 and query.shape[-1] > 0 else 1.0
     for name, value in (("scale", scale), ("k_scale", k_scale), ("v_scale", v_scale)):
         if isinstance(value, bool) or not isinstance(value, (int, float)):
-            raise TypeError(f"{what}: {name} must be a float, got {type(value).__name__} {value!r}")
+            shown = "" if isinstance(value, torch.Tensor) else f" {value!r}"  # a traced tensor has no repr
+            raise TypeError(f"{what}: {name} must be a float, got {type(value).__name__}{shown}")
     check_int(what, "num_splits", num_splits, 0)  # the op bounds it (csrc/attention/attention.h's kMaxSplits)
     return torch.ops.kvops.attention_decode(query, k_cache, v_cache, page_table, lengths, starts, float(scale),
                                             float(k_scale), float(v_scale), num_splits)

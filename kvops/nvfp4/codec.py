@@ -100,7 +100,7 @@ class PageBlobCodec:
                              f"{tuple(cold_pages.shape)}")
         # page_pairs too: a call that wrote over its own pairs would read garbage pairs after the first
         check_disjoint(what, "pools", pools, [("cold_pages", cold_pages), ("page_pairs", page_pairs)])
-        if not torch.compiler.is_compiling() and overlap(page_pairs, cold_pages):  # traced tensors have no addresses
+        if overlap(page_pairs, cold_pages):
             raise ValueError(f"{what}: page_pairs shares memory with cold_pages")
 
     def _staging_buffer(self, what: str, pools: Sequence[torch.Tensor], cold_pages: torch.Tensor,

@@ -64,7 +64,8 @@ def _check_args(what: str, global_scale: torch.Tensor | None, **tensors: torch.T
 @torch.library.register_fake("kvops::nvfp4_quantize")
 def _quantize_fake(x, global_scale=None):
     check_no_meta_mix("nvfp4_quantize", x, global_scale)
-    torch._check(x.shape[-1] % 16 == 0, lambda: "nvfp4_quantize: x last dim must be a multiple of 16")
+    torch._check_value(x.dim() >= 1, lambda: "nvfp4_quantize: x must have at least one dim")
+    torch._check_value(x.shape[-1] % 16 == 0, lambda: "nvfp4_quantize: x last dim must be a multiple of 16")
     packed = x.new_empty((*x.shape[:-1], x.shape[-1] // 2), dtype=torch.uint8)
     scales = x.new_empty((*x.shape[:-1], x.shape[-1] // 16), dtype=torch.float8_e4m3fn)
     return packed, scales
@@ -73,6 +74,7 @@ def _quantize_fake(x, global_scale=None):
 @torch.library.register_fake("kvops::nvfp4_dequantize")
 def _dequantize_fake(packed, scales, global_scale, dtype):
     check_no_meta_mix("nvfp4_dequantize", packed, scales, global_scale)
+    torch._check_value(packed.dim() >= 1, lambda: "nvfp4_dequantize: packed must have at least one dim")
     return packed.new_empty((*packed.shape[:-1], packed.shape[-1] * 2), dtype=dtype)
 
 
