@@ -174,9 +174,11 @@ class TriAttentionManager(KVCacheCompressionManager):
             raise ValueError(f"{what}: {name}: request {rid!r} was never admitted (on_request_init) or has finished")
 
     def _prefilled(self, what: str, name: str, rid) -> None:
-        """Decode steps start once the request's context steps have written its whole prompt."""
-        if self.accounted_length[rid] < self.prompt_length[rid]:
-            raise ValueError(f"{what}: {name}: request {rid!r} has written {self.accounted_length[rid]} of its "
+        """Decode steps start once the request's prompt is written: in the cache, and as its context steps
+        accounted it (a chunked prefill in progress has written part of it)."""
+        written = min(self.accounted_length[rid], self._cache_length(what, rid))
+        if written < self.prompt_length[rid]:
+            raise ValueError(f"{what}: {name}: request {rid!r} has written {written} of its "
                              f"{self.prompt_length[rid]} prompt tokens; decode steps start after its last context "
                              f"step")
 

@@ -351,6 +351,8 @@ def test_decode_steps_wait_for_the_whole_prompt(calibration):
     cache.add_request("a")
     manager.on_request_init(Request("a", 10))
     cache.append("a", *_kv(4))
+    _refused(manager, cache, lambda: manager.on_generation_step_begin(["a"]), ValueError,
+             "has written 4 of its 10 prompt tokens")  # before its first context step too
     manager.on_context_step_end([Request("a", 10)])  # 4 of 10
     cache.append("a", *_kv(6))
     _refused(manager, cache, lambda: manager.on_generation_step_end([("a", 6)]), ValueError,
@@ -761,7 +763,9 @@ def test_random_hooks_and_churn_match_a_shadow_model(calibration, mode):
                 refused(lambda: cache.finish(rid))
         elif op == "begin":
             batch = chosen + [rid] * (n >> 4 & 1) + [100] * (n >> 5 & 1)
-            if all(r in mgr for r in batch) and len(set(batch)) == len(batch):
+            # admitted, distinct, in the cache, and the whole prompt written and accounted
+            if all(r in mgr and r in held and min(length(r), mgr[r]["accounted"]) >= mgr[r]["prompt"]
+                   for r in batch) and len(set(batch)) == len(batch):
                 before = _snapshot(manager, cache)
                 manager.on_generation_step_begin(batch)
                 assert _same(before, _snapshot(manager, cache))
