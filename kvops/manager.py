@@ -376,8 +376,10 @@ class TriAttentionRound:
         for name, values in (("scored", scored), ("prompts", prompts), ("tails", tails), ("positions", positions)):
             if not isinstance(values, (list, tuple)):
                 raise TypeError(f"{what}: {name} must be a list of ints, got {type(values).__name__}")
-            for i, v in enumerate(values):  # int32 on the device
-                check_int(what, f"{name}[{i}]", v, 0, 2**31 - 1)
+            # int32 on the device; the fast test first (a round of many requests runs it each time)
+            if not all(type(v) is int for v in values) or values and not 0 <= min(values) <= max(values) < 2**31:
+                for i, v in enumerate(values):
+                    check_int(what, f"{name}[{i}]", v, 0, 2**31 - 1)
         R = len(scored)
         if not len(prompts) == len(tails) == len(positions) == R or R > self.requests or \
                 tuple(page_table.shape) != (R, self.width):
