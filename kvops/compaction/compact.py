@@ -217,11 +217,11 @@ def compact(params: CompactionParams, request_count: int | None = None, *, valid
     -----
     A request whose tail lies outside [0, max_tail], whose destination base lies outside [0, scored - K] (no decision
     fits above it; base + K + tail could overflow int32) or whose scored + tail does not fit int32 is left as it is:
-    nothing of it moves and its new length is scored + tail (its length before the call, saturated to [0, 2**31 - 1]),
-    so no token is dropped without the caller seeing it in the returned length. Without validation the kernels trust the
-    rest: a decision that is not ascending or that overtakes (kept[m] < base + m) moves the wrong bytes, and a
-    page-table entry shared by two requests (or two columns) is overwritten by one move while another reads it. Entries
-    outside the pool are skipped.
+    nothing of it moves and its new length is scored + max(tail, 0) (its length before the call, saturated to
+    [0, 2**31 - 1]), so no token is dropped without the caller seeing it in the returned length. Without validation
+    the kernels trust the rest: a decision that is not ascending or that overtakes (kept[m] < base + m) moves the
+    wrong bytes, and a page-table entry shared by two requests (or two columns) is overwritten by one move while
+    another reads it. Entries outside the pool are skipped.
     """
     if not isinstance(params, CompactionParams):
         raise TypeError(f"compact: params must be a CompactionParams (build_compaction_params), got "

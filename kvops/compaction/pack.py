@@ -23,7 +23,8 @@ those instead of the whole list, so a round that evicts beta of K + beta tokens 
 ``new_lengths[r] = destination_bases[r] + n_r``. A request whose tail does not fit (outside
 [0, capacity - K]), whose destination base lies outside [0, scored_length - K] (no decision fits above it, and
 base + n_r could overflow int32), or whose scored_length + tail does not fit int32 gets lists of -1 (nothing
-moves) and ``new_lengths[r] = scored_length + tail``, its length before the round (saturated to [0, 2**31 - 1]).
+moves) and ``new_lengths[r] = scored_length + max(tail, 0)``, its length before the round (saturated to
+[0, 2**31 - 1]).
 Padding (rather than ragged offsets) keeps every shape static for CUDA graphs and means a bad tail can never
 push a list into another request's.
 """
