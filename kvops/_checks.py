@@ -7,6 +7,8 @@ from typing import Iterable, Sequence
 
 import torch
 
+INT32_MAX = 2**31 - 1  # every kernel indexes positions, lengths and list entries in int32
+
 
 def check_int(what: str, name: str, value, minimum: int = 0, maximum: int | None = None) -> int:
     """A Python int (not a bool) in [minimum, maximum]; returns it."""

@@ -126,8 +126,9 @@ class ColdPageCodec:
         device buffer and the copy engine, for a pinned host dst_base and host pairs (``PageBlobCodec.encode``)."""
         codec = self._codec(layer_group)
         if isinstance(dst_base, torch.Tensor):  # the group's own pools: PageBlobCodec.encode checks them
-            check_disjoint(f"{type(self).__name__}.encode", "the configured groups' pools",
-                           [p for pools in self._pools.values() for p in pools], [("dst_base", dst_base)])
+            check_disjoint(f"{type(self).__name__}.encode", "the other groups' pools",
+                           [p for g, pools in self._pools.items() if g != layer_group for p in pools],
+                           [("dst_base", dst_base)])
         with self._on(stream):
             codec.encode(self._pools[layer_group], dst_base, page_pairs, staged=staged)
 

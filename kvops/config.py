@@ -15,7 +15,7 @@ from typing import Any, ClassVar, Mapping, NamedTuple
 
 import torch
 
-from ._checks import check_bool, check_choice, check_int
+from ._checks import INT32_MAX, check_bool, check_choice, check_int
 from .nvfp4.layout import DEFAULT_SCALE, MAX_MIDDLE_DIMS, RowSpec, _check_spec
 from .triattention.calibration import SHIPPED, calibration_file
 from .compaction.compact import MODES, ORDERS
@@ -24,7 +24,7 @@ from .compaction.compact import MODES, ORDERS
 # policy (resolve_keep_policy; benchmarks/RESULTS.md, "Eviction quality")
 DEFAULT_MODE = "per_head"
 # Cache positions are int32 in every kernel: a round scores up to budget + 2*beta decode tokens past the prompt.
-MAX_POSITIONS = 2**31 - 1
+MAX_POSITIONS = INT32_MAX
 
 
 @dataclass(frozen=True)
@@ -204,6 +204,12 @@ def check_keep_policy(what: str, budget: int, sink_tokens, recent_window, recent
     if sink_tokens + recent_window >= budget:
         raise ValueError(f"{what}: sink_tokens + recent_window ({sink_tokens} + {recent_window}) must be below the "
                          f"budget {budget}, so that the scores choose at least one token")
+    return check_recent_layers(what, recent_layers)
+
+
+def check_recent_layers(what: str, recent_layers, num_layers: int | None = None) -> tuple[int, ...]:
+    """Layers on recency: distinct layer indices >= 0 (a list or tuple; returned as a sorted tuple), and with
+    `num_layers` (the model's, where it is known) inside the model and not all of its layers."""
     if not isinstance(recent_layers, (list, tuple)):
         raise TypeError(f"{what}: recent_layers must be a list or tuple of layer indices, got "
                         f"{type(recent_layers).__name__} {recent_layers!r}")
@@ -211,7 +217,13 @@ def check_keep_policy(what: str, budget: int, sink_tokens, recent_window, recent
         check_int(what, f"recent_layers[{i}]", layer)
     if len(set(recent_layers)) != len(recent_layers):
         raise ValueError(f"{what}: recent_layers has a layer twice: {list(recent_layers)}")
-    return tuple(sorted(recent_layers))
+    layers = tuple(sorted(recent_layers))
+    if num_layers is not None and layers and layers[-1] >= num_layers:
+        raise ValueError(f"{what}: recent_layers {list(layers)} names layers past the model's {num_layers}")
+    if num_layers is not None and len(layers) == num_layers:
+        raise ValueError(f"{what}: recent_layers names every layer; nothing would be scored (a plain window cache "
+                         f"does that)")
+    return layers
 
 
 class KeepPolicy(NamedTuple):

@@ -22,10 +22,10 @@ from typing import Any, Mapping, Sequence
 import torch
 import triton
 
-from ._checks import check_bool, check_choice, check_hashable, check_int, check_int32
+from ._checks import INT32_MAX, check_bool, check_choice, check_hashable, check_int, check_int32
 from ._targets import CAPABILITIES as SUPPORTED_ARCHS  # noqa: F401  (the archs kvops builds kernels for)
 from .compaction import ORDERS, build_compaction_params, compact, decision_rows
-from .config import KVCacheCompressionConfig, NVFP4ColdPageConfig, TriAttentionConfig
+from .config import KVCacheCompressionConfig, NVFP4ColdPageConfig, TriAttentionConfig, check_recent_layers
 from .distributed import capturable, check_group, check_same_on_ranks, rank_kv_heads
 from .nvfp4 import PageBlobCodec
 from .triattention import TriAttentionSelector
@@ -330,11 +330,7 @@ class TriAttentionRound:
         check_int(what, "width", width, 1)
         check_bool(what, "cuda_graphs", cuda_graphs)
         L = len(cache.views())
-        if len(set(recent_layers)) != len(recent_layers) or not all(
-                isinstance(x, int) and not isinstance(x, bool) and 0 <= x < L for x in recent_layers) or \
-                len(recent_layers) == L:
-            raise ValueError(f"{what}: recent_layers must be distinct layers of the cache's {L}, not all of them, got "
-                             f"{list(recent_layers)}")
+        recent_layers = check_recent_layers(what, recent_layers, L)
         self.selector, self.requests = selector, 1 << (requests - 1).bit_length()
         self.width = 1 << (width - 1).bit_length()
         device = cache.device
@@ -377,9 +373,9 @@ class TriAttentionRound:
             if not isinstance(values, (list, tuple)):
                 raise TypeError(f"{what}: {name} must be a list of ints, got {type(values).__name__}")
             # int32 on the device; the fast test first (a round of many requests runs it each time)
-            if not all(type(v) is int for v in values) or values and not 0 <= min(values) <= max(values) < 2**31:
+            if not all(type(v) is int for v in values) or values and not 0 <= min(values) <= max(values) <= INT32_MAX:
                 for i, v in enumerate(values):
-                    check_int(what, f"{name}[{i}]", v, 0, 2**31 - 1)
+                    check_int(what, f"{name}[{i}]", v, 0, INT32_MAX)
         R = len(scored)
         if not len(prompts) == len(tails) == len(positions) == R or R > self.requests or \
                 tuple(page_table.shape) != (R, self.width):
@@ -387,7 +383,7 @@ class TriAttentionRound:
                              f"tails and positions for R <= {self.requests} requests, got {tuple(page_table.shape)} "
                              f"and {len(scored)}, {len(prompts)}, {len(tails)}, {len(positions)}")
         for r, (n, p, t) in enumerate(zip(scored, prompts, tails)):
-            if p > n or n + t > 2**31 - 1:
+            if p > n or n + t > INT32_MAX:
                 raise ValueError(f"{what}: request {r} needs prompt <= scored and scored + tail within int32, got "
                                  f"prompt {p}, scored {n}, tail {t}")
         if R == 0:
@@ -467,12 +463,7 @@ def policy_selector(what: str, calibration, budget: int, mode: str, max_decode: 
     ``max_decode - sink_tokens - recent_window`` scored ones, over the layers not in recent_layers (their
     statistics and k_scale rows only)."""
     L = calibration.num_layers
-    layers = recent_layers
-    if layers and layers[-1] >= L:
-        raise ValueError(f"{what}: recent_layers {list(layers)} names layers past the model's {L}")
-    if len(layers) == L:
-        raise ValueError(f"{what}: recent_layers names every layer; nothing would be scored (a plain window cache "
-                         f"does that)")
+    layers = check_recent_layers(what, recent_layers, L)
     scored = [layer for layer in range(L) if layer not in layers]
     if layers:
         calibration = calibration.for_layers(scored)

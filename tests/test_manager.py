@@ -579,8 +579,9 @@ def test_a_round_over_no_requests_does_nothing(calibration):
             round_.run(*args)
         assert torch.equal(round_.page_table, buffers[0]) and torch.equal(round_.lengths, buffers[1])
     for kw, error, match in ((dict(cuda_graphs="no"), TypeError, "cuda_graphs must be a bool"),
-                             (dict(recent_layers=[5]), ValueError, "recent_layers must be distinct layers"),
-                             (dict(recent_layers=[0, 1]), ValueError, "not all of them")):
+                             (dict(recent_layers=[5]), ValueError, "names layers past the model's 2"),
+                             (dict(recent_layers=[0, 0]), ValueError, "recent_layers has a layer twice"),
+                             (dict(recent_layers=[0, 1]), ValueError, "recent_layers names every layer")):
         with pytest.raises(error, match=match):
             TriAttentionRound(manager.selector, cache, 1, 4, 5, **{"cuda_graphs": False, **kw})
     for args, error, match in ((("zz", 3, 2), ValueError, "order must be one of"),

@@ -25,11 +25,11 @@ import os
 import torch
 
 from .. import _cute
-from .._checks import check_bool, check_device, check_int, check_int32, check_no_meta_mix, overlap
+from .._checks import INT32_MAX, check_bool, check_device, check_int, check_int32, check_no_meta_mix, overlap
 from .._dispatch import python_op
 from .reference import topk_torch
 
-MAX_K = 2**31 - 1  # indices are int32
+MAX_K = INT32_MAX  # indices are int32
 SHORT_ROW = 4096    # the widest row the short-row class serves (csrc/topk/topk.h's kShortRow)
 LONG_ROW = 65536    # rows longer than this, at most a quarter as many as SMs, go to the multi-CTA class (measured)
 

@@ -16,9 +16,8 @@ import torch
 import triton
 
 from .. import _cute
-from .._checks import check_device, check_float32, check_int, check_int32, check_nonnegative
+from .._checks import INT32_MAX, check_device, check_float32, check_int, check_int32, check_nonnegative
 from .._dispatch import python_op
-from ..topk.ops import MAX_K
 
 CHUNK = 1024  # decode tokens per statistics partial (and per scorer CTA)
 STATS = 3     # per partial: mean, M2 and count of the chunk's finite scores
@@ -198,7 +197,7 @@ def score(k_pools: Sequence[torch.Tensor], page_table: torch.Tensor, cache_lengt
     device = check_round_inputs(what, k_pools, page_table, cache_lengths, prompt_lengths, L, Hq, F)
     check_float32(what, device, phase=(phase, (page_table.shape[0], 2, F)),
                   **{f"weights[{i}]": (w, (L, Hq, F)) for i, w in enumerate(weights)})
-    check_int(what, "max_decode", max_decode, 0, MAX_K)  # int32 positions
+    check_int(what, "max_decode", max_decode, 0, INT32_MAX)
     return score_unchecked(k_pools, page_table, cache_lengths, prompt_lengths, phase, weights, max_decode)
 
 

@@ -9,7 +9,7 @@ from typing import Sequence
 
 import torch
 
-from .._checks import check_bool, check_device, check_int
+from .._checks import INT32_MAX, check_bool, check_device, check_int
 from ..distributed import all_reduce_union_rows_, check_group, check_heads_covered, check_same_on_ranks, rank_kv_heads
 from .calibration import Calibration, check_calibration
 from ..compaction.compact import MODES, decision_rows
@@ -17,7 +17,7 @@ from .phase import check_round_starts
 from .reduce import check_k_scale_values, reduce_unchecked
 from .score import check_round_inputs, score_unchecked
 from ..topk import topk
-from ..topk.ops import MAX_K, topk_unchecked
+from ..topk.ops import topk_unchecked
 
 
 def score_rows(k_pools: Sequence[torch.Tensor], page_table: torch.Tensor, cache_lengths: torch.Tensor,
@@ -82,10 +82,10 @@ class TriAttentionSelector:
             calibration = calibration.for_kv_heads(self.kv_heads)
         if mode not in MODES:
             raise ValueError(f"{what}: mode must be one of {MODES}, got {mode!r}")
-        check_int(what, "budget", budget, 1, MAX_K)  # int32 positions and keep counts
+        check_int(what, "budget", budget, 1, INT32_MAX)
         check_bool(what, "normalize_scores", normalize_scores)
         if max_decode is not None:
-            check_int(what, "max_decode", max_decode, budget, MAX_K)
+            check_int(what, "max_decode", max_decode, budget, INT32_MAX)
         self.calibration, self.budget, self.mode, self.normalize_scores = calibration, budget, mode, normalize_scores
         self.max_decode = max_decode
         self.rows = decision_rows(mode, calibration.num_layers, calibration.num_kv_heads)
