@@ -1,10 +1,11 @@
 // CUDA kernels for the NVFP4 ops: quantize/dequantize primitives and the cold-page codec.
 //
-// The codec kernels are shaped like a shared-memory page copy. One CTA owns one (page, pool,
-// plane) unit and walks it in row chunks:
-//   encode: cp.async 16-byte vectors of the quantized run -> smem; quantize in registers, one
-//           16-element block per thread; codes and scales -> smem staging; 16-byte vector stores of
-//           the staging into the blob. Lossless bytes go straight from row to blob.
+// The codec kernels are shaped like a page copy. One CTA owns one (page, pool, plane) unit and
+// walks it in row chunks of up to 64 KiB:
+//   encode: 16-byte loads of the chunk's quantized run straight into registers (every thread holds
+//           whole 16-element blocks, all its loads in flight at once); the plane's amax and the codes
+//           from those registers; codes and scales -> smem staging; 16-byte vector stores of the
+//           staging into the blob. Lossless bytes go straight from row to blob.
 //   decode: 16-byte loads of the chunk's codes/scales from the blob -> smem; dequantize in registers;
 //           16-byte vector stores into the pool rows. Lossless bytes go straight from blob to row.
 // The blob may live in pinned host memory: every access to it is a coalesced 16-byte vector, and
@@ -26,14 +27,7 @@ namespace {
 
 constexpr int kThreads = 256;
 constexpr int kMaxPools = 16;               // pools per launch (keeps the parameter block < 4 KB)
-constexpr int64_t kTileBytes = 64 * 1024;   // encode input tile: a whole Qwen3-8B bf16 plane
 constexpr int kMaxSmem = 200 * 1024;
-
-__device__ __forceinline__ void cp_async16(void* smem, const void* gmem) {
-  uint32_t s = static_cast<uint32_t>(__cvta_generic_to_shared(smem));
-  asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"(s), "l"(gmem));
-}
-__device__ __forceinline__ void cp_async_wait_all() { asm volatile("cp.async.wait_all;\n" ::); }
 
 // Block-wide NaN-propagating max; every thread gets the result.
 __device__ float block_max(float v, float* red) {
@@ -46,16 +40,6 @@ __device__ float block_max(float v, float* red) {
   for (int w = 1; w < int(blockDim.x / 32); ++w) v = nan_max(v, red[w]);
   __syncthreads();  // red is reused
   return v;
-}
-
-template <class T>
-__device__ __forceinline__ float vector_amax(const uint4& v) {
-  float x[Hot<T>::kEpt];
-  to_float<T>(v, x);
-  float m = 0.f;
-#pragma unroll
-  for (int i = 0; i < Hot<T>::kEpt; ++i) m = nan_max(m, fabsf(x[i]));
-  return m;
 }
 
 template <int kBytes>
@@ -189,7 +173,8 @@ at::Tensor dequantize_cuda(const at::Tensor& packed, const at::Tensor& scales,
 
 // ---- cold-page codec ----------------------------------------------------------------------------
 
-constexpr int kEncodeThreads = 512;  // 2 CTAs (a 64 KiB plane each) per SM, 32 warps to hide latency
+constexpr int kEncodeThreads = 256;  // 2 CTAs per SM: the held vectors take about half the registers
+constexpr int kEncodeVecs = 16;      // 16-byte vectors of a chunk each encode thread holds in registers
 constexpr int kDecodeThreads = 256;
 
 struct CodecParams {
@@ -279,7 +264,7 @@ __device__ __forceinline__ void zero_tail(uint8_t* stage, int64_t n) {
 
 template <class T>
 __global__ void __launch_bounds__(kEncodeThreads, 2) encode_pages_kernel(const __grid_constant__ CodecParams P) {
-  constexpr int kVecs = vecs_per_block<T>();
+  constexpr int kVecs = vecs_per_block<T>(), kHeld = kEncodeVecs / kVecs;  // blocks a thread holds
   extern __shared__ __align__(16) uint8_t smem[];
   __shared__ float red[32];
   Unit u;
@@ -288,83 +273,107 @@ __global__ void __launch_bounds__(kEncodeThreads, 2) encode_pages_kernel(const _
   uint8_t* section = P.blobs + u.slot * P.blob_stride + d.section_offset;
   uint8_t* pb = section + d.plane_offset + u.plane * d.plane_bytes;
 
-  const int32_t qvpr = int32_t(d.qvecs.d);  // quantized vectors per row
+  const int32_t qb = d.q_len / kBlock, rb = d.r_len / kBlock;  // blocks per row
   const int32_t cr = P.chunk_rows[u.pool];
   const int32_t nchunks = d.q_len ? (d.plane_rows + cr - 1) / cr : 0;
+  // Block b of the rows from r0 on (row-major), as vectors in the pool.
+  auto block_at = [&](int32_t r0, int32_t b) {
+    const uint32_t row = d.qvecs.div(uint32_t(b * kVecs));
+    const int32_t k = b - int32_t(row) * qb;
+    return reinterpret_cast<const uint4*>(d.base + d.row_offset(u.page, u.plane, r0 + row) +
+                                          (d.q_start + k * kBlock) * d.esize);
+  };
   // A pool with nothing to quantize still records g (1 for per-page policies, as on the CPU).
   float g = d.scale_kind == kScaleFixed ? d.fixed_scale : 1.f;
   if (d.scale_kind != kScaleFixed && nchunks > 1) {  // plane larger than a tile: amax pass first
     float m = 0.f;
-    for (int32_t v = threadIdx.x; v < d.plane_rows * qvpr; v += blockDim.x) {
-      const uint32_t row = d.qvecs.div(uint32_t(v));
-      const int32_t k = v - int32_t(row) * qvpr;
-      m = nan_max(m, vector_amax<T>(*reinterpret_cast<const uint4*>(
-                         d.base + d.row_offset(u.page, u.plane, row) + d.q_start * d.esize + k * 16)));
+    for (int32_t b = threadIdx.x; b < d.plane_rows * qb; b += blockDim.x) {
+      uint4 v[kVecs];
+      load_block<T>(block_at(0, b), v);
+      m = nan_max(m, block_amax<T>(v));
     }
     g = page_global_scale(block_max(m, red), d.scale_kind);
   }
 
-  uint8_t* tile = smem;
   const ChunkStaging st(d, cr);
-  uint8_t* stage = smem + int64_t(cr) * d.q_len * d.esize;
-  const int32_t qb = d.q_len / kBlock, rb = d.r_len / kBlock;
+  uint8_t* stage = smem;
   for (int32_t c = 0; c < nchunks; ++c) {
-    const int32_t r0 = c * cr, rows = min(cr, d.plane_rows - r0);
-    const int32_t nvec = rows * qvpr;
-    for (int32_t v = threadIdx.x; v < nvec; v += blockDim.x) {
-      const uint32_t row = d.qvecs.div(uint32_t(v));
-      const int32_t k = v - int32_t(row) * qvpr;
-      cp_async16(tile + int64_t(v) * 16, d.base + d.row_offset(u.page, u.plane, r0 + row) + d.q_start * d.esize + k * 16);
+    const int32_t r0 = c * cr, rows = min(cr, d.plane_rows - r0), nblk = rows * qb;
+    // The chunk goes straight into registers, block b = i * kEncodeThreads + threadIdx.x in thread slot i: every
+    // load is in flight before the first is used, and the amax and the codes come from the same registers.
+    uint4 v[kHeld][kVecs];
+    float amax[kHeld];
+#pragma unroll
+    for (int i = 0; i < kHeld; ++i) {
+      const int32_t b = i * kEncodeThreads + threadIdx.x;
+      if (b < nblk) load_block<T>(block_at(r0, b), v[i]);
     }
-    cp_async_wait_all();
+    float m = 0.f;
+#pragma unroll
+    for (int i = 0; i < kHeld; ++i) {
+      amax[i] = i * kEncodeThreads + int32_t(threadIdx.x) < nblk ? block_amax<T>(v[i]) : 0.f;
+      m = nan_max(m, amax[i]);
+    }
+    if (d.scale_kind != kScaleFixed && nchunks == 1) g = page_global_scale(block_max(m, red), d.scale_kind);
+    if (c > 0) __syncthreads();  // the previous chunk's staging is out
     if (threadIdx.x == 0) {
-      zero_tail(stage + st.codes, int64_t(rows) * d.q_len / 2);
-      zero_tail(stage + st.scales, int64_t(rows) * qb);
-      zero_tail(stage + st.rcodes, int64_t(rows) * d.r_len / 2);
+      zero_tail(stage + st.codes, int64_t(nblk) * 8);
+      zero_tail(stage + st.scales, nblk);
+      zero_tail(stage + st.rcodes, int64_t(rows) * rb * 8);
       zero_tail(stage + st.rscales, int64_t(rows) * rb);
     }
-    __syncthreads();
-    if (d.scale_kind != kScaleFixed && nchunks == 1) {
-      float m = 0.f;
-      for (int32_t v = threadIdx.x; v < nvec; v += blockDim.x)
-        m = nan_max(m, vector_amax<T>(reinterpret_cast<const uint4*>(tile)[v]));
-      g = page_global_scale(block_max(m, red), d.scale_kind);
-    }
-    const bool fast = fast_scale<T>(g);
-    const float g_inv = is_fast_scale(g) ? __frcp_rn(g) : 0.f;  // for the residual's first-component decode
-    const int32_t nblk = rows * qb;
-    for (int32_t b = threadIdx.x; b < nblk; b += blockDim.x) {  // one 16-element block per thread
-      uint4 v[kVecs];
-      load_block<T>(reinterpret_cast<const uint4*>(tile) + int64_t(b) * kVecs, v);
-      uint8_t sc;
-      const uint64_t codes = quantize_block<T>(v, g, fast, sc);
-      *reinterpret_cast<uint64_t*>(stage + st.codes + int64_t(b) * 8) = codes;
-      stage[st.scales + b] = sc;
-      if (d.r_len) {  // 2FP4: quantize the first component's rounding error (general path)
-        const uint32_t row = d.qvecs.div(uint32_t(b * kVecs));
-        const int32_t col = d.q_start + (b - int32_t(row) * qb) * kBlock;
-        if (col >= d.r_start && col < d.r_start + d.r_len) {
-          float x[kBlock], dec[kBlock];
-          block_to_float<T>(v, x);
-          dequantize_floats<kBlock>(codes, sc, g, g_inv, is_fast_scale(g), dec);
+    // Only the fast path runs from the held registers, unrolled. The general path (a g that is not a power of two)
+    // and the 2FP4 residual reload their blocks (from L2) in rolled loops, which keeps the kernel's code small
+    // enough for the instruction cache.
+    if (fast_scale<T>(g)) {
 #pragma unroll
-          for (int i = 0; i < kBlock; ++i) x[i] = x[i] - dec[i];
-          uint8_t rsc;
-          const uint64_t rcodes = quantize_floats<kBlock>(x, g, rsc);
-          const int32_t rbi = int32_t(row) * rb + (col - d.r_start) / kBlock;
-          *reinterpret_cast<uint64_t*>(stage + st.rcodes + int64_t(rbi) * 8) = rcodes;
-          stage[st.rscales + rbi] = rsc;
-        }
+      for (int i = 0; i < kHeld; ++i) {
+        const int32_t b = i * kEncodeThreads + threadIdx.x;
+        if (b >= nblk) continue;
+        uint8_t sc;
+        *reinterpret_cast<uint64_t*>(stage + st.codes + int64_t(b) * 8) = quantize_block_fast<T>(v[i], amax[i], g, sc);
+        stage[st.scales + b] = sc;
+      }
+    } else {
+#pragma unroll 1
+      for (int32_t b = threadIdx.x; b < nblk; b += kEncodeThreads) {
+        uint4 w[kVecs];
+        load_block<T>(block_at(r0, b), w);
+        uint8_t sc;
+        *reinterpret_cast<uint64_t*>(stage + st.codes + int64_t(b) * 8) =
+            quantize_block_general<T>(w, block_amax<T>(w), g, sc);
+        stage[st.scales + b] = sc;
+      }
+    }
+    if (d.r_len) {  // 2FP4: quantize the first component's rounding error (general path); this thread's blocks
+      const bool fast_dec = is_fast_scale(g);
+      const float g_inv = fast_dec ? __frcp_rn(g) : 0.f;
+#pragma unroll 1
+      for (int32_t b = threadIdx.x; b < nblk; b += kEncodeThreads) {
+        const int32_t row = int32_t(d.qvecs.div(uint32_t(b * kVecs))), col = d.q_start + (b - row * qb) * kBlock;
+        if (col < d.r_start || col >= d.r_start + d.r_len) continue;
+        uint4 w[kVecs];
+        load_block<T>(block_at(r0, b), w);
+        float x[kBlock], dec[kBlock];
+        block_to_float<T>(w, x);
+        dequantize_floats<kBlock>(*reinterpret_cast<const uint64_t*>(stage + st.codes + int64_t(b) * 8),
+                                  stage[st.scales + b], g, g_inv, fast_dec, dec);
+#pragma unroll
+        for (int e = 0; e < kBlock; ++e) x[e] = x[e] - dec[e];
+        uint8_t rsc;
+        const uint64_t rcodes = quantize_floats<kBlock>(x, g, rsc);
+        const int32_t rbi = row * rb + (col - d.r_start) / kBlock;
+        *reinterpret_cast<uint64_t*>(stage + st.rcodes + int64_t(rbi) * 8) = rcodes;
+        stage[st.rscales + rbi] = rsc;
       }
     }
     __syncthreads();
-    copy_out(pb + d.off_codes + int64_t(r0) * d.q_len / 2, stage + st.codes, int64_t(rows) * d.q_len / 2);
-    copy_out(pb + d.off_scales + int64_t(r0) * qb, stage + st.scales, int64_t(rows) * qb);
+    copy_out(pb + d.off_codes + int64_t(r0) * qb * 8, stage + st.codes, int64_t(nblk) * 8);
+    copy_out(pb + d.off_scales + int64_t(r0) * qb, stage + st.scales, nblk);
     if (d.r_len) {
-      copy_out(pb + d.off_rcodes + int64_t(r0) * d.r_len / 2, stage + st.rcodes, int64_t(rows) * d.r_len / 2);
+      copy_out(pb + d.off_rcodes + int64_t(r0) * rb * 8, stage + st.rcodes, int64_t(rows) * rb * 8);
       copy_out(pb + d.off_rscales + int64_t(r0) * rb, stage + st.rscales, int64_t(rows) * rb);
     }
-    if (c + 1 < nchunks) __syncthreads();  // the tile and staging are reused by the next chunk
   }
   copy_lossless(d, u.page, u.plane, pb + d.off_lossless, true);
   if (threadIdx.x == 0) {
@@ -437,6 +446,9 @@ __global__ void __launch_bounds__(kDecodeThreads, 4) decode_pages_kernel(const _
   copy_lossless(d, u.page, u.plane, pb + d.off_lossless, false);
 }
 
+// The encode's chunk: what its threads hold (64 KiB, a whole Qwen3-8B bf16 plane). Decode chunks match.
+constexpr int64_t kTileBytes = int64_t(kEncodeThreads) * kEncodeVecs * 16;
+
 int64_t chunk_rows_for(const PoolDesc& d) {
   const int64_t qbytes = int64_t(d.q_len) * d.esize;
   if (qbytes == 0 || d.plane_rows * qbytes <= kTileBytes) return std::max<int64_t>(d.plane_rows, 1);
@@ -469,7 +481,7 @@ void launch_codec(Kernel kernel, const char* what, bool encode, const std::vecto
       P.chunk_rows[i] = int32_t(chunk_rows_for(d));
       P.unit_begin[i + 1] = P.unit_begin[i] + d.planes;
       const int64_t stage = ChunkStaging(d, P.chunk_rows[i]).total;
-      smem = std::max<int64_t>(smem, encode ? stage + int64_t(P.chunk_rows[i]) * d.q_len * d.esize : stage);
+      smem = std::max<int64_t>(smem, stage);
     }
     TORCH_CHECK(smem <= kMaxSmem, what, ": a chunk needs ", smem, " bytes of shared memory");
     P.units_per_page = P.unit_begin[P.num_pools];

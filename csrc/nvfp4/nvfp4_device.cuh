@@ -143,11 +143,9 @@ __device__ __forceinline__ uint8_t block_scale_dev(float amax, float g) {
 #define KVOPS_HW_E2M1 1  // Blackwell: the hardware E2M1 convert
 #endif
 
+// x's codes given its NaN-propagated amax.
 template <int kEpt>
-__device__ __forceinline__ uint64_t quantize_floats(const float (&x)[kEpt], float g, uint8_t& scale) {
-  float amax = 0.f;
-#pragma unroll
-  for (int i = 0; i < kEpt; ++i) amax = nan_max(amax, fabsf(x[i]));
+__device__ __forceinline__ uint64_t quantize_floats(const float (&x)[kEpt], float amax, float g, uint8_t& scale) {
   scale = block_scale_dev(amax, g);
   float s = e4m3_value_dev(scale);
   uint64_t codes = 0;
@@ -166,6 +164,14 @@ __device__ __forceinline__ uint64_t quantize_floats(const float (&x)[kEpt], floa
   for (int i = 0; i < kEpt; ++i) codes |= uint64_t(element_code(x[i], g, scale, s)) << (4 * i);
 #endif
   return codes;
+}
+
+template <int kEpt>
+__device__ __forceinline__ uint64_t quantize_floats(const float (&x)[kEpt], float g, uint8_t& scale) {
+  float amax = 0.f;
+#pragma unroll
+  for (int i = 0; i < kEpt; ++i) amax = nan_max(amax, fabsf(x[i]));
+  return quantize_floats<kEpt>(x, amax, g, scale);
 }
 
 // ---- fast path: packed 16-bit comparisons -----------------------------------------------------
@@ -200,20 +206,39 @@ struct Packed<__half> {
 
 __device__ __forceinline__ uint32_t select(uint32_t mask, uint32_t a, uint32_t b) { return (a & mask) | (b & ~mask); }
 
-// Codes of one block held as 8 packed words (2 elements each).
+// NaN-propagated amax of one block of T, given as its vectors. 16-bit types take packed maxima; fp8 magnitudes
+// order as the integers of their low 7 bits, with NaN (0x7f) above every finite value.
+template <class T>
+__device__ __forceinline__ float block_amax(const uint4 (&v)[vecs_per_block<T>()]) {
+  if constexpr (std::is_same_v<T, float>) {
+    float amax = 0.f;
+#pragma unroll
+    for (int i = 0; i < kBlock; ++i) amax = nan_max(amax, fabsf(__uint_as_float(word(v[i / 4], i % 4))));
+    return amax;
+  } else if constexpr (std::is_same_v<T, __nv_fp8_e4m3>) {
+    uint32_t m = 0;
+#pragma unroll
+    for (int i = 0; i < 4; ++i) m = __vmaxu4(m, word(v[0], i) & 0x7f7f7f7fu);
+    m = __vmaxu4(m, m >> 8);  // bytes 0 and 2: the maxima of bytes {0, 1} and {2, 3}
+    return e4m3_value_dev(uint8_t(max(m & 0xffu, (m >> 16) & 0xffu)));
+  } else {
+    using P = Packed<T>;
+    typename P::T2 amax2 = P::as(0u);
+#pragma unroll
+    for (int i = 0; i < 8; ++i) amax2 = __hmax2_nan(amax2, P::as(word(v[i / 4], i % 4) & 0x7fff7fffu));
+    const uint32_t am = P::bits(amax2);
+    return nan_max(P::lo(am), P::hi(am));
+  }
+}
+
+// Codes of one block held as 8 packed words (2 elements each), given its amax.
 template <class H>
-__device__ __forceinline__ uint64_t quantize_packed(const uint32_t (&w)[8], float g, uint8_t& scale) {
+__device__ __forceinline__ uint64_t quantize_packed(const uint32_t (&w)[8], float amax, float g, uint8_t& scale) {
   constexpr int kWords = 8;
   using P = Packed<H>;
   uint32_t a[kWords];
-  typename P::T2 amax2 = P::as(0u);
 #pragma unroll
-  for (int i = 0; i < kWords; ++i) {
-    a[i] = w[i] & 0x7fff7fffu;
-    amax2 = __hmax2_nan(amax2, P::as(a[i]));
-  }
-  uint32_t am = P::bits(amax2);
-  float amax = nan_max(P::lo(am), P::hi(am));
+  for (int i = 0; i < kWords; ++i) a[i] = w[i] & 0x7fff7fffu;
   scale = block_scale_dev(amax, g);
   float s = e4m3_value_dev(scale);
   if (scale == kScaleNaN || s == 0.f) return 0;
@@ -244,36 +269,50 @@ __device__ __forceinline__ bool fast_scale(float g) {
   else return Packed<__half>::scale_ok(g);  // fp16, and fp8 widened to fp16
 }
 
-// Quantize one 16-element block of T, given as its vecs_per_block<T>() vectors.
+// Quantize one 16-element block of T, given as its vecs_per_block<T>() vectors and its block_amax.
 // Returns the 16 codes (element i at bits [4i, 4i+4)) and the scale byte.
+// The general path: the scalar definition (the hardware E2M1 convert on Blackwell).
 template <class T>
-__device__ __forceinline__ uint64_t quantize_block(const uint4 (&v)[vecs_per_block<T>()], float g, bool fast,
-                                                   uint8_t& scale) {
-#if !defined(KVOPS_HW_E2M1)  // the packed comparisons are the sm_90 software path
+__device__ __forceinline__ uint64_t quantize_block_general(const uint4 (&v)[vecs_per_block<T>()], float amax, float g,
+                                                           uint8_t& scale) {
+  float x[kBlock];
+  block_to_float<T>(v, x);
+  return quantize_floats<kBlock>(x, amax, g, scale);
+}
+
+// The fast path, for g with fast_scale<T>(g): packed comparisons on sm_90, the general path where the hardware
+// converts (and for fp32, which has no packed path).
+template <class T>
+__device__ __forceinline__ uint64_t quantize_block_fast(const uint4 (&v)[vecs_per_block<T>()], float amax, float g,
+                                                        uint8_t& scale) {
+#if !defined(KVOPS_HW_E2M1)
   if constexpr (!std::is_same_v<T, float>) {
-    if (fast) {
-      uint32_t w[8];
-      if constexpr (std::is_same_v<T, __nv_fp8_e4m3>) {  // widen to fp16 (exact)
+    uint32_t w[8];
+    if constexpr (std::is_same_v<T, __nv_fp8_e4m3>) {  // widen to fp16 (exact)
 #pragma unroll
-        for (int i = 0; i < 4; ++i) {
-          uint32_t u = word(v[0], i);
-          __half2_raw lo = __nv_cvt_fp8x2_to_halfraw2(__nv_fp8x2_storage_t(u), __NV_E4M3);
-          __half2_raw hi = __nv_cvt_fp8x2_to_halfraw2(__nv_fp8x2_storage_t(u >> 16), __NV_E4M3);
-          w[2 * i] = *reinterpret_cast<uint32_t*>(&lo);
-          w[2 * i + 1] = *reinterpret_cast<uint32_t*>(&hi);
-        }
-        return quantize_packed<__half>(w, g, scale);
-      } else {
-#pragma unroll
-        for (int i = 0; i < 8; ++i) w[i] = word(v[i / 4], i % 4);
-        return quantize_packed<T>(w, g, scale);
+      for (int i = 0; i < 4; ++i) {
+        uint32_t u = word(v[0], i);
+        __half2_raw lo = __nv_cvt_fp8x2_to_halfraw2(__nv_fp8x2_storage_t(u), __NV_E4M3);
+        __half2_raw hi = __nv_cvt_fp8x2_to_halfraw2(__nv_fp8x2_storage_t(u >> 16), __NV_E4M3);
+        w[2 * i] = *reinterpret_cast<uint32_t*>(&lo);
+        w[2 * i + 1] = *reinterpret_cast<uint32_t*>(&hi);
       }
+      return quantize_packed<__half>(w, amax, g, scale);
+    } else {
+#pragma unroll
+      for (int i = 0; i < 8; ++i) w[i] = word(v[i / 4], i % 4);
+      return quantize_packed<T>(w, amax, g, scale);
     }
   }
 #endif
-  float x[kBlock];
-  block_to_float<T>(v, x);
-  return quantize_floats<kBlock>(x, g, scale);
+  return quantize_block_general<T>(v, amax, g, scale);
+}
+
+template <class T>
+__device__ __forceinline__ uint64_t quantize_block(const uint4 (&v)[vecs_per_block<T>()], float g, bool fast,
+                                                   uint8_t& scale) {
+  const float amax = block_amax<T>(v);
+  return fast ? quantize_block_fast<T>(v, amax, g, scale) : quantize_block_general<T>(v, amax, g, scale);
 }
 
 // fp32 magnitudes of four codes (low 16 bits of c4) via byte-permute lookups.
