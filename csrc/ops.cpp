@@ -47,9 +47,9 @@ constexpr const char* kSchemas[] = {
     "compaction_compact_layers_(Tensor(a!)[] pools, Tensor page_table, Tensor sources, Tensor new_lengths, "
         "Tensor destination_bases, int[] layer_row_base, int[] head_row_stride, Tensor? moves=None) -> ()",
     // Fill-order move lists (kvops/compaction/pack.py): sources, moves and new_lengths from the decisions, every
-    // list row of every request.
+    // list row of every request; with window_offsets, the window row as a ring.
     "compaction_fill_lists_(Tensor kept, Tensor scored_lengths, Tensor tail_lengths, Tensor destination_bases, "
-        "Tensor(a!) sources, Tensor(b!) new_lengths, Tensor(c!) moves) -> ()",
+        "Tensor(a!) sources, Tensor(b!) new_lengths, Tensor(c!) moves, Tensor? window_offsets=None) -> ()",
     // TriAttention around the CuTe scorer (csrc/triattention/triattention.h states both): a round's mean-phase
     // coefficients, and the scorer's raw scores and chunk partials reduced to the mode's decision rows (with the
     // top-k's per-row lengths and offsets when asked).

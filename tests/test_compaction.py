@@ -9,7 +9,7 @@ from conftest import DEVICES, bytes_of, opcheck, poison_, requires_cuda, run_pyt
 from kvops.compaction import (build_compaction_params, compact, compact_layers_, decision_row, decision_rows,
                               pack_move_sources, stream_rows)
 from kvops.compaction.reference import pack_move_sources_torch
-from kvops.compaction.reference import compact_reference, fill_order
+from kvops.compaction.reference import compact_reference, fill_order, ring_order
 
 LAYOUTS = ("hnd", "nhd", "vllm")
 
@@ -327,7 +327,7 @@ def _fill_decisions(R, rows, K, tail, base, evicted, device):
 
 
 @pytest.mark.parametrize("device", DEVICES)
-@pytest.mark.parametrize("window", [False, True])
+@pytest.mark.parametrize("window", [False, True, "ring"])
 @pytest.mark.parametrize("rows,K", [(7, 300), (900, 300), (900, 2100)])
 def test_fill_lists_native_matches_torch(device, window, rows, K):
     """kvops::compaction_fill_lists_ against the torch rule: steady-state rows (few holes, each row its own), rows
@@ -341,19 +341,107 @@ def test_fill_lists_native_matches_torch(device, window, rows, K):
     evicted = torch.tensor([32, 1, 0, 70, 400])         # request 2 evicts nothing
     kept, scored, tail, base = _fill_decisions(R, rows, K, tail, base, evicted, device)
     kept[4, 0] = torch.arange(K, device=device, dtype=torch.int32) + int(base[4]) + K + 17  # all past the new length
-    shape = (R, rows + window, K + max_tail)
+    shape = (R, rows + bool(window), K + max_tail)
     sources, moves = (poison_(torch.empty(shape, dtype=torch.int32, device=device)) for _ in range(2))
     new_lengths = poison_(torch.empty(R, dtype=torch.int32, device=device))
-    torch.ops.kvops.compaction_fill_lists_(kept, scored, tail, base, sources, new_lengths, moves)
+    # rings: one that wraps (request 0: 290 + 32 > 300), one that does not, offset 0, and one evicting its whole
+    # ring and more (request 4: 400 > K=300)
+    offsets = torch.tensor([K - 10, 7, K // 2, 0, 5], dtype=torch.int32, device=device) if window == "ring" else None
+    torch.ops.kvops.compaction_fill_lists_(kept, scored, tail, base, sources, new_lengths, moves, offsets)
     want_sources, want_moves = torch.full(shape, 7, dtype=torch.int32), torch.full(shape, 7, dtype=torch.int32)
     want_lengths = torch.zeros(R, dtype=torch.int32)
-    pack_move_sources_torch(*(t.cpu() for t in (kept, scored, tail, base)), want_sources, want_lengths, want_moves)
+    pack_move_sources_torch(*(t.cpu() for t in (kept, scored, tail, base)), want_sources, want_lengths, want_moves,
+                            None if offsets is None else offsets.cpu())
     assert torch.equal(new_lengths.cpu(), want_lengths)
     assert torch.equal(sources.cpu(), want_sources)
     assert torch.equal(moves.cpu(), want_moves)
     assert (moves[1] >= 0).any() and (moves[3] == -1).all() and (moves[2, :rows] == -1).all()
     assert int((moves[4, 0] >= 0).sum()) == K + 17
-    opcheck(torch.ops.kvops.compaction_fill_lists_.default, (kept, scored, tail, base, sources, new_lengths, moves))
+    if window == "ring":  # only the evicted ring slots and the tail move: e + tail, at most K + tail
+        for r in (0, 1, 4):
+            e = int(scored[r] - base[r]) - K
+            assert int((moves[r, rows] >= 0).sum()) == min(e, K) + int(tail[r])
+            assert sources[r, rows, :K].tolist() == ring_order(int(scored[r]), int(base[r]), K, int(offsets[r]))
+        assert (moves[2, rows] == -1).all()  # nothing evicted: nothing moves
+    opcheck(torch.ops.kvops.compaction_fill_lists_.default, (kept, scored, tail, base, sources, new_lengths, moves,
+                                                             offsets))
+
+
+def test_ring_order_written_out():
+    """A ring of K=4 above base 2: from offset 0, two evicted (positions 2 and 3), the newest two (6, 7) take their
+    slots; from offset 2 the ring reads 4, 5, 2, 3 oldest first, three are evicted and 8 is the newest kept."""
+    assert ring_order(scored=8, base=2, K=4, offset=0) == [6, 7, 4, 5]
+    assert ring_order(scored=9, base=2, K=4, offset=2) == [8, 3, 6, 7]
+    assert ring_order(scored=6, base=2, K=4, offset=3) == [2, 3, 4, 5]  # nothing evicted: nothing moves
+    # more than the ring evicted (6): every slot takes one of the newest four, the ring turning to offset 3
+    assert ring_order(scored=12, base=2, K=4, offset=1) == [9, 10, 11, 8]
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_window_rings_keep_the_newest_tokens_over_rounds(device):
+    """Rounds of a window layer kept as a ring, decode tokens appended between them, against the reference each
+    round; the window layer then holds the newest K scored tokens, oldest first from its ring offset, then the tail
+    in order. On the GPU the compaction is a CUDA graph replayed with each round's offsets and lengths."""
+    T, H, L, R, K, D = 8, 2, 2, 3, 6, 8
+    P, pages = R * 8, 8
+    table = torch.randperm(P, dtype=torch.int32).view(R, pages).to(device)
+    pools = _pools("vllm", L, P, H, T, D, torch.float16, device)
+    for p in pools:
+        p.normal_()
+    base, tail = [0, 3, 9], [2, 0, 5]
+    length = [b + K + extra for b, extra in zip(base, [4, 1, 7])]
+    times = [list(range(n)) for n in length]  # each request's held tokens, oldest first: their logical positions
+
+    def write(r, slot, position):  # element 0 of a row: its logical position (exact in float16)
+        for p in pools:
+            p[table[r, slot // T], :, :, slot % T, 0] = position
+
+    for r in range(R):
+        for slot in range(length[r]):
+            write(r, slot, slot)
+    to = dict(dtype=torch.int32, device=device)
+    kept, scored_b, offsets_b = torch.zeros(R, 1, K, **to), torch.zeros(R, **to), torch.zeros(R, **to)
+    tail_b, base_b = torch.tensor(tail, **to), torch.tensor(base, **to)
+    params = build_compaction_params(pools, table, kept, scored_b, tail_b, base_b, max_tail=5, order="fill",
+                                     layer_windows=[0, K], window_offsets=offsets_b)
+    offset, graph, wrapped = [0] * R, None, False
+    for round_ in range(8):
+        scored = [n - t for n, t in zip(length, tail)]
+        wrapped |= any(o + n - b > 2 * K for o, n, b in zip(offset, scored, base))  # the evicted slots wrap
+        kept.copy_(torch.stack([torch.randperm(n - b)[:K].sort().values + b
+                                for n, b in zip(scored, base)])[:, None].to(**to))
+        scored_b.copy_(torch.tensor(scored, **to))
+        offsets_b.copy_(torch.tensor(offset, **to))
+        expect, expect_len = compact_reference(pools, table, kept, scored_b, tail_b, base_b, [0, K], "fill",
+                                               offsets_b)
+        if graph is not None:
+            graph.replay()
+        elif device == "cuda" and round_ == 1:  # round 0 eagerly, then capture once and replay
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph):
+                new_lengths = compact(params, R)
+            graph.replay()
+        else:
+            new_lengths = compact(params, R, validate=True)
+        assert torch.equal(new_lengths.cpu(), expect_len.cpu())
+        mask = _defined_mask(table, new_lengths, P, T).to(device)
+        for got, want in zip(pools, expect):
+            sel = mask[:, None, None, :, None].expand_as(want)
+            assert torch.equal(got.view(torch.uint8)[sel], want[sel])
+        for r in range(R):
+            b, n, t = base[r], scored[r], tail[r]
+            offset[r] = (offset[r] + n - b - K) % K
+            held = [int(pools[1][table[r, s // T], 0, 0, s % T, 0]) for s in range(b + K + t)]
+            ring = held[b:b + K]
+            assert held[:b] == times[r][:b]
+            assert ring[offset[r]:] + ring[:offset[r]] == times[r][n - K:n]  # the newest K, oldest first
+            assert held[b + K:] == times[r][n:n + t]                        # then the tail, in order
+            times[r] = times[r][:b] + times[r][n - K:n + t]
+            for _ in range(1 + (round_ + r) % 3):  # decode tokens until the next round: 1 to 3 past the ring
+                write(r, len(times[r]), times[r][-1] + 1)
+                times[r].append(times[r][-1] + 1)
+            length[r] = len(times[r])
+    assert wrapped
 
 
 @pytest.mark.parametrize("device", DEVICES)
@@ -363,6 +451,23 @@ def test_fill_lists_bad_arguments(device):
     sources, moves = (torch.empty(2, 3, 12, dtype=torch.int32, device=device) for _ in range(2))
     new_lengths = torch.empty(2, dtype=torch.int32, device=device)
     fill = torch.ops.kvops.compaction_fill_lists_
+    offsets = torch.zeros(2, dtype=torch.int32, device=device)
+    with pytest.raises(ValueError, match="window_offsets needs the window row"):
+        fill(kept, scored, tail, base, sources, new_lengths, moves, offsets)
+    ringed = [torch.empty(2, 4, 12, dtype=torch.int32, device=device) for _ in range(2)]
+    with pytest.raises(ValueError, match="window_offsets must be int32"):
+        fill(kept, scored, tail, base, ringed[0], new_lengths, ringed[1], offsets.long())
+    with pytest.raises(ValueError, match="window_offsets must be contiguous with one entry per request"):
+        fill(kept, scored, tail, base, ringed[0], new_lengths, ringed[1], offsets[:1])
+    with pytest.raises(ValueError, match="new_lengths overlaps window_offsets"):
+        fill(kept, scored, tail, base, ringed[0], new_lengths, ringed[1], new_lengths)
+    with pytest.raises(ValueError, match="window_offsets needs fill order"):
+        pack_move_sources(kept, scored, tail, base, ringed[0], new_lengths, window_offsets=offsets)
+    # an offset outside [0, K): that request is left as it is (lists of -1, its length before the round)
+    offsets[1] = 8
+    fill(kept, scored, tail, base, ringed[0], new_lengths, ringed[1], offsets)
+    assert (ringed[0][1] == -1).all() and (ringed[1][1] == -1).all() and (ringed[1][0, 3] >= 0).any()
+    assert new_lengths.tolist() == [int(base[0] + 8 + tail[0]), int(scored[1] + tail[1])]
     with pytest.raises(ValueError, match="sources overlaps moves"):
         fill(kept, scored, tail, base, sources, new_lengths, sources)
     with pytest.raises(ValueError, match="new_lengths overlaps scored_lengths"):
@@ -468,6 +573,14 @@ def test_validate_rejects_bad_decisions_before_moving(device):
     expect_error("exceeds the page table", lambda: scored[2].fill_(table.shape[1] * 16 + 1))
     expect_error("outside \\[0, ", lambda: table[0, (base[0] // 16).item()].fill_(10_000))
     expect_error("appears twice", lambda: table[1, (base[1] // 16).item()].copy_(table[0, (base[0] // 16).item()]))
+    offsets = torch.zeros(3, dtype=torch.int32, device=device)
+    ring = build_compaction_params(pools, table, kept[:, :1], scored, tail, base, max_tail=5, order="fill",
+                                   layer_windows=[0, 6, 0], window_offsets=offsets)
+    for bad in (6, -1):
+        offsets[2] = bad
+        with pytest.raises(ValueError, match="window offset outside \\[0, K=6\\)"):
+            compact(ring, validate=True)
+        assert _unchanged(pools, before)
     os.environ["KVOPS_DEBUG"] = "1"
     try:
         kept[0, 0, 3].copy_(kept[0, 0, 2])
@@ -507,6 +620,12 @@ def test_bad_arguments_raise_before_anything_moves(device):
         (dict(layer_windows=[0, 1]), "one non-negative int per layer"),
         (dict(layer_windows=[0, 7, 0]), "exceeds the kept count"),
         (dict(order="shuffled"), "order must be one of"),
+        (dict(window_offsets=base, order="fill"), "needs order=\"fill\" and a window layer"),
+        (dict(window_offsets=base, layer_windows=[0, 3, 0]), "needs order=\"fill\" and a window layer"),
+        (dict(window_offsets=base.long(), order="fill", layer_windows=[0, 3, 0]), "window_offsets must be int32"),
+        (dict(window_offsets=base[:2], order="fill", layer_windows=[0, 3, 0]), "window_offsets has 2 rows"),
+        (dict(window_offsets=pools[1][0, 0, 0, 0, :6].view(torch.int32), order="fill", layer_windows=[0, 3, 0]),
+         "window_offsets"),
     ]
     if device == "cuda":
         cases.append((dict(page_table=table.cpu()), "page_table is on cpu"))

@@ -14,7 +14,7 @@ from kvops.config import NVFP4ColdPageConfig, TriAttentionConfig
 from kvops.manager import (KVCacheCompressionManager, NVFP4ColdPageManager, Request, TriAttentionManager,
                            TriAttentionRound, create_compression_manager, round_order)
 from kvops.compaction import MODES
-from kvops.compaction.reference import fill_order
+from kvops.compaction.reference import fill_order, ring_order
 from kvops.triattention.reference import select_reference
 
 MODEL = dict(num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=32, rope_theta=1e4)
@@ -96,7 +96,8 @@ def test_rounds_follow_budget_and_beta_and_match_the_reference(calibration, comp
 def test_keep_policy_rounds_match_the_reference(calibration, mode, compaction_order):
     """sink_tokens, recent_window and recent_layers: each round keeps the prompt, the first 2 generated tokens,
     the newest 3 and, in layer 0, the float64 reference's choice of 12 - 5 among the others, scored on layer 0
-    alone; layer 1 (a recent layer) keeps the newest 7 of them instead."""
+    alone; layer 1 (a recent layer) keeps the newest 7 of them instead: in fill order as a ring, oldest first from
+    the manager's window offset."""
     config = TriAttentionConfig(budget=12, beta=5, eviction_mode=mode, calibration_path=calibration,
                                 compaction_order=compaction_order, sink_tokens=2, recent_window=3, recent_layers=[1])
     cache = _cache()
@@ -107,10 +108,11 @@ def test_keep_policy_rounds_match_the_reference(calibration, mode, compaction_or
     manager.on_request_init(Request("a", 6))
     cache.append("a", *_kv(6))
     manager.on_context_step_end([Request("a", 6)])
-    checked = 0
+    checked, times, offset = 0, list(range(6)), 0  # times: the logical position in each slot of layer 1
     for step in range(40):
         manager.on_generation_step_begin(["a"])
         n = 4 if step % 5 == 0 else 1
+        times += range(manager.logical_position("a"), manager.logical_position("a") + n)
         cache.append("a", *_kv(n))
         due = manager.due([("a", n)])
         data, length, start = cache.read("a"), cache.length("a"), manager.logical_position("a")
@@ -124,16 +126,26 @@ def test_keep_policy_rounds_match_the_reference(calibration, mode, compaction_or
         if not due:
             continue
         assert cache.length("a") == protected + chosen + tail and manager.logical_position("a") == start
-        newest = torch.arange(length - tail - chosen, length - tail)
+        scored = length - tail
+        newest = torch.arange(scored - chosen, scored)
+        if compaction_order == "fill":
+            newest = torch.tensor(ring_order(scored, protected, chosen, offset))
+            offset = (offset + scored - protected - chosen) % chosen
+        assert manager.window_offset["a"] == offset
         for layer in range(2):
             for head in range(2):
                 row = 0 if mode == "union" else head
                 picked = kept[0, row].long() if layer == 0 else newest
                 survivors = torch.cat([picked, torch.arange(length - tail, length)])
-                if compaction_order == "fill" and layer == 0:  # (window layers compact in order)
+                if compaction_order == "fill" and layer == 0:
                     survivors = torch.tensor(fill_order(survivors.tolist(), protected))
                 order = torch.cat([torch.arange(protected), survivors])
                 assert torch.equal(cache.read("a")[layer, :, :, head], data[layer, :, order, head])
+        # layer 1 holds the newest scored tokens, oldest first from its offset, then the tail
+        oldest_first = sorted(times[protected:scored])[-chosen:]
+        times = times[:protected] + [times[s] for s in newest.tolist()] + times[scored:length]
+        ring = times[protected:protected + chosen]
+        assert ring[offset:] + ring[:offset] == oldest_first and times[protected + chosen:] == sorted(times[-tail:])
         checked += 1
         cache.check_invariants()
     assert checked >= 3

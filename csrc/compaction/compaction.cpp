@@ -28,7 +28,8 @@ void check_index(const at::Tensor& t, const char* name, int64_t dim, const at::D
 
 FillPlan check_fill_args(const at::Tensor& kept, const at::Tensor& scored_lengths, const at::Tensor& tail_lengths,
                          const at::Tensor& destination_bases, const at::Tensor& sources,
-                         const at::Tensor& new_lengths, const at::Tensor& moves) {
+                         const at::Tensor& new_lengths, const at::Tensor& moves,
+                         const std::optional<at::Tensor>& window_offsets) {
   constexpr const char* op = "compaction_fill_lists_";
   const at::Device device = kept.device();
   // The outputs first: every pair that includes one must not overlap.
@@ -65,6 +66,18 @@ FillPlan check_fill_args(const at::Tensor& kept, const at::Tensor& scored_length
       TORCH_CHECK_VALUE(at::get_overlap_status(*args[a].first, *args[b].first) == at::MemOverlapStatus::No, op, ": ",
                         args[a].second, " overlaps ", args[b].second);
   FillPlan plan{};
+  if (window_offsets.has_value()) {
+    check_index(*window_offsets, "window_offsets", 1, device, op, "kept");
+    TORCH_CHECK_VALUE(window_offsets->size(0) == R && window_offsets->is_contiguous(), op,
+                      ": window_offsets must be contiguous with one entry per request of kept (", R, "), got shape ",
+                      window_offsets->sizes());
+    TORCH_CHECK_VALUE(sources.size(1) == rows + 1, op, ": window_offsets needs the window row (sources with ", rows + 1,
+                      " list rows), got ", sources.size(1));
+    for (size_t a = 0; a < kOutputs; ++a)
+      TORCH_CHECK_VALUE(at::get_overlap_status(*args[a].first, *window_offsets) == at::MemOverlapStatus::No, op, ": ",
+                        args[a].second, " overlaps window_offsets");
+    plan.window_offsets = window_offsets->data_ptr<int32_t>();
+  }
   plan.kept = kept.data_ptr<int32_t>();
   plan.kept_stride_request = kept.stride(0);
   plan.kept_stride_row = kept.stride(1);

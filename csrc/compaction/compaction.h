@@ -65,9 +65,11 @@ struct MovePlan {
 struct FillRow {
   const int32_t* kept;  // the decision row; unused for the window row
   int32_t K, scored, tail, base, n;  // n = K + tail: the list's length
+  // The window row's ring offset (window_offsets[r]), or -1 when the window keeps its tokens in order.
+  int32_t ring;
   // Lists of -1 and the length before the round (scored + tail, saturated to [0, INT32_MAX]) for a tail the
-  // lists cannot hold, a base outside [0, scored - K] (no decision fits there; base + n could overflow) or a
-  // length before the round past int32.
+  // lists cannot hold, a base outside [0, scored - K] (no decision fits there; base + n could overflow), a
+  // length before the round past int32, or a ring offset outside [0, K).
   bool refused;
 
   // U: the kept positions, then the tail's (ascending when the decision keeps the contract).
@@ -78,14 +80,32 @@ struct FillRow {
     return int32_t(before < 0 ? 0 : before > INT32_MAX ? INT32_MAX : before);
   }
   // The window row stays in order: the latest K scored tokens, then the tail; all move or none does.
-  KVOPS_HD int32_t window_source(int32_t m) const { return m < n ? scored - K + m : -1; }
-  KVOPS_HD int32_t window_move(int32_t m) const { return m < n && scored - K != base ? m : -1; }
+  // The window row (kvops/compaction/pack.py states both layouts). In order: the latest K scored tokens, every
+  // one moving once any is evicted. As a ring: slot base + (ring + i) % K holds the i-th oldest of the K, and the
+  // scored tokens past base + K follow in order; the e = scored - base - K oldest are evicted, the newest K take
+  // ring offset (ring + e) % K, so only the evicted slots and the tail move.
+  KVOPS_HD int32_t window_source(int32_t m) const {
+    if (m >= n) return -1;
+    if (ring < 0 || m >= K) return scored - K + m;
+    const int64_t e = int64_t(scored) - base - K, j = e + (m - ring - e % K + 2 * int64_t(K)) % K;
+    return int32_t(base + (j < K ? (ring + j) % K : j));
+  }
+  // Step j of the window row's walk: the list index it moves, -1 past the last.
+  KVOPS_HD int32_t window_move(int32_t j) const {
+    if (j >= n || scored - K == base) return -1;  // nothing evicted: nothing moves
+    if (ring < 0) return j;
+    const int64_t e = int64_t(scored) - base - K, c = e < K ? e : K, wrapped = int64_t(ring) + c - K;
+    if (j < wrapped) return j;                                      // evicted slots past the ring's end, wrapped
+    if (j < c) return int32_t(ring + j - (wrapped > 0 ? wrapped : 0));  // evicted slots from the ring offset
+    return j < c + tail ? int32_t(K + j - c) : -1;                  // the tail, down by e
+  }
 };
 
 struct FillPlan {
   const int32_t* kept;
   int64_t kept_stride_request, kept_stride_row;
   const int32_t *scored_lengths, *tail_lengths, *destination_bases;
+  const int32_t* window_offsets;  // nullptr: the window row in order
   int32_t *sources, *moves, *new_lengths;
   int32_t requests, rows, list_rows, K, capacity;
 
@@ -97,8 +117,10 @@ struct FillPlan {
     f.tail = tail_lengths[r];
     f.base = destination_bases[r];
     f.n = int32_t(int64_t(K) + f.tail);  // wraps only for a refused tail, whose n is never read
+    f.ring = window_offsets == nullptr ? -1 : window_offsets[r];
     f.refused = f.tail < 0 || f.tail > capacity - K || f.base < 0 || int64_t(f.base) + K > f.scored ||
-                int64_t(f.scored) + f.tail > INT32_MAX;
+                int64_t(f.scored) + f.tail > INT32_MAX ||
+                (window_offsets != nullptr && (f.ring < 0 || f.ring > (K > 0 ? K - 1 : 0)));
     return f;
   }
 };
@@ -106,7 +128,8 @@ struct FillPlan {
 // Checks every argument of kvops::compaction_fill_lists_ and fills the plan; raises before anything is written.
 FillPlan check_fill_args(const at::Tensor& kept, const at::Tensor& scored_lengths, const at::Tensor& tail_lengths,
                          const at::Tensor& destination_bases, const at::Tensor& sources,
-                         const at::Tensor& new_lengths, const at::Tensor& moves);
+                         const at::Tensor& new_lengths, const at::Tensor& moves,
+                         const std::optional<at::Tensor>& window_offsets);
 
 // Checks every argument of kvops::compaction_compact_layers_ (shapes, dtypes, devices, strides, alignment,
 // list-row ranges) and fills the plan; raises before anything is touched.

@@ -40,8 +40,10 @@ void compact_layers_cpu(at::TensorList pools, const at::Tensor& page_table, cons
 }
 
 void fill_lists_cpu(const at::Tensor& kept, const at::Tensor& scored_lengths, const at::Tensor& tail_lengths,
-                    const at::Tensor& destination_bases, at::Tensor sources, at::Tensor new_lengths, at::Tensor moves) {
-  const FillPlan p = check_fill_args(kept, scored_lengths, tail_lengths, destination_bases, sources, new_lengths, moves);
+                    const at::Tensor& destination_bases, at::Tensor sources, at::Tensor new_lengths, at::Tensor moves,
+                    const std::optional<at::Tensor>& window_offsets) {
+  const FillPlan p =
+      check_fill_args(kept, scored_lengths, tail_lengths, destination_bases, sources, new_lengths, moves, window_offsets);
   const int64_t C = p.capacity;
   for (int32_t r = 0; r < p.requests; ++r) p.new_lengths[r] = p.row(r, 0).new_length();
   at::parallel_for(0, int64_t(p.requests) * p.list_rows, 16, [&](int64_t begin, int64_t end) {

@@ -217,9 +217,10 @@ __global__ void __launch_bounds__(kFillWarps * 32)
 }
 
 void fill_lists_cuda(const at::Tensor& kept, const at::Tensor& scored_lengths, const at::Tensor& tail_lengths,
-                     const at::Tensor& destination_bases, at::Tensor sources, at::Tensor new_lengths, at::Tensor moves) {
+                     const at::Tensor& destination_bases, at::Tensor sources, at::Tensor new_lengths, at::Tensor moves,
+                     const std::optional<at::Tensor>& window_offsets) {
   const FillPlan plan =
-      check_fill_args(kept, scored_lengths, tail_lengths, destination_bases, sources, new_lengths, moves);
+      check_fill_args(kept, scored_lengths, tail_lengths, destination_bases, sources, new_lengths, moves, window_offsets);
   const int64_t items = int64_t(plan.requests) * plan.list_rows;
   if (items == 0) return;
   const c10::cuda::CUDAGuard guard(kept.device());

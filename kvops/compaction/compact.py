@@ -81,6 +81,7 @@ class CompactionParams:
     layer_row_base: tuple[int, ...]
     head_row_stride: tuple[int, ...]
     max_tail: int
+    window_offsets: torch.Tensor | None = None  # int32 [R_max]: the window layers' ring offsets, written by the caller
 
     @property
     def order(self) -> str:
@@ -117,7 +118,8 @@ def stream_rows(rows: int, layers: int, heads: int, layer_windows: Sequence[int]
 def build_compaction_params(pools: Sequence[torch.Tensor], page_table: torch.Tensor, kept: torch.Tensor,
                             scored_lengths: torch.Tensor, tail_lengths: torch.Tensor,
                             destination_bases: torch.Tensor, *, max_tail: int,
-                            layer_windows: Sequence[int] | None = None, order: str = "ordered") -> CompactionParams:
+                            layer_windows: Sequence[int] | None = None, order: str = "ordered",
+                            window_offsets: torch.Tensor | None = None) -> CompactionParams:
     """Bind the buffers of a compaction and allocate its move lists (the only allocation).
 
     Parameters
@@ -143,7 +145,15 @@ def build_compaction_params(pools: Sequence[torch.Tensor], page_table: torch.Ten
         one moves down). ``"fill"``: only the kept tokens at or past the new length move, each into an evicted
         slot below it (at most K + tail - (kept tokens already below the new length) moves per row), so the
         order of the kept tokens changes; full attention does not care, since keys carry their RoPE phase.
-        Window layers always compact in order. ``params.sources`` holds the permutation either way.
+        Window layers compact in order unless `window_offsets` is given. ``params.sources`` holds the permutation
+        either way.
+    window_offsets : torch.Tensor, optional
+        int32 ``[R_max]``, written by the caller each round, fill order with window layers only: the window layers
+        keep their tokens as rings, so a round moves only the evicted slots and the tail (kvops/compaction/pack.py
+        states the layout). Each request's ring starts at ``destination_base + window_offsets[r]``, in [0, K); it
+        is 0 while the window is in order (before a request's first round), and a round of e evicted tokens
+        (``scored_length - destination_base - K``) turns it into ``(offset + e) % K``, which the caller writes
+        before the next round.
 
     Returns
     -------
@@ -160,7 +170,8 @@ def build_compaction_params(pools: Sequence[torch.Tensor], page_table: torch.Ten
                          f"{sorted({tuple(p.shape) for p in pools})[:4]}")
     _check_pools(what, pools)
     check_int32(what, device, page_table=(page_table, 2), kept=(kept, 3), scored_lengths=(scored_lengths, 1),
-                tail_lengths=(tail_lengths, 1), destination_bases=(destination_bases, 1))
+                tail_lengths=(tail_lengths, 1), destination_bases=(destination_bases, 1),
+                **({} if window_offsets is None else {"window_offsets": (window_offsets, 1)}))
     if kept.stride(2) != 1 and kept.shape[2] > 1:
         raise ValueError(f"{what}: kept needs a contiguous last dim (the pack reads its rows), got strides "
                          f"{kept.stride()}")
@@ -168,14 +179,18 @@ def build_compaction_params(pools: Sequence[torch.Tensor], page_table: torch.Ten
     check_choice(what, "order", order, ORDERS)
     # the indices too: a move that wrote over its page table or decisions would steer the later moves
     check_disjoint(what, "pools", pools, [("page_table", page_table), ("kept", kept), ("scored_lengths", scored_lengths),
-                                          ("tail_lengths", tail_lengths), ("destination_bases", destination_bases)])
+                                          ("tail_lengths", tail_lengths), ("destination_bases", destination_bases)]
+                   + ([] if window_offsets is None else [("window_offsets", window_offsets)]))
     L, H = len(pools), pools[0].shape[2]
     R, rows, K = kept.shape
     for name, t in (("page_table", page_table), ("scored_lengths", scored_lengths), ("tail_lengths", tail_lengths),
-                    ("destination_bases", destination_bases)):
-        if t.shape[0] != R:
+                    ("destination_bases", destination_bases), ("window_offsets", window_offsets)):
+        if t is not None and t.shape[0] != R:
             raise ValueError(f"{what}: {name} has {t.shape[0]} rows, kept has {R} requests")
     windows = _layer_windows(what, layer_windows, L)
+    if window_offsets is not None and (order != "fill" or not any(windows)):
+        raise ValueError(f"{what}: window_offsets makes the window layers rings in fill order; it needs "
+                         f'order="fill" and a window layer, got order={order!r}, layer_windows={layer_windows!r}')
     if any(w > K for w in windows):
         raise ValueError(f"{what}: layer_windows {max(windows)} exceeds the kept count K={K}; a window layer keeps "
                          f"its latest K tokens, so a larger window would lose tokens it attends to")
@@ -187,7 +202,7 @@ def build_compaction_params(pools: Sequence[torch.Tensor], page_table: torch.Ten
         moves=(torch.full((R, list_rows, K + max_tail), -1, dtype=torch.int32, device=device) if order == "fill"
                else None),
         new_lengths=torch.zeros(R, dtype=torch.int32, device=device),
-        layer_row_base=row_base, head_row_stride=row_stride, max_tail=max_tail)
+        layer_row_base=row_base, head_row_stride=row_stride, max_tail=max_tail, window_offsets=window_offsets)
     # A dry run with no requests: the op checks the pools (geometry, dtype, strides, alignment) now, once.
     compact_layers_(pools, page_table[:0], params.sources[:0], params.new_lengths[:0], destination_bases[:0],
                     row_base, row_stride)
@@ -216,7 +231,8 @@ def compact(params: CompactionParams, request_count: int | None = None, *, valid
     Notes
     -----
     A request whose tail lies outside [0, max_tail], whose destination base lies outside [0, scored - K] (no decision
-    fits above it; base + K + tail could overflow int32) or whose scored + tail does not fit int32 is left as it is:
+    fits above it; base + K + tail could overflow int32), whose scored + tail does not fit int32 or whose window
+    offset lies outside [0, K) is left as it is:
     nothing of it moves and its new length is scored + max(tail, 0) (its length before the call, saturated to
     [0, 2**31 - 1]), so no token is dropped without the caller seeing it in the returned length. Without validation
     the kernels trust the rest: a decision that is not ascending or that overtakes (kept[m] < base + m) moves the
@@ -232,9 +248,10 @@ def compact(params: CompactionParams, request_count: int | None = None, *, valid
     if validate or os.environ.get("KVOPS_DEBUG") == "1":
         check_decisions(params, R)
     moves = None if params.moves is None else params.moves[:R]
+    offsets = None if params.window_offsets is None else params.window_offsets[:R]
     # the bound buffers were checked by build_compaction_params: straight to the ops
     _pack_op(params.kept[:R], params.scored_lengths[:R], params.tail_lengths[:R],
-             params.destination_bases[:R], params.sources[:R], params.new_lengths[:R], moves)
+             params.destination_bases[:R], params.sources[:R], params.new_lengths[:R], moves, offsets)
     torch.ops.kvops.compaction_compact_layers_(params.pools, params.page_table[:R], params.sources[:R],
                                                params.new_lengths[:R], params.destination_bases[:R],
                                                list(params.layer_row_base), list(params.head_row_stride), moves)
@@ -265,6 +282,9 @@ def check_decisions(params: CompactionParams, request_count: int) -> None:
     fail((tail < 0) | (tail > params.max_tail), f"tail length outside [0, max_tail={params.max_tail}]")
     fail((base < 0) | (scored - K < base), f"fewer than K={K} scored tokens above the destination base")
     fail(end > table.shape[1] * T, f"cache length exceeds the page table ({table.shape[1]} pages of {T})")
+    if params.window_offsets is not None:
+        offsets = params.window_offsets[:R]
+        fail((offsets < 0) | (offsets >= max(K, 1)), f"window offset outside [0, K={K})")
     fail((kept[..., 1:] <= kept[..., :-1]).any(-1), "kept positions are not strictly ascending")
     fail(((kept < base[:, None, None] + m) | (kept >= scored[:, None, None])).any(-1),
          "a kept position is below destination_base + its ordinal (it would be overtaken) or not a scored token")

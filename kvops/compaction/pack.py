@@ -6,7 +6,12 @@ Request r gets `list_rows` lists of equal length n_r = K + tail_lengths[r], stor
 
 - rows ``0 .. rows-1``: ``kept[r, row]`` (the decision), then the tail ``scored_length .. +tail``;
 - row ``rows`` (only when sources has one more row than kept): the window row, the latest K scored
-  tokens ``scored_length - K .. scored_length``, then the tail.
+  tokens ``scored_length - K .. scored_length``, then the tail. With ``window_offsets`` (fill order only) the
+  window is a ring instead: the K tokens above the base are in time order from slot ``base + window_offsets[r]``,
+  wrapping at ``base + K``, and the scored tokens past ``base + K`` follow in order. The e = scored_length - base
+  - K oldest are evicted; the newest e take their slots, in order, and the tail moves down by e, so the ring's
+  offset becomes ``(window_offsets[r] + e) % K`` (the caller keeps it) and only e + tail tokens move, where in
+  order every one of the K + tail does.
 
 Lists in order (the default) move every kept token behind the first evicted one down. In fill order
 (with a ``moves`` buffer; the decision rows only, since a sliding-window layer needs its tokens in order) only the
@@ -22,8 +27,8 @@ those instead of the whole list, so a round that evicts beta of K + beta tokens 
 
 ``new_lengths[r] = destination_bases[r] + n_r``. A request whose tail does not fit (outside
 [0, capacity - K]), whose destination base lies outside [0, scored_length - K] (no decision fits above it, and
-base + n_r could overflow int32), or whose scored_length + tail does not fit int32 gets lists of -1 (nothing
-moves) and ``new_lengths[r] = scored_length + max(tail, 0)``, its length before the round (saturated to
+base + n_r could overflow int32), whose scored_length + tail does not fit int32, or whose window offset lies
+outside [0, K) gets lists of -1 (nothing moves) and ``new_lengths[r] = scored_length + max(tail, 0)``, its length before the round (saturated to
 [0, 2**31 - 1]).
 Padding (rather than ragged offsets) keeps every shape static for CUDA graphs and means a bad tail can never
 push a list into another request's.
@@ -81,13 +86,13 @@ _PACK = _triton.Kernel("compaction_pack", _pack_kernel, {
 
 
 def _pack_launch(kept: torch.Tensor, scored_lengths: torch.Tensor, tail_lengths: torch.Tensor,
-             destination_bases: torch.Tensor, sources: torch.Tensor, new_lengths: torch.Tensor,
-             moves: Optional[torch.Tensor]) -> None:
+                 destination_bases: torch.Tensor, sources: torch.Tensor, new_lengths: torch.Tensor,
+                 moves: Optional[torch.Tensor], window_offsets: Optional[torch.Tensor] = None) -> None:
     R, rows, K = kept.shape
     capacity = sources.shape[2]
     if moves is not None:  # fill order: every list row and the new lengths in one native launch
         torch.ops.kvops.compaction_fill_lists_(kept, scored_lengths, tail_lengths, destination_bases, sources,
-                                               new_lengths, moves)
+                                               new_lengths, moves, window_offsets)
         return
     launch = triton_launcher(_PACK, kept.device)
     if launch is None:
@@ -99,9 +104,10 @@ def _pack_launch(kept: torch.Tensor, scored_lengths: torch.Tensor, tail_lengths:
 
 
 @torch.library.register_fake("kvops::compaction_fill_lists_")
-def _fill_lists_fake(kept, scored_lengths, tail_lengths, destination_bases, sources, new_lengths, moves):
+def _fill_lists_fake(kept, scored_lengths, tail_lengths, destination_bases, sources, new_lengths, moves,
+                     window_offsets=None):
     check_no_meta_mix("compaction_fill_lists_", kept, scored_lengths, tail_lengths, destination_bases, sources,
-                      new_lengths, moves)
+                      new_lengths, moves, *([] if window_offsets is None else [window_offsets]))
 
 
 _pack_op = python_op("compaction_pack_move_sources_", mutates_args={"sources", "new_lengths", "moves"})(_pack_launch)
@@ -109,24 +115,31 @@ _pack_op = python_op("compaction_pack_move_sources_", mutates_args={"sources", "
 
 def pack_move_sources(kept: torch.Tensor, scored_lengths: torch.Tensor, tail_lengths: torch.Tensor,
                       destination_bases: torch.Tensor, sources: torch.Tensor, new_lengths: torch.Tensor,
-                      moves: Optional[torch.Tensor] = None) -> None:
+                      moves: Optional[torch.Tensor] = None, window_offsets: Optional[torch.Tensor] = None) -> None:
     """Write the move lists of a batch into ``sources`` [R, list_rows, capacity] and ``new_lengths`` [R].
 
     kept: int32 [R, rows, K]; scored_lengths, tail_lengths, destination_bases: int32 [R].
     list_rows is rows (no window row) or rows + 1; capacity >= K (capacity - K is the tail room).
     moves: int32, the shape of sources. When given, the decision rows' lists are in fill order (module docstring;
     the window row stays in order) and moves receives the indices that move.
+    window_offsets: int32 [R], fill order with a window row only: the window row is a ring starting at each
+    request's offset (module docstring).
     The outputs (sources, new_lengths, moves) share no memory with each other or with the inputs.
     """
     what = "pack_move_sources"
     check_int32(what, kept=(kept, 3), scored_lengths=(scored_lengths, 1), tail_lengths=(tail_lengths, 1),
                 destination_bases=(destination_bases, 1), sources=(sources, 3), new_lengths=(new_lengths, 1),
-                **({} if moves is None else {"moves": (moves, 3)}))
+                **({} if moves is None else {"moves": (moves, 3)}),
+                **({} if window_offsets is None else {"window_offsets": (window_offsets, 1)}))
     R, rows, K = kept.shape
     for name, t in (("scored_lengths", scored_lengths), ("tail_lengths", tail_lengths),
-                    ("destination_bases", destination_bases), ("new_lengths", new_lengths)):
-        if t.shape[0] != R:
+                    ("destination_bases", destination_bases), ("new_lengths", new_lengths),
+                    ("window_offsets", window_offsets)):
+        if t is not None and t.shape[0] != R:
             raise ValueError(f"{what}: {name} has {t.shape[0]} entries, kept has {R} requests")
+    if window_offsets is not None and (moves is None or sources.shape[1] != rows + 1):
+        raise ValueError(f"{what}: window_offsets needs fill order (moves) and the window row (sources with "
+                         f"{rows + 1} list rows), got {'no moves' if moves is None else f'{sources.shape[1]} rows'}")
     if kept.stride(2) != 1 or not sources.is_contiguous():
         raise ValueError(f"{what}: kept needs a contiguous last dim and sources must be contiguous")
     if sources.shape[0] != R or sources.shape[1] not in (rows, rows + 1) or sources.shape[2] < K:
@@ -138,10 +151,10 @@ def pack_move_sources(kept: torch.Tensor, scored_lengths: torch.Tensor, tail_len
     check_disjoint(what, "outputs", [sources, new_lengths] + ([] if moves is None else [moves]))
     if not torch.compiler.is_compiling():  # an output over an input: the kernel would read what it just wrote
         inputs = (("kept", kept), ("scored_lengths", scored_lengths), ("tail_lengths", tail_lengths),
-                  ("destination_bases", destination_bases))
+                  ("destination_bases", destination_bases), ("window_offsets", window_offsets))
         for out_name, out in (("sources", sources), ("new_lengths", new_lengths), ("moves", moves)):
             for in_name, t in inputs:
-                if out is not None and overlap(out, t):
+                if out is not None and t is not None and overlap(out, t):
                     raise ValueError(f"{what}: {out_name} shares memory with {in_name}; the outputs must not "
                                      f"alias the inputs")
-    _pack_op(kept, scored_lengths, tail_lengths, destination_bases, sources, new_lengths, moves)
+    _pack_op(kept, scored_lengths, tail_lengths, destination_bases, sources, new_lengths, moves, window_offsets)

@@ -1,7 +1,7 @@
 """Plain-torch references of compaction, the oracles the tests compare against.
 
-- ``compact_reference`` (with ``fill_order``): the semantics, gather everything then scatter, out of place;
-  independent of the move lists and the kernels (it reads the decision directly).
+- ``compact_reference`` (with ``fill_order`` and ``ring_order``): the semantics, gather everything then scatter,
+  out of place; independent of the move lists and the kernels (it reads the decision directly).
 - ``pack_move_sources_torch`` (with ``fill_lists_torch`` and ``moves_torch``): the move lists of pack.py in
   batched torch, the rule the Triton kernel and kvops::compaction_fill_lists_ follow (and the CPU path of
   ``kvops::compaction_pack_move_sources_`` in order).
@@ -28,12 +28,25 @@ def fill_order(kept_positions: list[int], base: int) -> list[int]:
     return [p if p in stay else next(movers) for p in range(base, end)]
 
 
+def ring_order(scored: int, base: int, K: int, offset: int) -> list[int]:
+    """The window row as a ring, written out: the time order of the scored tokens is the ring's K slots from
+    base + offset (wrapping at base + K), then the slots from base + K; the newest K are kept, and the i-th oldest
+    of them ends at base + (offset + e + i) % K, e = scored - base - K being the number evicted. Returns the old
+    position of what ends at base + m, for each m < K."""
+    by_age = [base + (offset + j) % K for j in range(K)] + list(range(base + K, scored))
+    e = scored - base - K
+    landed = [0] * K
+    for i, position in enumerate(by_age[e:]):
+        landed[(offset + e + i) % K] = position
+    return landed
+
+
 def compact_reference(pools: Sequence[torch.Tensor], page_table: torch.Tensor, kept: torch.Tensor,
                       scored_lengths: torch.Tensor, tail_lengths: torch.Tensor, destination_bases: torch.Tensor,
-                      layer_windows: Sequence[int] | None = None, order: str = "ordered"
-                      ) -> tuple[list[torch.Tensor], torch.Tensor]:
+                      layer_windows: Sequence[int] | None = None, order: str = "ordered",
+                      window_offsets: torch.Tensor | None = None) -> tuple[list[torch.Tensor], torch.Tensor]:
     """Returns (new pools as uint8 byte views [P, 2, H, T, row_bytes], new_lengths). order: "ordered" or "fill"
-    (window layers compact in order either way)."""
+    (window layers compact in order, or with window_offsets as rings: ``ring_order``)."""
     src_bytes = [p.view(torch.uint8) for p in pools]  # bit-exact for every dtype
     out = [b.clone() for b in src_bytes]
     L, H, T = len(pools), pools[0].shape[2], pools[0].shape[3]
@@ -44,7 +57,9 @@ def compact_reference(pools: Sequence[torch.Tensor], page_table: torch.Tensor, k
         tail_src = torch.arange(scored, scored + tail)
         for layer in range(L):
             for head in range(H):
-                if windows[layer] > 0:
+                if windows[layer] > 0 and window_offsets is not None:
+                    src = torch.tensor(ring_order(scored, base, K, int(window_offsets[r])), dtype=torch.long)
+                elif windows[layer] > 0:
                     src = torch.arange(scored - K, scored)
                 else:
                     src = kept[r, decision_row(rows, L, H, layer, head)].long().cpu()
@@ -83,7 +98,16 @@ def moves_torch(sources, destination_bases, new_lengths):
     return ascending.masked_fill_(i >= moving.sum(-1, keepdim=True), -1)
 
 
-def pack_move_sources_torch(kept, scored_lengths, tail_lengths, destination_bases, sources, new_lengths, moves=None):
+def ring_sources_torch(scored_lengths, destination_bases, window_offsets, K):
+    """The ring window row's first K sources, [R, K] int32 (the kernel's inverse of ``ring_order``)."""
+    scored, base, offset = (t.long()[:, None] for t in (scored_lengths, destination_bases, window_offsets))
+    e = (scored - base - K).clamp(min=0)  # refused requests are overwritten after
+    j = e + (torch.arange(K, device=scored.device) - offset - e).remainder(K)  # the age of the token landing at m
+    return torch.where(j < K, base + (offset + j).remainder(K), base + j).int()
+
+
+def pack_move_sources_torch(kept, scored_lengths, tail_lengths, destination_bases, sources, new_lengths, moves=None,
+                            window_offsets=None):
     """pack_move_sources in batched torch: writes sources, new_lengths and (fill order) moves as pack.py states."""
     R, rows, K = kept.shape
     m = torch.arange(sources.shape[2], device=kept.device, dtype=torch.int32)
@@ -91,13 +115,16 @@ def pack_move_sources_torch(kept, scored_lengths, tail_lengths, destination_base
     tail_part = torch.where(m[K:] < K + tail, scored + m[K:] - K, -1)  # [R, capacity - K]
     sources[:, :rows, :K] = kept
     if sources.shape[1] > rows:
-        sources[:, rows, :K] = scored - K + m[:K]
+        sources[:, rows, :K] = scored - K + m[:K] if window_offsets is None or K == 0 else \
+            ring_sources_torch(scored_lengths, destination_bases, window_offsets, K)
     sources[:, :, K:] = tail_part[:, None, :]
     if moves is not None:
         sources[:, :rows] = fill_lists_torch(kept, scored_lengths, tail_lengths, destination_bases, sources.shape[2])
     scored, tail, base = scored_lengths.long(), tail_lengths.long(), destination_bases.long()  # no overflow
     before = scored + tail.clamp(min=0)
     refused = (tail < 0) | (tail > sources.shape[2] - K) | (base < 0) | (base + K > scored) | (before > INT32_MAX)
+    if window_offsets is not None:
+        refused |= (window_offsets < 0) | (window_offsets >= max(K, 1))
     sources.masked_fill_(refused[:, None, None], -1)
     new_lengths.copy_(torch.where(refused, before.clamp(0, INT32_MAX), base + K + tail))
     if moves is not None:
