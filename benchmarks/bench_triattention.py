@@ -19,7 +19,8 @@ Rows:
               K read once plus, read and written, the bytes fill order must move, at the copy bandwidth.
   round_steady_policy  the whole round (fill) at R=32 under keep-policy options (4 sink tokens, a recent window
               of 64, layer 0 on recency, and all three; then each mode's defaults, whose windows past beta run
-              ordered) against the same round without them, per_head, union and per_layer_perhead.
+              ordered) against the same round without them, per_head, union and per_layer_perhead: 7 repeats of
+              40 replays, each repeat timing every configuration of the mode in turn; the medians.
   first_round  the whole round (fill, R=1 of the steady shape) in a fresh process with empty Triton, kvops and CUDA
               caches, once per mode, eager (no graph), timed from after `import kvops` and the workload's
               allocation to the round's end; baseline: the same round again in that process (warm). The note gives
@@ -36,6 +37,7 @@ from __future__ import annotations
 
 import json
 import os
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -298,6 +300,7 @@ def _round_tp(rows_out: list[Row], copy_gbps: float, quick: bool) -> list[str]:
             dist.destroy_process_group()
 
 
+POLICY_REPEATS, POLICY_ITERS = 7, 40
 POLICIES = {"sinks 4": dict(sink_tokens=4), "recent 64": dict(recent_window=64),
             "layer 0 recent": dict(recent_layers=(0,)),
             "all three": dict(sink_tokens=4, recent_window=64, recent_layers=(0,))}
@@ -305,27 +308,40 @@ POLICIES = {"sinks 4": dict(sink_tokens=4), "recent 64": dict(recent_window=64),
 
 def _round_policy(rows_out: list[Row], copy_gbps: float, quick: bool) -> list[str]:
     """The cost of the keep-policy options: the steady round with each against the plain one, same workload; and
-    with each mode's defaults (kvops.config.resolve_keep_policy), whose long windows run ordered rounds."""
+    with each mode's defaults (kvops.config.resolve_keep_policy), whose long windows run ordered rounds. The
+    configurations of a mode are timed in turn, REPEATS times over, so that a drift of the GPU's clocks during the
+    run falls on all of them alike; a cell is the median of its repeats."""
     R = 8 if quick else 32
     w = steady_workload(R)
     notes = []
     for mode in ("per_head", "union", "per_layer_perhead"):
         defaults = resolve_keep_policy("_round_policy", mode, w.budget, w.beta, w.L)._asdict()
-        base = None
-        for name, options in {"plain": {}, **POLICIES, "defaults": defaults}.items():
-            _, rnd = steady_round(w, mode, "fill", cuda_graphs=True, **options)
-            us = time_us(rnd.graphs[R].replay, iters=40)  # (differences of a few %: more replays than elsewhere)
-            if base is None:
-                floor_bytes = w.L * R * (w.budget + w.beta) * w.Hkv * w.D * 2 + 2 * fill_moved_bytes(w, rnd)
-                base = us
+        configs = {"plain": {}, **POLICIES, "defaults": defaults}
+        rounds = {name: steady_round(w, mode, "fill", cuda_graphs=True, **options)[1]
+                  for name, options in configs.items()}
+        floor_bytes = w.L * R * (w.budget + w.beta) * w.Hkv * w.D * 2 + 2 * fill_moved_bytes(w, rounds["plain"])
+        times = {name: [] for name in configs}
+        for rnd in rounds.values():  # a second of rounds first: the first mode ran on cold clocks without it
+            for _ in range(50):
+                rnd.graphs[R].replay()
+        torch.cuda.synchronize()
+        for _ in range(POLICY_REPEATS):
+            for name, rnd in rounds.items():
+                times[name].append(time_us(rnd.graphs[R].replay, iters=POLICY_ITERS))
+        base = statistics.median(times["plain"])
+        for name, options in configs.items():
+            if name == "plain":
                 continue
+            us = statistics.median(times[name])
+            ratios = [t / b - 1 for t, b in zip(times[name], times["plain"])]
             order = round_order("fill", options.get("recent_window", 0), w.beta)
             shape = f"R={R} {w.prompt}+{w.budget + w.beta} L={w.L} Hkv={w.Hkv} {mode} {order}, {name}"
             rows_out.append(Row.make(FAMILY, "round_steady_policy", shape, "bfloat16", us, floor_bytes, copy_gbps,
                                      "plain round", base))
             notes.append(f"round_steady_policy R={R} {mode} {name} ({order}): {us:.0f} us against {base:.0f} us "
-                         f"plain ({us / base - 1:+.1%}).")
-            rnd = None
+                         f"plain ({us / base - 1:+.1%}; each repeat {min(ratios):+.1%} to {max(ratios):+.1%}).")
+        rounds = None
+        torch.cuda.empty_cache()
     return notes
 
 
