@@ -15,12 +15,14 @@ Rows:
               tokens (budget 2048 + beta 128), pages of 32, HND pools with K and V planes, modes union and
               per_layer_perhead, compaction ordered and fill: `_select` (TriAttentionSelector), `_compact` and the
               whole round as the manager runs it (TriAttentionRound), each from a graph, and `_select_eager`
-              (the same call without a graph). Floor: the decode tokens'
+              (the same call without a graph); `_compact` and the round each start from the same pools (restored
+              before every call, outside the timed region). Floor: the decode tokens'
               K read once plus, read and written, the bytes fill order must move, at the copy bandwidth.
   round_steady_policy  the whole round (fill) at R=32 under keep-policy options (4 sink tokens, a recent window
               of 64, layer 0 on recency, and all three; then each mode's defaults, whose windows past beta run
               ordered) against the same round without them, per_head, union and per_layer_perhead: 7 repeats of
-              40 replays, each repeat timing every configuration of the mode in turn; the medians.
+              40 replays, each repeat timing every configuration of the mode in turn, each replay on the same
+              pools (restored before it, outside the timed region); the medians.
   first_round  the whole round (fill, R=1 of the steady shape) in a fresh process with empty Triton, kvops and CUDA
               caches, once per mode, eager (no graph), timed from after `import kvops` and the workload's
               allocation to the round's end; baseline: the same round again in that process (warm). The note gives
@@ -185,6 +187,18 @@ def steady_round(w: SimpleNamespace, mode: str, order: str, cuda_graphs: bool, p
     return selector, rnd
 
 
+def restorer(pools: list[torch.Tensor]):
+    """A function that puts the pools back as they are now (a copy of them is kept). Each timed round or
+    compaction starts from the same pools: a round compacts them in place, and one run on what the last left (the
+    kept tokens' stale copies still past the new length) moves far fewer tokens than a real round."""
+    pristine = [p.clone() for p in pools]
+
+    def restore():
+        for p, q in zip(pools, pristine):
+            p.copy_(q)
+    return restore
+
+
 def fill_moved_bytes(w: SimpleNamespace, rnd) -> int:
     """Bytes a fill-order round moves (each read once and written once; counted once here), from its moves lists.
     A union row serves every layer and KV head, a per-head row every layer, a per-(layer, head) row one stream;
@@ -194,14 +208,19 @@ def fill_moved_bytes(w: SimpleNamespace, rnd) -> int:
     return moved * (w.L * w.Hkv // rows) * 2 * w.D * 2
 
 
+STEADY_REQUESTS = (1, 8, 32, 128)
+
+
 def _round_steady(rows_out: list[Row], copy_gbps: float, quick: bool) -> list[str]:
     notes = []
-    for R in ((1, 8) if quick else (1, 8, 32, 128)):
+    for R in ((1, 8) if quick else STEADY_REQUESTS):
         w = steady_workload(R)
+        restore = restorer(w.pools)
         k_bytes = w.L * R * (w.budget + w.beta) * w.Hkv * w.D * 2
         for mode in ("union", "per_layer_perhead"):
             floor_bytes = None
             for order in ("fill", "ordered"):  # fill first: its lists give the floor for both
+                restore()
                 selector, rnd = steady_round(w, mode, order, cuda_graphs=True)
                 if floor_bytes is None:
                     floor_bytes = k_bytes + 2 * fill_moved_bytes(w, rnd)
@@ -209,8 +228,8 @@ def _round_steady(rows_out: list[Row], copy_gbps: float, quick: bool) -> list[st
                 select_us = time_us(graphed(lambda: selector.select(w.pools, pt, lengths[0], lengths[1],
                                                                      lengths[3])), iters=10)
                 eager_us = time_us(lambda: selector.select(w.pools, pt, lengths[0], lengths[1], lengths[3]), iters=10)
-                compact_us = time_us(graphed(lambda: compact(rnd.params, R)), iters=10)
-                round_us = time_us(rnd.graphs[R].replay, iters=10)
+                compact_us = time_us(graphed(lambda: compact(rnd.params, R)), iters=10, before=restore)
+                round_us = time_us(rnd.graphs[R].replay, iters=10, before=restore)
                 shape = f"R={R} {w.prompt}+{w.budget + w.beta} L={w.L} Hkv={w.Hkv} {mode} {order}"
                 for routine, us, nbytes in (("round_steady_select", select_us, k_bytes),
                                             ("round_steady_select_eager", eager_us, k_bytes),
@@ -313,12 +332,15 @@ def _round_policy(rows_out: list[Row], copy_gbps: float, quick: bool) -> list[st
     run falls on all of them alike; a cell is the median of its repeats."""
     R = 8 if quick else 32
     w = steady_workload(R)
+    restore = restorer(w.pools)
     notes = []
     for mode in ("per_head", "union", "per_layer_perhead"):
         defaults = resolve_keep_policy("_round_policy", mode, w.budget, w.beta, w.L)._asdict()
         configs = {"plain": {}, **POLICIES, "defaults": defaults}
-        rounds = {name: steady_round(w, mode, "fill", cuda_graphs=True, **options)[1]
-                  for name, options in configs.items()}
+        rounds = {}
+        for name, options in configs.items():  # each first round (and the floor's lists) from the same pools
+            restore()
+            rounds[name] = steady_round(w, mode, "fill", cuda_graphs=True, **options)[1]
         floor_bytes = w.L * R * (w.budget + w.beta) * w.Hkv * w.D * 2 + 2 * fill_moved_bytes(w, rounds["plain"])
         times = {name: [] for name in configs}
         for rnd in rounds.values():  # a second of rounds first: the first mode ran on cold clocks without it
@@ -327,7 +349,7 @@ def _round_policy(rows_out: list[Row], copy_gbps: float, quick: bool) -> list[st
         torch.cuda.synchronize()
         for _ in range(POLICY_REPEATS):
             for name, rnd in rounds.items():
-                times[name].append(time_us(rnd.graphs[R].replay, iters=POLICY_ITERS))
+                times[name].append(time_us(rnd.graphs[R].replay, iters=POLICY_ITERS, before=restore))
         base = statistics.median(times["plain"])
         for name, options in configs.items():
             if name == "plain":

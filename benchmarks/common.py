@@ -56,15 +56,20 @@ def graphed(fn):
     return graph.replay
 
 
-def time_us(fn, iters: int = 20, warmup: int = 3, flush: bool = True) -> float:
+def time_us(fn, iters: int = 20, warmup: int = 3, flush: bool = True, before=None) -> float:
     """Median microseconds of fn() on the current stream, by CUDA events after warm-up. With `flush` (the default)
     L2 is evicted before each timed call, outside the timed region: inputs come from memory, as they do in use
-    unless a row says otherwise (flush=False, for inputs that real use has just written)."""
+    unless a row says otherwise (flush=False, for inputs that real use has just written). `before`, when given,
+    runs before each call (warm-up ones too), outside the timed region: e.g. restoring what fn() changes in place."""
     for _ in range(warmup):
+        if before is not None:
+            before()
         fn()
     torch.cuda.synchronize()
     times = []
     for _ in range(iters):
+        if before is not None:
+            before()
         if flush:
             flush_l2()
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)

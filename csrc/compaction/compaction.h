@@ -79,7 +79,6 @@ struct FillRow {
     const int64_t before = int64_t(scored) + (tail > 0 ? tail : 0);
     return int32_t(before < 0 ? 0 : before > INT32_MAX ? INT32_MAX : before);
   }
-  // The window row stays in order: the latest K scored tokens, then the tail; all move or none does.
   // The window row (kvops/compaction/pack.py states both layouts). In order: the latest K scored tokens, every
   // one moving once any is evicted. As a ring: slot base + (ring + i) % K holds the i-th oldest of the K, and the
   // scored tokens past base + K follow in order; the e = scored - base - K oldest are evicted, the newest K take
