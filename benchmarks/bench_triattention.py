@@ -208,12 +208,9 @@ def fill_moved_bytes(w: SimpleNamespace, rnd) -> int:
     return moved * (w.L * w.Hkv // rows) * 2 * w.D * 2
 
 
-STEADY_REQUESTS = (1, 8, 32, 128)
-
-
 def _round_steady(rows_out: list[Row], copy_gbps: float, quick: bool) -> list[str]:
     notes = []
-    for R in ((1, 8) if quick else STEADY_REQUESTS):
+    for R in ((1, 8) if quick else (1, 8, 32, 128)):
         w = steady_workload(R)
         restore = restorer(w.pools)
         k_bytes = w.L * R * (w.budget + w.beta) * w.Hkv * w.D * 2
@@ -328,8 +325,8 @@ POLICIES = {"sinks 4": dict(sink_tokens=4), "recent 64": dict(recent_window=64),
 def _round_policy(rows_out: list[Row], copy_gbps: float, quick: bool) -> list[str]:
     """The cost of the keep-policy options: the steady round with each against the plain one, same workload; and
     with each mode's defaults (kvops.config.resolve_keep_policy), whose long windows run ordered rounds. The
-    configurations of a mode are timed in turn, REPEATS times over, so that a drift of the GPU's clocks during the
-    run falls on all of them alike; a cell is the median of its repeats."""
+    configurations of a mode are timed in turn, POLICY_REPEATS times over, so that a drift of the GPU's clocks
+    during the run falls on all of them alike; a cell is the median of its repeats."""
     R = 8 if quick else 32
     w = steady_workload(R)
     restore = restorer(w.pools)
@@ -343,7 +340,7 @@ def _round_policy(rows_out: list[Row], copy_gbps: float, quick: bool) -> list[st
             rounds[name] = steady_round(w, mode, "fill", cuda_graphs=True, **options)[1]
         floor_bytes = w.L * R * (w.budget + w.beta) * w.Hkv * w.D * 2 + 2 * fill_moved_bytes(w, rounds["plain"])
         times = {name: [] for name in configs}
-        for rnd in rounds.values():  # a second of rounds first: the first mode ran on cold clocks without it
+        for rnd in rounds.values():  # warm replays first: no configuration pays for the clocks ramping up
             for _ in range(50):
                 rnd.graphs[R].replay()
         torch.cuda.synchronize()
