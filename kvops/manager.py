@@ -162,9 +162,6 @@ class TriAttentionManager(KVCacheCompressionManager):
         # confirm exactly what the cache gained since: a hook called twice, or a count past what was written,
         # would otherwise shift every later round.
         self.accounted_length: dict[Any, int] = {}
-        # Where each request's recent layers' ring of kept tokens starts, above its prompt and sinks (a fill round
-        # moves only what it evicts there: TriAttentionRound).
-        self.window_offset: dict[Any, int] = {}
         self.rounds = 0
         # On the GPU, each round size is captured once and replayed (TriAttentionRound); set False to run every
         # round eagerly (e.g. under a debugger or an engine that captures its own graphs).
@@ -201,7 +198,6 @@ class TriAttentionManager(KVCacheCompressionManager):
         self.since_round[request.id] = 0
         self.num_compressed_tokens[request.id] = 0
         self.accounted_length[request.id] = request.prompt_length  # what the prefill will write
-        self.window_offset[request.id] = 0
 
     def on_context_step_end(self, requests: Sequence[Request]) -> None:
         """After a prefill step: each request's cache holds (part of) its prompt, at most all of it; decode steps
@@ -236,8 +232,7 @@ class TriAttentionManager(KVCacheCompressionManager):
         what = "TriAttentionManager.on_request_finish"
         request = _request(what, "request", request)
         self._admitted(what, "request", request.id)
-        for table in (self.prompt_length, self.since_round, self.num_compressed_tokens, self.accounted_length,
-                      self.window_offset):
+        for table in (self.prompt_length, self.since_round, self.num_compressed_tokens, self.accounted_length):
             del table[request.id]
 
     def logical_position(self, rid) -> int:
@@ -278,18 +273,18 @@ class TriAttentionManager(KVCacheCompressionManager):
                                 self.kv_cache.device, manager_settings=self._settings, step=torch.tensor(
                                     [[lengths[r], self.prompt_length[r], since[r], r in rids] for r, _ in batch],
                                     dtype=torch.int64).view(-1, 4))
-        new_lengths, offsets = self._run_round(rids) if rids else ([], [])  # refuses (raises) before anything moves
+        new_lengths = self._run_round(rids) if rids else []  # refuses (raises) before anything moves
         # committed only now: a refused step counts nothing, so the engine may call it again
-        for rid, n, offset in zip(rids, new_lengths, offsets):
+        for rid, n in zip(rids, new_lengths):
             self.num_compressed_tokens[rid] += lengths[rid] - n
-            lengths[rid], since[rid], self.window_offset[rid] = n, 0, offset
+            lengths[rid], since[rid] = n, 0
         self.accounted_length.update(lengths)
         self.since_round.update(since)
         self.rounds += bool(rids)
 
-    def _run_round(self, rids: list) -> tuple[list[int], list[int]]:
-        """One round over the due requests; returns their new lengths and window offsets. Raises before anything
-        moves when a request is offloaded or holds more unscored tokens than the protected tail."""
+    def _run_round(self, rids: list) -> list[int]:
+        """One round over the due requests; returns their new lengths. Raises before anything moves when a
+        request is offloaded or holds more unscored tokens than the protected tail."""
         cache = self.kv_cache
         if not all(cache.resident(r) for r in rids):  # refuse before anything moves
             raise RuntimeError(f"TriAttentionManager: requests {[r for r in rids if not cache.resident(r)]} are "
@@ -312,14 +307,12 @@ class TriAttentionManager(KVCacheCompressionManager):
         if self.validate:
             check_same_on_ranks("TriAttentionManager.on_generation_step_end", self.process_group, cache.device,
                                 page_table=page_table, positions=torch.tensor(positions))
-        scored = [n - t for n, t in zip(lengths, tails)]
-        offsets = [self.window_offset[r] for r in rids]
-        self._round.run(page_table, scored, prompts, tails, positions, offsets)
+        self._round.run(page_table, [n - t for n, t in zip(lengths, tails)], prompts, tails, positions)
         # The chosen decode tokens land after the prompt and the sinks, then the tail: lengths known here,
         # nothing read back.
         new_lengths = [p + self.selector.budget + t for p, t in zip(prompts, tails)]
         cache.shrink(rids, new_lengths)
-        return new_lengths, self._round.next_offsets(scored, prompts, offsets)
+        return new_lengths
 
 
 class TriAttentionRound:
@@ -329,8 +322,9 @@ class TriAttentionRound:
     their inputs into the bound buffers and replay. Capacities grow in powers of two (the manager rebinds). A
     round over no requests does nothing. The layers in `recent_layers` keep their newest scored tokens (the
     compaction's layer windows); `selector` scores the others (``policy_selector``). In fill order those layers
-    keep them as rings (``build_compaction_params(window_offsets=)``), so a round moves only what it evicts there:
-    each request's ring offset is 0 before its first round, and ``next_offsets`` gives the one after a round."""
+    keep them as rings (``build_compaction_params(window_offsets=)``), so a round moves only what it evicts there.
+    A ring turns by the tokens each round evicts, so its offset is the request's evicted tokens modulo the budget:
+    its logical position less its cache length."""
 
     def __init__(self, selector: TriAttentionSelector, cache, requests: int, width: int, max_tail: int,
                  cuda_graphs: bool, order: str = "fill", recent_layers: Sequence[int] = ()):
@@ -366,14 +360,6 @@ class TriAttentionRound:
     def fits(self, requests: int, width: int) -> bool:
         return requests <= self.requests and width <= self.width
 
-    def next_offsets(self, scored: Sequence[int], prompts: Sequence[int], offsets: Sequence[int]) -> list[int]:
-        """The window offsets after a round of `run`'s scored lengths, prompts and offsets: the ring turns by the
-        tokens it evicted (all 0 when the recent layers compact in order, or there are none)."""
-        if self.params.window_offsets is None:
-            return [0] * len(scored)
-        K = self.selector.budget
-        return [(o + n - p - K) % K for n, p, o in zip(scored, prompts, offsets)]
-
     def _launch(self, R: int) -> None:
         scored, prompt, tail, position = self.lengths[:4, :R]
         pools = self.params.pools
@@ -386,16 +372,12 @@ class TriAttentionRound:
         compact(self.params, R)
 
     def run(self, page_table: torch.Tensor, scored: Sequence[int], prompts: Sequence[int], tails: Sequence[int],
-            positions: Sequence[int], window_offsets: Sequence[int] | None = None) -> None:
-        """One round over R requests: their page tables [R, width], scored lengths, prompts (with the sinks), tails,
-        logical positions and, when the recent layers keep rings, their window offsets (default: all 0, each
-        below the budget)."""
+            positions: Sequence[int]) -> None:
+        """One round over R requests: their page tables [R, width], scored lengths, prompts (with the sinks), tails
+        and logical positions (the next token's: the cache length, scored + tail, plus every token evicted)."""
         what = "TriAttentionRound.run"
         check_int32(what, page_table=(page_table, 2))
-        if window_offsets is None:
-            window_offsets = [0] * len(scored)
-        for name, values in (("scored", scored), ("prompts", prompts), ("tails", tails), ("positions", positions),
-                             ("window_offsets", window_offsets)):
+        for name, values in (("scored", scored), ("prompts", prompts), ("tails", tails), ("positions", positions)):
             if not isinstance(values, (list, tuple)):
                 raise TypeError(f"{what}: {name} must be a list of ints, got {type(values).__name__}")
             # int32 on the device; the fast test first (a round of many requests runs it each time)
@@ -403,24 +385,24 @@ class TriAttentionRound:
                 for i, v in enumerate(values):
                     check_int(what, f"{name}[{i}]", v, 0, INT32_MAX)
         R = len(scored)
-        if not len(prompts) == len(tails) == len(positions) == len(window_offsets) == R or R > self.requests or \
+        if not len(prompts) == len(tails) == len(positions) == R or R > self.requests or \
                 tuple(page_table.shape) != (R, self.width):
-            raise ValueError(f"{what}: page_table [R, {self.width}] and R scored lengths, prompts, tails, positions "
-                             f"and window offsets for R <= {self.requests} requests, got {tuple(page_table.shape)} "
-                             f"and {len(scored)}, {len(prompts)}, {len(tails)}, {len(positions)}, "
-                             f"{len(window_offsets)}")
-        if window_offsets and max(window_offsets) >= max(self.selector.budget, 1):
-            raise ValueError(f"{what}: window_offsets must lie below the budget {self.selector.budget}, got "
-                             f"{max(window_offsets)}")
-        for r, (n, p, t) in enumerate(zip(scored, prompts, tails)):
-            if p > n or n + t > INT32_MAX:
-                raise ValueError(f"{what}: request {r} needs prompt <= scored and scored + tail within int32, got "
-                                 f"prompt {p}, scored {n}, tail {t}")
+            raise ValueError(f"{what}: page_table [R, {self.width}] and R scored lengths, prompts, "
+                             f"tails and positions for R <= {self.requests} requests, got {tuple(page_table.shape)} "
+                             f"and {len(scored)}, {len(prompts)}, {len(tails)}, {len(positions)}")
+        for r, (n, p, t, q) in enumerate(zip(scored, prompts, tails, positions)):
+            if p > n or n + t > INT32_MAX or q < n + t:
+                raise ValueError(f"{what}: request {r} needs prompt <= scored, scored + tail within int32 and a "
+                                 f"position at least scored + tail (its cache length), got prompt {p}, scored {n}, "
+                                 f"tail {t}, position {q}")
+        K = self.selector.budget  # the rings' offsets: the tokens evicted so far, modulo the ring's size
+        offsets = [(q - n - t) % K for n, t, q in zip(scored, tails, positions)] if self.params.window_offsets \
+            is not None else [0] * R
         if R == 0:
             return
         self.page_table[:R].copy_(page_table, non_blocking=True)
-        self.lengths[:, :R].copy_(torch.tensor([scored, prompts, tails, positions, window_offsets],
-                                               dtype=torch.int32), non_blocking=True)
+        self.lengths[:, :R].copy_(torch.tensor([scored, prompts, tails, positions, offsets], dtype=torch.int32),
+                                  non_blocking=True)
         if self.graphs is None:
             self._launch(R)
         elif R in self.graphs:

@@ -481,11 +481,14 @@ def test_fill_lists_bad_arguments(device):
 
 
 @pytest.mark.parametrize("device", DEVICES)
-@pytest.mark.parametrize("order", ["ordered", "fill"])
+@pytest.mark.parametrize("order", ["ordered", "fill", "ring"])
 def test_compile_fullgraph(device, order):
     pools, table, kept, scored, tail, base = _small(device, mode_rows=2)
-    expect, expect_len = compact_reference(pools, table, kept, scored, tail, base, order=order)
-    params = build_compaction_params(pools, table, kept, scored, tail, base, max_tail=5, order=order)
+    ring = dict(layer_windows=[0, 6, 0], window_offsets=torch.tensor([0, 5, 2], dtype=torch.int32, device=device)) \
+        if order == "ring" else {}
+    order = "fill" if ring else order
+    expect, expect_len = compact_reference(pools, table, kept, scored, tail, base, order=order, **ring)
+    params = build_compaction_params(pools, table, kept, scored, tail, base, max_tail=5, order=order, **ring)
 
     def round_(params):
         return compact(params, 3) + 1

@@ -254,7 +254,6 @@ class TriAttentionCache(_transformers_module.Cache):
         self.evicted = 0           # tokens each row has dropped (logical length = held + evicted)
         self.prompt = 0            # the first step's length: never evicted
         self._round_held = 0       # what each row held after the prompt or the last round
-        self._window_offset = 0    # where the recent layers' ring starts (TriAttentionRound), the same in every row
         # logical position of each slot, [batch, list rows, capacity]
         self.slot_positions: torch.Tensor | None = None
         # the last round_history rounds (all with None): (the logical position of the first token after it, the
@@ -591,9 +590,7 @@ class TriAttentionCache(_transformers_module.Cache):
                                             self.recent_layers)
         table = torch.arange(B, dtype=torch.int32)[:, None]
         protected = self.prompt + self.sink_tokens
-        scored, offsets = [held - W] * B, [self._window_offset] * B
-        self._round.run(table, scored, [protected] * B, [W] * B, [held + self.evicted] * B, offsets)
-        self._window_offset = self._round.next_offsets(scored, [protected] * B, offsets)[0]
+        self._round.run(table, [held - W] * B, [protected] * B, [W] * B, [held + self.evicted] * B)
         # what landed at protected + m came from slot sources[m] (the move's own lists): follow the logical
         # positions. A row no layer reads (per_layer_perhead's rows of the recent layers) has no list: -1.
         landed = self._round.params.sources[:B, :, :self.selector.budget + W].long()
