@@ -19,8 +19,9 @@ Rows:
               before every call, outside the timed region). Floor: the decode tokens'
               K read once plus, read and written, the bytes fill order must move, at the copy bandwidth.
   round_steady_policy  the whole round (fill) at R=32 under keep-policy options (4 sink tokens, a recent window
-              of 64, layer 0 on recency, and all three; then each mode's defaults, whose windows past beta run
-              ordered) against the same round without them, per_head, union and per_layer_perhead: 7 repeats of
+              of 64, layer 0 on recency, and all three; a recency prior of 8, which reads and follows every decode
+              slot's logical position; then each mode's defaults) against the same round without them, per_head,
+              union and per_layer_perhead: 7 repeats of
               40 replays, each repeat timing every configuration of the mode in turn, each replay on the same
               pools (restored before it, outside the timed region); the medians.
   first_round  the whole round (fill, R=1 of the steady shape) in a fresh process with empty Triton, kvops and CUDA
@@ -172,18 +173,25 @@ def steady_workload(R: int, device: str = "cuda", layers: int = 36, prompt: int 
 
 
 def steady_round(w: SimpleNamespace, mode: str, order: str, cuda_graphs: bool, process_group=None,
-                 sink_tokens: int = 0, recent_window: int = 0, recent_layers: tuple[int, ...] = ()):
+                 sink_tokens: int = 0, recent_window: int = 0, recent_layers: tuple[int, ...] = (),
+                 recency_prior: float = 0.0):
     """The manager's device half of a round over the workload, run once (on the GPU: captured for replays), under
     a keep policy as the manager sets it up."""
     selector = policy_selector("steady_round", w.cal, w.budget, mode, w.budget + 2 * w.beta,
                                sink_tokens=sink_tokens, recent_window=recent_window, recent_layers=recent_layers,
+                               recency_prior=recency_prior,
                                process_group=process_group)
     cache = SimpleNamespace(device=w.device, views=lambda: w.pools)
-    rnd = TriAttentionRound(selector, cache, w.R, w.table.shape[1], w.beta + recent_window, cuda_graphs,
-                            round_order(order, recent_window, w.beta), recent_layers)
+    W, max_tail, seats, stored, positions = recent_window, w.beta + recent_window, [], [], None
+    if recency_prior:  # as after an earlier round: its slots' logical positions out of order, the rest in order
+        stored = [selector.budget + W] * w.R
+        seats = list(range(w.R))
+        positions = torch.empty(w.R, selector.rows, selector.budget + max_tail, dtype=torch.int32, device=w.device)
+        positions.copy_(torch.rand(positions.shape, device=w.device).argsort(-1) + w.prompt + sink_tokens)
+    rnd = TriAttentionRound(selector, cache, w.R, w.table.shape[1], max_tail, cuda_graphs,
+                            round_order(order, recent_window, w.beta), recent_layers, positions)
     table = torch.nn.functional.pad(w.table, (0, rnd.width - w.table.shape[1]), value=-1)  # its bound width
-    W = recent_window
-    rnd.run(table, [w.n - W] * w.R, [w.prompt + sink_tokens] * w.R, [W] * w.R, [w.n] * w.R)
+    rnd.run(table, [w.n - W] * w.R, [w.prompt + sink_tokens] * w.R, [W] * w.R, [w.n] * w.R, seats, stored)
     return selector, rnd
 
 
@@ -319,12 +327,13 @@ def _round_tp(rows_out: list[Row], copy_gbps: float, quick: bool) -> list[str]:
 POLICY_REPEATS, POLICY_ITERS = 7, 40
 POLICIES = {"sinks 4": dict(sink_tokens=4), "recent 64": dict(recent_window=64),
             "layer 0 recent": dict(recent_layers=(0,)),
-            "all three": dict(sink_tokens=4, recent_window=64, recent_layers=(0,))}
+            "all three": dict(sink_tokens=4, recent_window=64, recent_layers=(0,)),
+            "recency prior 8": dict(recency_prior=8.0)}
 
 
 def _round_policy(rows_out: list[Row], copy_gbps: float, quick: bool) -> list[str]:
     """The cost of the keep-policy options: the steady round with each against the plain one, same workload; and
-    with each mode's defaults (kvops.config.resolve_keep_policy), whose long windows run ordered rounds. The
+    with each mode's defaults (kvops.config.resolve_keep_policy). The
     configurations of a mode are timed in turn, POLICY_REPEATS times over, so that a drift of the GPU's clocks
     during the run falls on all of them alike; a cell is the median of its repeats."""
     R = 8 if quick else 32

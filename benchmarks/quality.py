@@ -49,13 +49,13 @@ SINKS = 4
 
 @dataclass(frozen=True)
 class Policy:
-    """A method: which decode tokens each round keeps, written ``kind[_mode][+wW][+sS][+lA.B][+fF]``.
+    """A method: which decode tokens each round keeps, written ``kind[_mode][+wW][+sS][+lA.B][+pP][+fF]``.
 
     kind: ``full``, ``recent`` (the newest), ``random``, ``triattention`` (kvops' selector; ``_union``,
     ``_per_head`` or ``_per_layer_perhead``) or ``oracle`` (cheating: per (layer, KV head), the keys the next
     beta queries of the full cache attend to most). ``+wW``: the newest W decode tokens always stay; ``+sS``: the
     first S decode tokens always stay; ``+lA.B``: layers A and B keep their newest tokens instead of the method's
-    choice. W and S count inside the budget. ``sinks`` is ``recent+s4``. ``triattention_<mode>+default`` is what
+    choice; ``+pP``: kvops' scores lean to recent tokens by the recency prior P. W and S count inside the budget. ``sinks`` is ``recent+s4``. ``triattention_<mode>+default`` is what
     kvops does by default in that mode: the keep policy ``kvops.config.resolve_keep_policy`` gives for each
     budget. ``+fF`` (harness only: no cache keeps a length per layer yet) splits the same total unevenly: each
     layer on recency keeps its newest F x budget tokens and the other layers share the rest equally, under the
@@ -68,6 +68,7 @@ class Policy:
     recent_layers: tuple[int, ...] = ()
     default: bool = False
     share: float = 1.0
+    prior: float = 0.0
 
     @classmethod
     def parse(cls, text: str) -> "Policy":
@@ -88,6 +89,8 @@ class Policy:
                 fields["share"] = float(value)
             elif key == "l":
                 fields["recent_layers"] = tuple(int(v) for v in value.split("."))
+            elif key == "p" and kind == "triattention" and value.replace(".", "", 1).isdigit():
+                fields["prior"] = float(value)
             elif key in "ws" and value.isdigit():
                 fields["recent" if key == "w" else "sinks"] = int(value)
             else:
@@ -104,7 +107,8 @@ class Policy:
             return name + "+default" + share
         name += f"+w{self.recent}" if self.recent else ""
         name += f"+s{self.sinks}" if self.sinks else ""
-        return name + (f"+l{'.'.join(map(str, self.recent_layers))}" if self.recent_layers else "") + share
+        name += f"+l{'.'.join(map(str, self.recent_layers))}" if self.recent_layers else ""
+        return name + (f"+p{self.prior:g}" if self.prior else "") + share
 
 
 METHODS = ("full", "triattention_per_head+default", "triattention_union+default",
@@ -177,8 +181,8 @@ def simulate(model, ids: torch.Tensor, prompt: int, budget: int, beta: int, poli
         held_by_recent = max(1, int(policy.share * budget))
         budget = (L * budget - len(layers) * held_by_recent) // (L - len(layers))
     if policy.default:
-        sinks, recent, layers = resolve_keep_policy("simulate", policy.mode, budget, beta, L)
-        policy = Policy(policy.kind, policy.mode, recent, sinks, layers, share=policy.share)
+        sinks, recent, layers, prior = resolve_keep_policy("simulate", policy.mode, budget, beta, L)
+        policy = Policy(policy.kind, policy.mode, recent, sinks, layers, share=policy.share, prior=prior)
     if policy.sinks + policy.recent >= budget:
         raise ValueError(f"{policy.name}: sinks + recent must stay below the budget {budget}")
     k = budget - policy.sinks - policy.recent  # what the method chooses each round
@@ -191,7 +195,7 @@ def simulate(model, ids: torch.Tensor, prompt: int, budget: int, beta: int, poli
     if policy.kind == "triattention":
         scored = [layer for layer in range(L) if layer not in policy.recent_layers]
         selector = TriAttentionSelector(calibration.for_layers(scored) if policy.recent_layers else calibration, k,
-                                        policy.mode)
+                                        policy.mode, recency_prior=policy.prior)
     logits, start = [], 0
     for t in [*rounds(n, prompt, budget, beta), n]:
         if start < t:
@@ -256,7 +260,15 @@ def _triattention(selector: TriAttentionSelector, cache, candidates: list, promp
     i32 = lambda v: torch.tensor([v], dtype=torch.int32, device=pools[0].device)  # noqa: E731
     n = pools[0].shape[3]
     start = cache.get_seq_length()
-    picked = (selector.select(pools, i32(0)[None], i32(n), i32(prompt), i32(start).long())[0].long() - prompt)
+    positions = None
+    if selector.recency_prior:  # each selector row's candidates' logical positions (the rows as picked below)
+        of = [candidates[min(layer, len(candidates) - 1)] for layer in scored]  # rows: 1 or L of them
+        per_row = of[0][:1] if selector.mode == "union" else of[0] if selector.mode == "per_head" else \
+            [row for rows in of for row in rows]
+        positions = torch.zeros(1, len(per_row), n, dtype=torch.int32, device=pools[0].device)
+        positions[0, :, :count] = torch.stack(per_row).int()
+    picked = (selector.select(pools, i32(0)[None], i32(n), i32(prompt), i32(start).long(), positions=positions)[0]
+              .long() - prompt)
     # picked rows: 1 (union), Hkv (per_head) or len(scored) * Hkv (per_layer_perhead, row index(l) * Hkv + g)
     out = []
     for layer, rows in enumerate(candidates):

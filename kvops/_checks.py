@@ -3,6 +3,7 @@ anything changes."""
 
 from __future__ import annotations
 
+import math
 from typing import Iterable, Sequence
 
 import torch
@@ -17,6 +18,17 @@ def check_int(what: str, name: str, value, minimum: int = 0, maximum: int | None
     if value < minimum or (maximum is not None and value > maximum):
         bound = f">= {minimum}" if maximum is None else f"in [{minimum}, {maximum}]"
         raise ValueError(f"{what}: {name} must be {bound}, got {value}")
+    return value
+
+
+def check_number(what: str, name: str, value, low: float | None = None, *, strict: bool = False):
+    """A finite real number (an int or float, not a bool), >= low (> low when strict) when low is given; returns
+    it."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise TypeError(f"{what}: {name} must be a number, got {type(value).__name__} {value!r}")
+    if not math.isfinite(value) or (low is not None and (value <= low if strict else value < low)):
+        rule = "finite" if low is None else f"finite and {'>' if strict else '>='} {low}"
+        raise ValueError(f"{what}: {name} must be {rule}, got {value!r}")
     return value
 
 

@@ -15,7 +15,7 @@ from typing import Any, ClassVar, Mapping, NamedTuple
 
 import torch
 
-from ._checks import INT32_MAX, check_bool, check_choice, check_int
+from ._checks import INT32_MAX, check_bool, check_choice, check_int, check_number
 from .nvfp4.layout import DEFAULT_SCALE, MAX_MIDDLE_DIMS, RowSpec, _check_spec
 from .triattention.calibration import SHIPPED, calibration_file
 from .compaction.compact import MODES, ORDERS
@@ -118,9 +118,10 @@ class NVFP4ColdPageConfig(KVCacheCompressionConfig):
 class TriAttentionConfig(KVCacheCompressionConfig):
     """TriAttention eviction (kvops.triattention): every `beta` generated tokens past `budget`, keep `budget`
     generated tokens per row of `eviction_mode`, then compact the cache in place: the first `sink_tokens` and the
-    newest `recent_window` of them always, and the best-scored others. Layers in `recent_layers` keep their newest
-    tokens instead of the scored ones (docs/triattention.md, "Keep policy"). The keep policy's fields left at None
-    take the measured defaults of `eviction_mode` (``resolve_keep_policy``); 0, 0 and () give bare scoring.
+    newest `recent_window` of them always, and the best-scored others, the scores leaning to recent tokens by
+    `recency_prior`. Layers in `recent_layers` keep their newest tokens instead of the scored ones
+    (docs/triattention.md, "Keep policy"). The keep policy's fields left at None take the measured defaults of
+    `eviction_mode` (``resolve_keep_policy``); 0, 0, () and 0.0 give bare scoring.
     `calibration_path`: a calibration file or a shipped name (``kvops.triattention.SHIPPED``, e.g. "qwen3-8b")."""
 
     algorithm: ClassVar[str] = "triattention"
@@ -136,6 +137,7 @@ class TriAttentionConfig(KVCacheCompressionConfig):
     sink_tokens: int | None = None
     recent_window: int | None = None
     recent_layers: tuple[int, ...] | None = None
+    recency_prior: float | None = None
 
     def __post_init__(self):
         what = "TriAttentionConfig"
@@ -143,7 +145,7 @@ class TriAttentionConfig(KVCacheCompressionConfig):
         check_choice(what, "eviction_mode", self.eviction_mode, MODES)
         # checked now as far as it can be without the model (keep_policy() resolves it for one)
         policy = resolve_keep_policy(what, self.eviction_mode, self.budget, self.beta, MAX_POSITIONS,
-                                     self.sink_tokens, self.recent_window, self.recent_layers)
+                                     self.sink_tokens, self.recent_window, self.recent_layers, self.recency_prior)
         if self.recent_layers is not None:
             object.__setattr__(self, "recent_layers", policy.recent_layers)
         check_bool(what, "normalize_scores", self.normalize_scores)
@@ -171,7 +173,7 @@ class TriAttentionConfig(KVCacheCompressionConfig):
         """The keep policy for a model of `num_layers` layers: the fields given, the mode's defaults for the
         others (``resolve_keep_policy``)."""
         return resolve_keep_policy("TriAttentionConfig", self.eviction_mode, self.budget, self.beta, num_layers,
-                                   self.sink_tokens, self.recent_window, self.recent_layers)
+                                   self.sink_tokens, self.recent_window, self.recent_layers, self.recency_prior)
 
     def supports_block_reuse(self) -> bool:
         return False  # compaction rewrites pages that a prefix cache could share
@@ -195,12 +197,14 @@ def check_round_sizes(what: str, budget, beta) -> None:
                          f"{MAX_POSITIONS} (int32 cache positions), got {budget + 2 * beta}")
 
 
-def check_keep_policy(what: str, budget: int, sink_tokens, recent_window, recent_layers) -> tuple[int, ...]:
+def check_keep_policy(what: str, budget: int, sink_tokens, recent_window, recent_layers,
+                      recency_prior=0.0) -> tuple[int, ...]:
     """TriAttention's keep policy: ints `sink_tokens`, `recent_window` >= 0 that leave the scores at least one
-    of the `budget` tokens, and `recent_layers` distinct layer indices >= 0 (a list or tuple; returned as a sorted
-    tuple). The model's layer count is checked where the model is known."""
+    of the `budget` tokens, `recent_layers` distinct layer indices >= 0 (a list or tuple; returned as a sorted
+    tuple) and a finite `recency_prior` >= 0. The model's layer count is checked where the model is known."""
     check_int(what, "sink_tokens", sink_tokens)
     check_int(what, "recent_window", recent_window)
+    check_number(what, "recency_prior", recency_prior, 0)
     if sink_tokens + recent_window >= budget:
         raise ValueError(f"{what}: sink_tokens + recent_window ({sink_tokens} + {recent_window}) must be below the "
                          f"budget {budget}, so that the scores choose at least one token")
@@ -226,24 +230,31 @@ def check_recent_layers(what: str, recent_layers, num_layers: int | None = None)
     return layers
 
 
+# each mode's default recency prior (resolve_keep_policy)
+RECENCY_PRIORS = {"per_head": 0.0, "union": 8.0, "per_layer_perhead": 16.0}
+
+
 class KeepPolicy(NamedTuple):
-    """What a TriAttention round keeps besides its scored tokens (docs/triattention.md, "Keep policy")."""
+    """What a TriAttention round keeps besides its scored tokens, and how the scores lean to recent tokens
+    (docs/triattention.md, "Keep policy")."""
     sink_tokens: int
     recent_window: int
     recent_layers: tuple[int, ...]
+    recency_prior: float
 
 
 def resolve_keep_policy(what: str, mode: str, budget: int, beta: int, num_layers: int, sink_tokens=None,
-                        recent_window=None, recent_layers=None) -> KeepPolicy:
+                        recent_window=None, recent_layers=None, recency_prior=None) -> KeepPolicy:
     """The keep policy of rounds every `beta` tokens in `mode` for a model of `num_layers` layers: each field
     given (checked by ``check_keep_policy``), and for each left at None the default measured for the mode on a
     trained model (benchmarks/RESULTS.md, "Eviction quality"):
 
-    - per_head: the newest ``min(budget // 4, beta)`` tokens kept, no sinks. A window past beta needs ordered
-      rounds (``kvops.manager.round_order``), about 3x the round's cost, for 0.002 nats at budget 512;
-    - union and per_layer_perhead: the newest ``3 * budget // 4`` and 4 sink tokens (fewer when the budget leaves
-      no room: the scores choose at least one token). Less of the budget on recency loses to a plain window;
-    - every mode: layer 0 keeps its newest tokens instead of scored ones (when the model has another layer).
+    - every mode: the newest ``min(budget // 4, beta)`` tokens kept (a window past beta needs ordered rounds,
+      ``kvops.manager.round_order``, 2-3x the round's cost), and layer 0 keeps its newest tokens instead of scored
+      ones (when the model has another layer);
+    - per_head: no sinks, no recency prior;
+    - union and per_layer_perhead: 4 sink tokens (fewer when the budget leaves no room: the scores choose at least
+      one token) and a recency prior of 8 and 16: without it they lose to a plain window.
     """
     check_choice(what, "mode", mode, MODES)
     check_round_sizes(what, budget, beta)
@@ -253,15 +264,16 @@ def resolve_keep_policy(what: str, mode: str, budget: int, beta: int, num_layers
         return value if isinstance(value, int) and not isinstance(value, bool) else 0
 
     if recent_window is None:
-        window = min(budget // 4, beta) if per_head else 3 * budget // 4
-        recent_window = max(0, min(window, budget - given(sink_tokens) - 1))
+        recent_window = max(0, min(budget // 4, beta, budget - given(sink_tokens) - 1))
     if sink_tokens is None:
         sink_tokens = max(0, min(0 if per_head else 4, budget - given(recent_window) - 1))
     if recent_layers is None:
         recent_layers = (0,) if num_layers > 1 else ()
+    if recency_prior is None:
+        recency_prior = RECENCY_PRIORS[mode]
     # the layers against the model's: policy_selector
-    return KeepPolicy(sink_tokens, recent_window, check_keep_policy(what, budget, sink_tokens, recent_window,
-                                                                    recent_layers))
+    layers = check_keep_policy(what, budget, sink_tokens, recent_window, recent_layers, recency_prior)
+    return KeepPolicy(sink_tokens, recent_window, layers, float(recency_prior))
 
 
 CONFIGS = {cls.algorithm: cls for cls in (NVFP4ColdPageConfig, TriAttentionConfig)}

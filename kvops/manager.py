@@ -25,6 +25,7 @@ import triton
 from ._checks import INT32_MAX, check_bool, check_choice, check_hashable, check_int, check_int32
 from ._targets import CAPABILITIES as SUPPORTED_ARCHS  # noqa: F401  (the archs kvops builds kernels for)
 from .compaction import ORDERS, build_compaction_params, compact, decision_rows
+from .compaction.positions import follow_slot_positions_, gather_slot_positions_
 from .config import KVCacheCompressionConfig, NVFP4ColdPageConfig, TriAttentionConfig, check_recent_layers
 from .distributed import capturable, check_group, check_same_on_ranks, rank_kv_heads
 from .nvfp4 import PageBlobCodec
@@ -163,6 +164,11 @@ class TriAttentionManager(KVCacheCompressionManager):
         # would otherwise shift every later round.
         self.accounted_length: dict[Any, int] = {}
         self.rounds = 0
+        # With a recency prior, each decode slot's logical position (kvops.compaction.positions): a table row
+        # (seat) per admitted request, grown in powers of two; and the slots each request's last round stored.
+        self._seats: dict[Any, int] = {}
+        self._stored: dict[Any, int] = {}
+        self.slot_positions: torch.Tensor | None = None
         # On the GPU, each round size is captured once and replayed (TriAttentionRound); set False to run every
         # round eagerly (e.g. under a debugger or an engine that captures its own graphs).
         self.cuda_graphs = True
@@ -198,6 +204,9 @@ class TriAttentionManager(KVCacheCompressionManager):
         self.since_round[request.id] = 0
         self.num_compressed_tokens[request.id] = 0
         self.accounted_length[request.id] = request.prompt_length  # what the prefill will write
+        if self.selector.recency_prior:
+            self._seats[request.id] = min(set(range(len(self._seats) + 1)) - set(self._seats.values()))
+            self._stored[request.id] = 0
 
     def on_context_step_end(self, requests: Sequence[Request]) -> None:
         """After a prefill step: each request's cache holds (part of) its prompt, at most all of it; decode steps
@@ -232,8 +241,9 @@ class TriAttentionManager(KVCacheCompressionManager):
         what = "TriAttentionManager.on_request_finish"
         request = _request(what, "request", request)
         self._admitted(what, "request", request.id)
-        for table in (self.prompt_length, self.since_round, self.num_compressed_tokens, self.accounted_length):
-            del table[request.id]
+        for table in (self.prompt_length, self.since_round, self.num_compressed_tokens, self.accounted_length,
+                      self._seats, self._stored):
+            table.pop(request.id, None)
 
     def logical_position(self, rid) -> int:
         """The next token's absolute position: the cache length plus every token evicted so far."""
@@ -299,20 +309,36 @@ class TriAttentionManager(KVCacheCompressionManager):
             raise RuntimeError(f"TriAttentionManager: a step confirmed more than beta={self.config.beta} tokens past "
                                f"a due round ({max(tails)} unscored); call on_generation_step_end every step")
         width = max(triton.cdiv(n, cache.page_size) for n in lengths)  # page-table columns this round needs
+        seats = [self._seats[r] for r in rids] if self._seats else []
+        if seats and (self.slot_positions is None or max(seats) >= self.slot_positions.shape[0]):
+            self._grow_slot_positions(max(seats) + 1)
         if self._round is None or not self._round.fits(len(rids), width):
             self._round = TriAttentionRound(self.selector, cache, len(rids), width, self.max_tail, self.cuda_graphs,
-                                            self.order, self.policy.recent_layers)
+                                            self.order, self.policy.recent_layers, self.slot_positions)
         page_table = cache.page_table(rids, self._round.width, device="cpu")
         positions = [self.logical_position(r) for r in rids]
         if self.validate:
             check_same_on_ranks("TriAttentionManager.on_generation_step_end", self.process_group, cache.device,
                                 page_table=page_table, positions=torch.tensor(positions))
-        self._round.run(page_table, [n - t for n, t in zip(lengths, tails)], prompts, tails, positions)
+        self._round.run(page_table, [n - t for n, t in zip(lengths, tails)], prompts, tails, positions, seats,
+                        [self._stored[r] for r in rids] if seats else [])
         # The chosen decode tokens land after the prompt and the sinks, then the tail: lengths known here,
         # nothing read back.
         new_lengths = [p + self.selector.budget + t for p, t in zip(prompts, tails)]
+        if seats:
+            self._stored.update((r, self.selector.budget + t) for r, t in zip(rids, tails))
         cache.shrink(rids, new_lengths)
         return new_lengths
+
+    def _grow_slot_positions(self, seats: int) -> None:
+        """A slot-position table for at least `seats` seats (a power of two), keeping what the old one held; the
+        round rebinds to it."""
+        old, C = self.slot_positions, self.selector.budget + self.max_tail
+        table = torch.zeros(1 << (seats - 1).bit_length(), self.selector.rows, C, dtype=torch.int32,
+                            device=self.kv_cache.device)
+        if old is not None:
+            table[:old.shape[0]].copy_(old)
+        self.slot_positions, self._round = table, None
 
 
 class TriAttentionRound:
@@ -324,28 +350,50 @@ class TriAttentionRound:
     compaction's layer windows); `selector` scores the others (``policy_selector``). In fill order those layers
     keep them as rings (``build_compaction_params(window_offsets=)``), so a round moves only what it evicts there.
     A ring turns by the tokens each round evicts, so its offset is the request's evicted tokens modulo the budget:
-    its logical position less its cache length."""
+    its logical position less its cache length.
+
+    A selector with a recency prior reads each decode token's logical position: `slot_positions` is the table
+    of the stored ones, int32 ``[seats, selector rows, >= selector.budget + max_tail]``
+    (``kvops.compaction.positions``), which each round reads and then updates through its compaction; ``run``
+    takes each request's seat and stored slots."""
 
     def __init__(self, selector: TriAttentionSelector, cache, requests: int, width: int, max_tail: int,
-                 cuda_graphs: bool, order: str = "fill", recent_layers: Sequence[int] = ()):
+                 cuda_graphs: bool, order: str = "fill", recent_layers: Sequence[int] = (),
+                 slot_positions: torch.Tensor | None = None):
         what = "TriAttentionRound"
         check_int(what, "requests", requests, 1)  # capacities: at least one request, one page
         check_int(what, "width", width, 1)
         check_bool(what, "cuda_graphs", cuda_graphs)
         L = len(cache.views())
         recent_layers = check_recent_layers(what, recent_layers, L)
-        self.selector, self.requests = selector, 1 << (requests - 1).bit_length()
+        self.selector, self.requests, self.max_tail = selector, 1 << (requests - 1).bit_length(), max_tail
         self.width = 1 << (width - 1).bit_length()
         device = cache.device
         self.page_table = torch.full((self.requests, self.width), -1, dtype=torch.int32, device=device)
-        # scored, prompt, tail, position, window offset
-        self.lengths = torch.zeros(5, self.requests, dtype=torch.int32, device=device)
+        # scored, prompt, tail, position, window offset; with slot positions: seat, stored slots, in-order base
+        self.lengths = torch.zeros(8, self.requests, dtype=torch.int32, device=device)
         heads = selector.calibration.num_kv_heads
         self.scored = [layer for layer in range(L) if layer not in recent_layers]
         rows = decision_rows(selector.mode, L, heads)  # the compaction's rows: every layer's
         # per_layer_perhead rows of the scored layers (row l * heads + g) when some layers keep their newest
         self.rows_index = None if rows == selector.rows else torch.tensor(
             [layer * heads + g for layer in self.scored for g in range(heads)], device=device)
+        self.slot_positions = self.dense = self.list_rows = None
+        if selector.recency_prior:
+            if selector.max_decode is None:
+                raise ValueError(f"{what}: a selector with a recency prior needs a max_decode")
+            stored = selector.budget + max_tail  # a round leaves at most that many decode slots
+            check_int32(what, device, slot_positions=(slot_positions, 3))
+            if slot_positions.shape[1] != selector.rows or slot_positions.shape[2] < stored or \
+                    not slot_positions.is_contiguous():
+                raise ValueError(f"{what}: slot_positions must be contiguous int32 [seats, {selector.rows}, >= "
+                                 f"{stored}], got {tuple(slot_positions.shape)}")
+            self.slot_positions = slot_positions
+            # every decode slot a round reads or moves: the scored ones and the tail
+            self.dense = torch.zeros(self.requests, selector.rows, selector.max_decode + max_tail, dtype=torch.int32,
+                                     device=device)
+            if self.rows_index is not None:
+                self.list_rows = self.rows_index.to(torch.int32)
         kept = torch.zeros(self.requests, rows, selector.budget, dtype=torch.int32, device=device)
         windows = [selector.budget if layer in recent_layers else 0 for layer in range(L)]
         ring = order == "fill" and bool(recent_layers)
@@ -361,23 +409,35 @@ class TriAttentionRound:
         return requests <= self.requests and width <= self.width
 
     def _launch(self, R: int) -> None:
-        scored, prompt, tail, position = self.lengths[:4, :R]
-        pools = self.params.pools
+        scored, prompt, tail, position, _, seat, stored, base = self.lengths[:, :R]
+        pools, dense = self.params.pools, None
+        if self.slot_positions is not None:
+            dense = gather_slot_positions_(self.slot_positions, seat, stored, base, self.dense[:R])
         picked = self.selector.select([pools[layer] for layer in self.scored] if len(self.scored) < len(pools)
-                                      else pools, self.page_table[:R], scored, prompt, position)
+                                      else pools, self.page_table[:R], scored, prompt, position, positions=dense)
         if self.rows_index is None:
             self.params.kept[:R].copy_(picked)
         else:
             self.params.kept[:R].index_copy_(1, self.rows_index, picked)
         compact(self.params, R)
+        if dense is not None:  # what landed in each slot: after the compaction, which wrote the lists
+            p = self.params
+            follow_slot_positions_(self.slot_positions, seat, dense, p.sources[:R], p.destination_bases[:R],
+                                   p.new_lengths[:R], self.list_rows)
 
     def run(self, page_table: torch.Tensor, scored: Sequence[int], prompts: Sequence[int], tails: Sequence[int],
-            positions: Sequence[int]) -> None:
+            positions: Sequence[int], seats: Sequence[int] = (), stored: Sequence[int] = ()) -> None:
         """One round over R requests: their page tables [R, width], scored lengths, prompts (with the sinks), tails
-        and logical positions (the next token's: the cache length, scored + tail, plus every token evicted)."""
+        and logical positions (the next token's: the cache length, scored + tail, plus every token evicted). With
+        slot positions, each request's seat (a row of the table) and stored slots (what its last round left past
+        its prompt, 0 before its first round; the slots from there on hold its tokens in order)."""
         what = "TriAttentionRound.run"
         check_int32(what, page_table=(page_table, 2))
-        for name, values in (("scored", scored), ("prompts", prompts), ("tails", tails), ("positions", positions)):
+        tracked = self.slot_positions is not None
+        if not tracked:
+            seats = stored = [0] * len(scored)
+        for name, values in (("scored", scored), ("prompts", prompts), ("tails", tails), ("positions", positions),
+                             ("seats", seats), ("stored", stored)):
             if not isinstance(values, (list, tuple)):
                 raise TypeError(f"{what}: {name} must be a list of ints, got {type(values).__name__}")
             # int32 on the device; the fast test first (a round of many requests runs it each time)
@@ -385,11 +445,20 @@ class TriAttentionRound:
                 for i, v in enumerate(values):
                     check_int(what, f"{name}[{i}]", v, 0, INT32_MAX)
         R = len(scored)
-        if not len(prompts) == len(tails) == len(positions) == R or R > self.requests or \
-                tuple(page_table.shape) != (R, self.width):
-            raise ValueError(f"{what}: page_table [R, {self.width}] and R scored lengths, prompts, "
-                             f"tails and positions for R <= {self.requests} requests, got {tuple(page_table.shape)} "
-                             f"and {len(scored)}, {len(prompts)}, {len(tails)}, {len(positions)}")
+        if not len(prompts) == len(tails) == len(positions) == len(seats) == len(stored) == R or \
+                R > self.requests or tuple(page_table.shape) != (R, self.width):
+            raise ValueError(f"{what}: page_table [R, {self.width}] and R scored lengths, prompts, tails, positions"
+                             f"{', seats and stored slots' if tracked else ''} for R <= {self.requests} requests, got "
+                             f"{tuple(page_table.shape)} and {len(scored)}, {len(prompts)}, {len(tails)}, "
+                             f"{len(positions)}, {len(seats)}, {len(stored)}")
+        if tracked:
+            S, C = self.slot_positions.shape[0], self.selector.budget + self.max_tail
+            for r, (seat, held) in enumerate(zip(seats, stored)):
+                if seat >= S or held > min(C, scored[r] + tails[r] - prompts[r]):
+                    raise ValueError(f"{what}: request {r} needs a seat below {S} and at most {C} stored slots, "
+                                     f"within its decode tokens; got seat {seat}, stored {held}")
+            if len(set(seats)) != R:
+                raise ValueError(f"{what}: two requests share a seat: {list(seats)}")
         for r, (n, p, t, q) in enumerate(zip(scored, prompts, tails, positions)):
             if p > n or n + t > INT32_MAX or q < n + t:
                 raise ValueError(f"{what}: request {r} needs prompt <= scored, scored + tail within int32 and a "
@@ -401,8 +470,9 @@ class TriAttentionRound:
         if R == 0:
             return
         self.page_table[:R].copy_(page_table, non_blocking=True)
-        self.lengths[:, :R].copy_(torch.tensor([scored, prompts, tails, positions, offsets], dtype=torch.int32),
-                                  non_blocking=True)
+        bases = [q - n - t + p for n, t, q, p in zip(scored, tails, positions, prompts)]  # slot 0 in order
+        self.lengths[:, :R].copy_(torch.tensor([scored, prompts, tails, positions, offsets, seats, stored, bases],
+                                               dtype=torch.int32), non_blocking=True)
         if self.graphs is None:
             self._launch(R)
         elif R in self.graphs:
@@ -468,12 +538,12 @@ def round_order(order: str, recent_window: int, beta: int) -> str:
 
 
 def policy_selector(what: str, calibration, budget: int, mode: str, max_decode: int, sink_tokens: int = 0,
-                    recent_window: int = 0, recent_layers: tuple[int, ...] = (), *, k_scale=None,
-                    **selector_kwargs) -> TriAttentionSelector:
+                    recent_window: int = 0, recent_layers: tuple[int, ...] = (), recency_prior: float = 0.0, *,
+                    k_scale=None, **selector_kwargs) -> TriAttentionSelector:
     """The selector of a round under a keep policy (a resolved ``KeepPolicy``'s fields, checked by
     ``check_keep_policy``): it chooses ``budget - sink_tokens - recent_window`` tokens among at most
     ``max_decode - sink_tokens - recent_window`` scored ones, over the layers not in recent_layers (their
-    statistics and k_scale rows only)."""
+    statistics and k_scale rows only), its scores leaning to recent tokens by recency_prior."""
     L = calibration.num_layers
     layers = check_recent_layers(what, recent_layers, L)
     scored = [layer for layer in range(L) if layer not in layers]
@@ -486,7 +556,7 @@ def policy_selector(what: str, calibration, budget: int, mode: str, max_decode: 
             k_scale = k_scale[scored]
     protected = sink_tokens + recent_window
     return TriAttentionSelector(calibration, budget - protected, mode, max_decode=max_decode - protected,
-                                k_scale=k_scale, **selector_kwargs)
+                                k_scale=k_scale, recency_prior=recency_prior, **selector_kwargs)
 
 
 MANAGERS = {TriAttentionConfig: TriAttentionManager, NVFP4ColdPageConfig: NVFP4ColdPageManager}

@@ -84,7 +84,7 @@ def cute_call(request, monkeypatch, cute_cache_dir):
 
 # TriAttention with bare scores (no sinks, no protected window, no recent layer): for tests of the mechanics
 # against references that score every generated token (the defaults are each mode's keep policy)
-BARE = dict(sink_tokens=0, recent_window=0, recent_layers=())
+BARE = dict(sink_tokens=0, recent_window=0, recent_layers=(), recency_prior=0.0)
 
 SYNTHETIC = dict(num_hidden_layers=3, num_attention_heads=8, num_key_value_heads=2, head_dim=32, rope_theta=1e4)
 

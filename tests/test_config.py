@@ -140,19 +140,24 @@ def test_keep_policy_defaults_are_each_modes_measured_best(calibration):
     assert DEFAULT_MODE == "per_head"
     resolve = lambda mode, budget, beta=128, layers=36, **given: resolve_keep_policy(  # noqa: E731
         "test", mode, budget, beta, layers, **given)
-    assert resolve("per_head", 2048) == KeepPolicy(0, 128, (0,))           # budget // 4 capped at beta
-    assert resolve("per_head", 256, beta=128) == KeepPolicy(0, 64, (0,))
-    for mode in ("union", "per_layer_perhead"):
-        assert resolve(mode, 2048) == KeepPolicy(4, 1536, (0,))
-        assert resolve(mode, 8, beta=2) == KeepPolicy(1, 6, (0,))          # sinks clipped: one token scored
-        assert resolve(mode, 1, beta=1) == KeepPolicy(0, 0, (0,))
-    assert resolve("per_head", 64, layers=1) == KeepPolicy(0, 16, ())      # no recent layer in a one-layer model
+    assert resolve("per_head", 2048) == KeepPolicy(0, 128, (0,), 0.0)      # budget // 4 capped at beta
+    assert resolve("per_head", 256, beta=128) == KeepPolicy(0, 64, (0,), 0.0)
+    for mode, prior in (("union", 8.0), ("per_layer_perhead", 16.0)):
+        assert resolve(mode, 2048) == KeepPolicy(4, 128, (0,), prior)
+        assert resolve(mode, 8, beta=2) == KeepPolicy(4, 2, (0,), prior)
+        assert resolve(mode, 5, beta=4) == KeepPolicy(3, 1, (0,), prior)   # sinks clipped: one token scored
+        assert resolve(mode, 1, beta=1) == KeepPolicy(0, 0, (0,), prior)
+    assert resolve("per_head", 64, layers=1) == KeepPolicy(0, 16, (), 0.0)  # no recent layer in a one-layer model
     # given fields stay; the others fit around them
-    assert resolve("union", 16, beta=4, recent_window=14) == KeepPolicy(1, 14, (0,))
-    assert resolve("union", 16, beta=4, sink_tokens=10) == KeepPolicy(10, 5, (0,))
-    assert resolve("per_head", 64, sink_tokens=0, recent_window=0, recent_layers=[]) == KeepPolicy(0, 0, ())
+    assert resolve("union", 16, beta=4, recent_window=14) == KeepPolicy(1, 14, (0,), 8.0)
+    assert resolve("union", 16, beta=4, sink_tokens=12) == KeepPolicy(12, 3, (0,), 8.0)
+    assert resolve("per_head", 64, sink_tokens=0, recent_window=0, recent_layers=[]) == KeepPolicy(0, 0, (), 0.0)
+    assert resolve("per_head", 64, recency_prior=2).recency_prior == 2.0
     with pytest.raises(TypeError, match="recent_window must be an int"):
         resolve("union", 16, recent_window=1.5)
+    for bad, error in (("2", TypeError), (-1, ValueError), (float("inf"), ValueError)):
+        with pytest.raises(error, match="recency_prior must be"):
+            resolve("union", 16, recency_prior=bad)
     with pytest.raises(ValueError, match="must be below the budget"):
         resolve("per_head", 16, sink_tokens=8, recent_window=8)
     with pytest.raises(ValueError, match="mode must be one of"):
@@ -163,9 +168,13 @@ def test_keep_policy_defaults_are_each_modes_measured_best(calibration):
     tri = TriAttentionConfig(budget=512, beta=64, calibration_path=calibration)
     assert (tri.eviction_mode, tri.sink_tokens, tri.recent_window, tri.recent_layers) == ("per_head", None, None, None)
     assert config_from_json(tri.to_json()) == tri and tri.to_dict()["recent_window"] is None
-    assert tri.keep_policy(2) == KeepPolicy(0, 64, (0,)) and tri.keep_policy(1) == KeepPolicy(0, 64, ())
+    assert tri.keep_policy(2) == KeepPolicy(0, 64, (0,), 0.0) and tri.keep_policy(1) == KeepPolicy(0, 64, (), 0.0)
     bare = TriAttentionConfig(budget=512, beta=64, calibration_path=calibration, eviction_mode="union",
-                              sink_tokens=0, recent_window=0, recent_layers=[])
-    assert bare.keep_policy(2) == KeepPolicy(0, 0, ()) and config_from_dict(bare.to_dict()) == bare
+                              sink_tokens=0, recent_window=0, recent_layers=[], recency_prior=0)
+    assert bare.keep_policy(2) == KeepPolicy(0, 0, (), 0.0) and config_from_dict(bare.to_dict()) == bare
+    leaning = TriAttentionConfig(budget=512, beta=64, calibration_path=calibration, recency_prior=1.5)
+    assert config_from_json(leaning.to_json()) == leaning and leaning.keep_policy(2).recency_prior == 1.5
+    with pytest.raises(ValueError, match="recency_prior must be finite and >= 0"):
+        TriAttentionConfig(budget=512, calibration_path=calibration, recency_prior=-2.0)
     with pytest.raises(ValueError, match="must be below the budget 512"):
         TriAttentionConfig(budget=512, calibration_path=calibration, sink_tokens=12, recent_window=500)

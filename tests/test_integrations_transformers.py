@@ -642,12 +642,17 @@ def test_the_defaults_are_per_head_under_each_modes_keep_policy():
     a window longer than beta with ordered rounds."""
     model, cal = _setup()
     cache = TriAttentionCache(model.config, cal, budget=16, beta=4)
-    assert (cache.selector.mode, cache.sink_tokens, cache.recent_window, cache.recent_layers, cache.order) == \
-        ("per_head", 0, 4, (0,), "fill")
+    assert (cache.selector.mode, cache.sink_tokens, cache.recent_window, cache.recent_layers, cache.recency_prior,
+            cache.order) == ("per_head", 0, 4, (0,), 0.0, "fill")
     cache = TriAttentionCache(model.config, cal, budget=16, beta=4, mode="union")
-    assert (cache.sink_tokens, cache.recent_window, cache.recent_layers, cache.order) == (3, 12, (0,), "ordered")
+    assert (cache.sink_tokens, cache.recent_window, cache.recent_layers, cache.recency_prior, cache.order) == \
+        (4, 4, (0,), 8.0, "fill")
+    assert cache.selector.recency_prior == 8.0
+    cache = TriAttentionCache(model.config, cal, budget=16, beta=4, mode="union", recent_window=12)
+    assert (cache.sink_tokens, cache.recent_window, cache.order) == (3, 12, "ordered")
     cache = TriAttentionCache(model.config, cal, budget=16, beta=4, mode="union", **BARE)
-    assert (cache.sink_tokens, cache.recent_window, cache.recent_layers, cache.order) == (0, 0, (), "fill")
+    assert (cache.sink_tokens, cache.recent_window, cache.recent_layers, cache.recency_prior, cache.order) == \
+        (0, 0, (), 0.0, "fill")
 
 
 @pytest.mark.parametrize("history,kept", [(1, 1), (0, 0), (2, 2), (None, "all")])

@@ -92,14 +92,16 @@ def test_rounds_follow_budget_and_beta_and_match_the_reference(calibration, comp
 
 
 @pytest.mark.parametrize("mode", MODES)
-@pytest.mark.parametrize("compaction_order", ["ordered", "fill"])
-def test_keep_policy_rounds_match_the_reference(calibration, mode, compaction_order):
+@pytest.mark.parametrize("compaction_order,prior", [("ordered", 0.0), ("fill", 0.0), ("fill", 2.0)])
+def test_keep_policy_rounds_match_the_reference(calibration, mode, compaction_order, prior):
     """sink_tokens, recent_window and recent_layers: each round keeps the prompt, the first 2 generated tokens,
     the newest 3 and, in layer 0, the float64 reference's choice of 12 - 5 among the others, scored on layer 0
     alone; layer 1 (a recent layer) keeps the newest 7 of them instead: in fill order as a ring, oldest first from
-    the manager's window offset."""
+    the manager's window offset. With a recency prior, the reference reads each layer-0 slot's logical position
+    as the test tracks it."""
     config = TriAttentionConfig(budget=12, beta=5, eviction_mode=mode, calibration_path=calibration,
-                                compaction_order=compaction_order, sink_tokens=2, recent_window=3, recent_layers=[1])
+                                compaction_order=compaction_order, sink_tokens=2, recent_window=3, recent_layers=[1],
+                                recency_prior=prior)
     cache = _cache()
     manager = create_compression_manager(config, cache, MODEL)
     chosen, cal = 12 - 2 - 3, manager.selector.calibration
@@ -109,19 +111,25 @@ def test_keep_policy_rounds_match_the_reference(calibration, mode, compaction_or
     cache.append("a", *_kv(6))
     manager.on_context_step_end([Request("a", 6)])
     checked, times, offset = 0, list(range(6)), 0  # times: the logical position in each slot of layer 1
+    rows = manager.selector.rows
+    row_times = [list(range(6)) for _ in range(rows)]  # the same for layer 0's decision rows
     for step in range(40):
         manager.on_generation_step_begin(["a"])
         n = 4 if step % 5 == 0 else 1
         times += range(manager.logical_position("a"), manager.logical_position("a") + n)
+        for t in row_times:
+            t += range(manager.logical_position("a"), manager.logical_position("a") + n)
         cache.append("a", *_kv(n))
         due = manager.due([("a", n)])
         data, length, start = cache.read("a"), cache.length("a"), manager.logical_position("a")
         if due:
             protected = 6 + 2
             tail = 3 + max(0, length - protected - 3 - (12 + 10 - 5))
+            positions = torch.tensor([t[protected:] for t in row_times])[None]
             kept, _ = select_reference([cache.views()[0].cpu()], cache.page_table(["a"]).cpu(),
                                        torch.tensor([length - tail]), torch.tensor([protected]),
-                                       torch.tensor([start]), cal, chosen, mode)
+                                       torch.tensor([start]), cal, chosen, mode, recency_prior=prior,
+                                       positions=positions)
         manager.on_generation_step_end([("a", n)])
         if not due:
             continue
@@ -142,6 +150,8 @@ def test_keep_policy_rounds_match_the_reference(calibration, mode, compaction_or
                     survivors = torch.tensor(fill_order(survivors.tolist(), protected))
                 order = torch.cat([torch.arange(protected), survivors])
                 assert torch.equal(cache.read("a")[layer, :, :, head], data[layer, :, order, head])
+                if layer == 0 and head == row:
+                    row_times[row] = [row_times[row][s] for s in order.tolist()]
         # layer 1 holds the newest scored tokens, oldest first from its offset, then the tail
         oldest_first = sorted(times[protected:scored])[-chosen:]
         times = times[:protected] + [times[s] for s in newest.tolist()] + times[scored:length]

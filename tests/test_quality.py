@@ -19,12 +19,13 @@ def test_policies_parse_and_name_themselves():
     from benchmarks.quality import Policy
 
     for text in ("full", "recent", "sinks", "random", "oracle+l0", "triattention_per_head+w16+s4+l0.2",
-                 "triattention_union", "recent+w8", "triattention_per_head+default+f0.5", "recent+l0+f2"):
+                 "triattention_union", "recent+w8", "triattention_per_head+default+f0.5", "recent+l0+f2",
+                 "triattention_union+w16+s4+l0+p4", "triattention_per_head+p0.5"):
         assert Policy.parse(text).name == text
     assert Policy.parse("triattention_per_layer_perhead+l3.1").recent_layers == (3, 1)
     assert Policy.parse("triattention_per_head+default+f0.25").share == 0.25
     for bad in ("triattention", "oracle_union", "recent_union", "triattention_per_head+x3", "window", "random+w",
-                "recent+l0+f0", "recent+l0+f-1", "recent+fx"):
+                "recent+l0+f0", "recent+l0+f-1", "recent+fx", "recent+p2", "triattention_union+p-1"):
         with pytest.raises(ValueError):
             Policy.parse(bad)
 
@@ -85,7 +86,8 @@ def test_a_per_layer_split_holds_the_same_total():
                                           ("per_head", dict(sink_tokens=2, recent_window=3)),
                                           ("per_head", dict(sink_tokens=1, recent_window=8)),  # window > beta
                                           ("per_layer_perhead", dict(recent_window=2, recent_layers=(0,))),
-                                          ("union", dict(sink_tokens=1, recent_layers=(1,)))])
+                                          ("union", dict(sink_tokens=1, recent_layers=(1,))),
+                                          ("per_head", dict(recency_prior=3.0)), ("per_layer_perhead", {})])
 def test_harness_keeps_what_decoding_with_the_kvops_cache_keeps(mode, options):
     """Two independent paths to the same keep sets: the harness (chunks over a cache that keeps every key, masks
     narrowed at each round) and TriAttentionCache fed the same tokens one by one (slots tracked through the
@@ -104,7 +106,7 @@ def test_harness_keeps_what_decoding_with_the_kvops_cache_keeps(mode, options):
         for t in range(prompt, seq.numel()):
             model(input_ids=seq[None, t:t + 1], **{cache_keyword(model): cache})
     policy = Policy("triattention", mode, recent=cache.recent_window, sinks=cache.sink_tokens,
-                    recent_layers=cache.recent_layers)
+                    recent_layers=cache.recent_layers, prior=cache.recency_prior)
     record = []
     with torch.no_grad():
         simulate(model, seq, prompt, budget, beta, policy, cal, record=record)

@@ -3,24 +3,49 @@
 import pytest
 import torch
 
-from conftest import DEVICES, paged_pools, requires_cuda, synthetic_calibration
+from conftest import DEVICES, opcheck, paged_pools, requires_cuda, run_python, synthetic_calibration
 from kvops.triattention import SHIPPED, load_calibration, mean_phase
+from kvops.triattention.prior import add_recency_prior_
 from kvops.triattention.reference import select_reference
 from kvops.triattention.select import TriAttentionSelector, score_rows
 
 
-def _check(cal, device, mode, budget, prompt, cache, T=16, normalize=True, k_scale=None, dtype=torch.bfloat16):
+def _positions(rows: int, cache, prompt, starts, width: int, device, spread: int = 3) -> torch.Tensor:
+    """Logical positions of each row's decode tokens, out of slot order (as fill rounds leave them): distinct ages
+    in [1, spread * n], shuffled per row; int32 [R, rows, width], -7 past a request's decode tokens."""
+    out = torch.full((len(cache), rows, width), -7, dtype=torch.int32)
+    for r, (n, p) in enumerate(zip(cache, prompt)):
+        for row in range(rows):
+            ages = torch.randperm(spread * (n - p))[:n - p] + 1
+            out[r, row, :n - p] = (int(starts[r]) - ages).int()
+    return out.to(device)
+
+
+def _check(cal, device, mode, budget, prompt, cache, T=16, normalize=True, k_scale=None, dtype=torch.bfloat16,
+           prior=0.0):
     pools, table, N, P = paged_pools(cal, prompt, cache, T, device, dtype)
     starts = (N + torch.randint(0, 2 ** 22, N.shape, device=device)).long()
     max_decode = max(n - p for n, p in zip(cache, prompt)) + 5
-    selector = TriAttentionSelector(cal, budget, mode, normalize, max_decode=max_decode, k_scale=k_scale)
-    kept = selector.select(pools, table, N, P, starts)
+    selector = TriAttentionSelector(cal, budget, mode, normalize, max_decode=max_decode, k_scale=k_scale,
+                                    recency_prior=prior)
+    positions = _positions(selector.rows, cache, prompt, starts, max_decode, device) if prior else None
+    kept = selector.select(pools, table, N, P, starts, positions=positions)
     ref, ref_rows = select_reference([p.cpu() for p in pools], table.cpu(), N.cpu(), P.cpu(), starts.cpu(), cal,
-                                     budget, mode, normalize, k_scale)
+                                     budget, mode, normalize, k_scale, prior, None if positions is None else
+                                     positions.cpu())
+    if prior:  # score_rows below gives the rows before the prior
+        bare = select_reference([p.cpu() for p in pools], table.cpu(), N.cpu(), P.cpu(), starts.cpu(), cal, budget,
+                                mode, normalize, k_scale)[1]
+        for r, (with_prior, without) in enumerate(zip(ref_rows, bare)):
+            n = with_prior.shape[1]
+            age = starts[r].item() - positions[r, :, :n].double().cpu()
+            assert torch.allclose(with_prior - without, prior * (1 - age / n).clamp(0, 1))
+    else:
+        bare = ref_rows
     scale = None if k_scale is None or normalize else selector.k_scale.to(device)
     rows = score_rows(pools, table, N, P, mean_phase(starts, cal.omega.to(device)), cal, mode, max_decode, normalize,
                       k_scale=scale)
-    for r, want in enumerate(ref_rows):
+    for r, want in enumerate(bare):
         got = rows[r, :, :want.shape[1]].double().cpu()
         assert ((got - want).abs() / want.abs().clamp_min(1.0)).max() < 1e-4
         assert torch.isinf(rows[r, :, want.shape[1]:]).all()
@@ -49,6 +74,32 @@ def test_real_calibrations_all_modes(name, mode, device):
 def testsynthetic_calibration(mode, normalize, device):
     _check(synthetic_calibration(), device, mode, budget=10, prompt=[3, 0, 17], cache=[50, 12, 64], T=8,
            normalize=normalize)
+
+
+@pytest.mark.parametrize("mode", ["union", "per_head", "per_layer_perhead"])
+@pytest.mark.parametrize("device", DEVICES)
+def test_a_recency_prior_keeps_what_the_reference_does(mode, device):
+    """The prior moves each keep set toward the tokens of the newest logical positions (not slots), as the float64
+    reference's does; a large one keeps the newest budget tokens of every row."""
+    cal = synthetic_calibration()
+    kwargs = dict(budget=10, prompt=[3, 0, 17], cache=[50, 12, 64], T=8)
+    pools, table, N, P = paged_pools(cal, kwargs["prompt"], kwargs["cache"], kwargs["T"], device)
+    starts = N.long() + 1000
+    for prior in (2.0, 1e4):
+        selector = TriAttentionSelector(cal, 10, mode, max_decode=70, recency_prior=prior)
+        # ages within n when the prior decides alone: older ones all gain nothing
+        positions = _positions(selector.rows, kwargs["cache"], kwargs["prompt"], starts, 70, device,
+                               1 if prior > 100 else 3)
+        kept = selector.select(pools, table, N, P, starts, positions=positions)
+        want = select_reference([p.cpu() for p in pools], table.cpu(), N.cpu(), P.cpu(), starts.cpu(), cal, 10, mode,
+                                recency_prior=prior, positions=positions.cpu())[0]
+        assert torch.equal(kept.cpu(), want)
+        for r, (p, n) in enumerate(zip(kwargs["prompt"], kwargs["cache"])):
+            for row in range(selector.rows):
+                newest = positions[r, row, :n - p].topk(min(10, n - p)).indices.sort().values + p
+                if prior > 100:
+                    assert kept[r, row, :newest.numel()].tolist() == newest.tolist()
+    _check(cal, device, mode, prior=2.0, **kwargs)
 
 
 @pytest.mark.parametrize("mode", ["union", "per_head", "per_layer_perhead"])
@@ -103,17 +154,19 @@ def test_cuda_graph_replay_fresh_data():
     cal = synthetic_calibration()
     pools, table, N, P = paged_pools(cal, [3, 4], [40, 30], 8, "cuda")
     starts = N.long() + 7
-    selector = TriAttentionSelector(cal, 8, "union", max_decode=40)
-    selector.select(pools, table, N, P, starts)  # warm-up (compiles the kernels)
+    selector = TriAttentionSelector(cal, 8, "union", max_decode=40, recency_prior=0.5)
+    positions = _positions(1, [40, 30], [3, 4], starts, 40, "cuda")
+    selector.select(pools, table, N, P, starts, positions=positions)  # warm-up (compiles the kernels)
     torch.cuda.synchronize()
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        out = selector.select(pools, table, N, P, starts)
+        out = selector.select(pools, table, N, P, starts, positions=positions)
     for p in pools:
         p.copy_(torch.randn_like(p, dtype=torch.float32))
     starts += 1000
+    positions.copy_(_positions(1, [40, 30], [3, 4], starts, 40, "cuda"))
     graph.replay()
-    assert torch.equal(out, selector.select(pools, table, N, P, starts))
+    assert torch.equal(out, selector.select(pools, table, N, P, starts, positions=positions))
 
 
 def test_bad_arguments():
@@ -130,7 +183,19 @@ def test_bad_arguments():
         TriAttentionSelector(cal, 8, normalize_scores="no")
     with pytest.raises(ValueError, match="max_decode"):
         TriAttentionSelector(cal, 8, max_decode=4)
+    for bad, error in (("1", TypeError), (True, TypeError), (-0.5, ValueError), (float("nan"), ValueError),
+                       (float("inf"), ValueError)):
+        with pytest.raises(error, match="recency_prior must be"):
+            TriAttentionSelector(cal, 8, recency_prior=bad)
     pools, table, N, P = paged_pools(cal, [3], [20], 8, "cpu")
+    leaning = TriAttentionSelector(cal, 8, "per_head", recency_prior=1.0)
+    with pytest.raises(ValueError, match="needs positions"):
+        leaning.select(pools, table, N, P, N.long())
+    good = torch.zeros(1, leaning.rows, 24, dtype=torch.int32)
+    for bad in (good[:, :1], good[..., :23], good.long(), good.transpose(1, 2).contiguous().transpose(1, 2)[:, :, :5],
+                good.mT.contiguous().mT):
+        with pytest.raises(ValueError, match="positions must be int32"):
+            leaning.select(pools, table, N, P, N.long(), positions=bad)
     with pytest.raises(ValueError, match="pools"):
         TriAttentionSelector(cal, 8).select(pools[:2], table, N, P, N.long())
     with pytest.raises(ValueError, match=r"round_starts must be \[1\]"):
@@ -252,3 +317,51 @@ def test_a_round_over_no_requests_keeps_nothing(mode, device):
     selector = TriAttentionSelector(cal, 8, mode, max_decode=24)
     kept = selector.select(pools, table[:0], N[:0], P[:0], N[:0].long())
     assert kept.shape == (0, selector.rows, 8) and kept.dtype == torch.int32
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_recency_prior_op(device):
+    """add_recency_prior_ against the formula in float64, columns past a row's length untouched (-inf and a
+    poisoned finite value), its opcheck, and its refusals."""
+    R, rows, n = 3, 4, 50
+    scores = torch.randn(R, rows, n, device=device)
+    lengths = torch.randint(0, n + 1, (R, rows), dtype=torch.int32, device=device)
+    starts = torch.randint(100, 10**6, (R,), dtype=torch.int32, device=device)
+    positions = (starts[:, None, None] - torch.randint(1, 120, (R, rows, n + 7), device=device)).int()
+    scores[..., -1] = -float("inf")
+    before = scores.clone()
+    add_recency_prior_(scores, lengths, starts, positions, 3.0)
+    age = (starts[:, None, None] - positions[..., :n]).double()
+    want = before.double() + 3.0 * (1 - age / lengths[..., None].clamp(min=1).double()).clamp(0, 1)
+    inside = torch.arange(n, device=device) < lengths[..., None]
+    torch.testing.assert_close(scores[inside].double(), want[inside], rtol=1e-6, atol=1e-6)
+    assert torch.equal(scores[~inside], before[~inside])
+    opcheck(torch.ops.kvops.triattention_recency_prior_.default, (scores, lengths, starts, positions, 3.0))
+    for change, error, words in ((dict(scores=scores.double()), ValueError, "scores must be contiguous float32"),
+                                 (dict(lengths=lengths[:, :2]), ValueError, "lengths must be contiguous"),
+                                 (dict(round_starts=starts.long()), ValueError, "round_starts must be int32"),
+                                 (dict(positions=positions[..., :n - 1]), ValueError, "positions must be int32"),
+                                 (dict(prior=-1.0), ValueError, "prior must be finite"),
+                                 (dict(prior="1"), TypeError, "prior must be a number"),
+                                 (dict(positions=scores.view(torch.int32)), ValueError, "shares memory")):
+        args = dict(scores=scores, lengths=lengths, round_starts=starts, positions=positions, prior=1.0) | change
+        kept = scores.clone()
+        with pytest.raises(error, match=words):
+            add_recency_prior_(**args)
+        assert torch.equal(scores, kept)
+
+
+def test_recency_prior_kernel_matches_torch_in_the_interpreter():
+    code = (
+        "import torch\n"
+        "from kvops.triattention.prior import add_recency_prior_\n"
+        "from kvops.triattention.reference import recency_prior_torch\n"
+        "s = torch.randn(2, 3, 1500); s[0, 1, 7] = -float('inf')\n"
+        "lengths = torch.tensor([[0, 1500, 9], [1100, 3, 1499]], dtype=torch.int32)\n"
+        "starts = torch.tensor([5000, 2**30], dtype=torch.int32)\n"
+        "pos = (starts[:, None, None] - torch.randint(-5, 3000, (2, 3, 1600))).int()\n"
+        "a, b = s.clone(), s.clone()\n"
+        "add_recency_prior_(a, lengths, starts, pos, 2.5)\n"
+        "recency_prior_torch(b, lengths, starts, pos, 2.5)\n"
+        "torch.testing.assert_close(a, b)\n")
+    run_python(code, TRITON_INTERPRET="1")

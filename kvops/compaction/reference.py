@@ -129,3 +129,31 @@ def pack_move_sources_torch(kept, scored_lengths, tail_lengths, destination_base
     new_lengths.copy_(torch.where(refused, before.clamp(0, INT32_MAX), base + K + tail))
     if moves is not None:
         moves.copy_(moves_torch(sources, destination_bases, new_lengths))
+
+
+def gather_slot_positions_torch(table: torch.Tensor, seats: torch.Tensor, stored: torch.Tensor, bases: torch.Tensor,
+                                out: torch.Tensor) -> None:
+    """kvops::compaction_gather_slot_positions_ in torch (positions.py states it): slot j of request r holds
+    table[seats[r], row, j] below stored[r], else bases[r] + j."""
+    width = out.shape[2]
+    j = torch.arange(width, device=out.device)
+    rows = table[seats.long()]
+    from_table = rows[..., :width] if rows.shape[2] >= width else torch.nn.functional.pad(rows, (0, width - rows.shape[2]))
+    out.copy_(torch.where(j < stored[:, None, None], from_table, bases[:, None, None] + j))
+
+
+def follow_slot_positions_torch(table: torch.Tensor, seats: torch.Tensor, dense: torch.Tensor, sources: torch.Tensor,
+                                list_rows: torch.Tensor | None, destination_bases: torch.Tensor,
+                                new_lengths: torch.Tensor) -> None:
+    """kvops::compaction_follow_slot_positions_ in torch, request by request: table[seats[r], row, m] = the dense
+    position of what landed at m (``sources`` less the base), for m below the new length (and the table's width);
+    -1 for a source outside the dense buffer."""
+    R, rows, width = dense.shape
+    capacity = min(table.shape[2], sources.shape[2])
+    lists = sources if list_rows is None else sources[:, list_rows.long()]
+    for r in range(R):
+        base = int(destination_bases[r])
+        n = max(0, min(int(new_lengths[r]) - base, capacity))
+        src = lists[r, :rows, :n].long() - base
+        ok = (src >= 0) & (src < width)
+        table[int(seats[r]), :, :n] = torch.where(ok, dense[r].gather(1, src.clamp(0, width - 1)), -1).to(table.dtype)

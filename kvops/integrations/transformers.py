@@ -158,11 +158,12 @@ class TriAttentionCache(_transformers_module.Cache):
         ``budget + beta``.
     mode : str
         ``"per_head"`` (the default), ``"union"`` or ``"per_layer_perhead"`` (``kvops.compaction.MODES``).
-    sink_tokens, recent_window, recent_layers
+    sink_tokens, recent_window, recent_layers, recency_prior
         The keep policy (``kvops.config.TriAttentionConfig``): the first `sink_tokens` and newest
-        `recent_window` generated tokens always stay (inside the budget), and the layers in `recent_layers` keep
-        their newest tokens instead of the scored ones. Each left at None takes the mode's measured default
-        (``kvops.config.resolve_keep_policy``); 0, 0 and () give bare scoring.
+        `recent_window` generated tokens always stay (inside the budget), the layers in `recent_layers` keep
+        their newest tokens instead of the scored ones, and the scores lean to recent tokens by `recency_prior`
+        (``TriAttentionSelector``). Each left at None takes the mode's measured default
+        (``kvops.config.resolve_keep_policy``); 0, 0, () and 0.0 give bare scoring.
     compaction_order : str
         ``"fill"`` (only the kept tokens past the new length move; attention is over a set, so slot order does
         not matter) or ``"ordered"`` (``kvops.compaction.ORDERS``).
@@ -192,8 +193,9 @@ class TriAttentionCache(_transformers_module.Cache):
 
     def __init__(self, config, calibration, *, budget: int = 2048, beta: int = 128, mode: str = DEFAULT_MODE,
                  sink_tokens: int | None = None, recent_window: int | None = None,
-                 recent_layers: tuple[int, ...] | None = None, compaction_order: str = "fill",
-                 cuda_graphs: bool = True, static: bool = False, round_history: int | None = 1):
+                 recent_layers: tuple[int, ...] | None = None, recency_prior: float | None = None,
+                 compaction_order: str = "fill", cuda_graphs: bool = True, static: bool = False,
+                 round_history: int | None = 1):
         what = "TriAttentionCache"
         check_round_sizes(what, budget, beta)
         if round_history is not None:
@@ -231,9 +233,9 @@ class TriAttentionCache(_transformers_module.Cache):
         self.max_generated = budget + beta + 1
         # the keep policy for the model (checked before anything is allocated)
         policy = resolve_keep_policy(what, mode, budget, beta, self.num_layers, sink_tokens, recent_window,
-                                     recent_layers)
+                                     recent_layers, recency_prior)
         self.selector = policy_selector(what, calibration, budget, mode, self.max_generated, *policy)
-        self.sink_tokens, self.recent_window, self.recent_layers = policy
+        self.sink_tokens, self.recent_window, self.recent_layers, self.recency_prior = policy
         # slot bookkeeping per compaction list row: the decision rows, and the window row of the recent layers
         self._list_rows = decision_rows(mode, self.num_layers, self.num_kv_heads) + bool(self.recent_layers)
         self.budget, self.beta, self.cuda_graphs = budget, beta, cuda_graphs
@@ -262,6 +264,8 @@ class TriAttentionCache(_transformers_module.Cache):
         self.rounds: collections.deque[tuple[int, torch.Tensor]] = collections.deque(maxlen=self.round_history)
         self.num_rounds = 0
         self._round: TriAttentionRound | None = None
+        # with a recency prior: the round's table of slot positions, a seat per row (TriAttentionRound)
+        self._seat_positions: torch.Tensor | None = None
         self._step: _Step | None = None  # an eager step between its first and last layer
         self._last = False  # whether the call before was the first step's last layer
 
@@ -350,8 +354,9 @@ class TriAttentionCache(_transformers_module.Cache):
             raise ValueError(f"{what}: beam_idx must hold row indices in [0, {B}), got {beam_idx.tolist()}")
         self._entry()
         idx = beam_idx.to(self.device, torch.long)
-        for t in (*self.pools, self.slot_positions):
-            t.copy_(t.index_select(0, idx))
+        for t in (*self.pools, self.slot_positions, self._seat_positions):
+            if t is not None:
+                t.copy_(t.index_select(0, idx))
 
     def _unsupported(self, name: str):
         raise NotImplementedError(f"TriAttentionCache.{name}: not supported; the cache holds one batch that advances "
@@ -585,12 +590,18 @@ class TriAttentionCache(_transformers_module.Cache):
         of the `held` each row holds (the sinks join the prompt, the newest recent_window are the round's tail).
         Returns what each row holds after it."""
         B, W = self.pools[0].shape[0], self.recent_window
+        selector, tracked = self.selector, bool(self.selector.recency_prior)
         if self._round is None:
-            self._round = TriAttentionRound(self.selector, self, B, 1, W, self.cuda_graphs, self.order,
-                                            self.recent_layers)
+            if tracked and self._seat_positions is None:  # kept when the round rebinds (an onboard)
+                self._seat_positions = torch.zeros(B, selector.rows, selector.budget + W, dtype=torch.int32,
+                                                   device=self.device)
+            self._round = TriAttentionRound(selector, self, B, 1, W, self.cuda_graphs, self.order, self.recent_layers,
+                                            self._seat_positions)
         table = torch.arange(B, dtype=torch.int32)[:, None]
         protected = self.prompt + self.sink_tokens
-        self._round.run(table, [held - W] * B, [protected] * B, [W] * B, [held + self.evicted] * B)
+        seats = list(range(B)) if tracked else []
+        stored = [selector.budget + W if self.num_rounds else 0] * B if tracked else []
+        self._round.run(table, [held - W] * B, [protected] * B, [W] * B, [held + self.evicted] * B, seats, stored)
         # what landed at protected + m came from slot sources[m] (the move's own lists): follow the logical
         # positions. A row no layer reads (per_layer_perhead's rows of the recent layers) has no list: -1.
         landed = self._round.params.sources[:B, :, :self.selector.budget + W].long()

@@ -83,10 +83,13 @@ def reduce_reference(z: torch.Tensor, mode: str, num_kv_heads: int) -> torch.Ten
 
 
 def select_reference(k_pools, page_table, cache_lengths, prompt_lengths, round_starts, cal: Calibration, budget: int,
-                     mode: str = "union", normalize_scores: bool = True, k_scale: torch.Tensor | None = None
+                     mode: str = "union", normalize_scores: bool = True, k_scale: torch.Tensor | None = None,
+                     recency_prior: float = 0.0, positions: torch.Tensor | None = None
                      ) -> tuple[torch.Tensor, list[torch.Tensor]]:
     """(kept int32 [R, rows, budget] ascending cache positions, -1 past the decode tokens; per-request row
-    scores float64 [rows, n]). k_scale: [L] or [L, Hkv], the keys' dequantization scale (fp8 caches)."""
+    scores float64 [rows, n]). k_scale: [L] or [L, Hkv], the keys' dequantization scale (fp8 caches);
+    recency_prior with positions [R, rows, >= n], the logical position of each row's decode token j: the row
+    score of a token of age a = round start - position gains recency_prior * clamp(1 - a / n, 0, 1)."""
     R = page_table.shape[0]
     C, S = mean_phase_reference(round_starts, cal.omega)
     kept, row_scores = [], []
@@ -98,10 +101,23 @@ def select_reference(k_pools, page_table, cache_lengths, prompt_lengths, round_s
         s = raw_scores_reference(keys, cal, C[r], S[r])
         z = normalize_reference(s) if normalize_scores else s
         rows = reduce_reference(z, mode, cal.num_kv_heads)
+        if recency_prior:
+            age = int(round_starts[r]) - positions[r, :, :N - P].double().cpu()
+            rows = rows + recency_prior * (1 - age / max(N - P, 1)).clamp(0, 1)
         row_scores.append(rows)
         picked = topk_reference(rows, torch.full((rows.shape[0],), N - P), budget)
         kept.append(torch.where(picked >= 0, picked + P, picked))
     return torch.stack(kept), row_scores
+
+
+def recency_prior_torch(scores: torch.Tensor, lengths: torch.Tensor, round_starts: torch.Tensor,
+                        positions: torch.Tensor, prior: float) -> None:
+    """kvops::triattention_recency_prior_ in float32 torch (kvops/triattention/prior.py states it)."""
+    n = scores.shape[2]
+    age = (round_starts[:, None, None] - positions[..., :n]).float()
+    length = lengths[..., None]
+    ramp = (1 - age / length.clamp(min=1).float()).clamp(0, 1)
+    scores.add_(torch.where(torch.arange(n, device=scores.device) < length, prior * ramp, 0))
 
 
 def mean_phase_torch(round_starts: torch.Tensor, omega: torch.Tensor, phase: torch.Tensor) -> None:

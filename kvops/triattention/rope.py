@@ -12,19 +12,14 @@ from typing import Any, Mapping
 
 import torch
 
-from .._checks import check_int
+from .._checks import check_int, check_number
 
 ROPE_TYPES = ("default", "linear", "llama3", "yarn")
 
 
 def _number(name: str, value: Any, low: float | None = None, *, above: bool = True) -> float:
     """A finite real number (int or float, not a bool), > low (>= low with above=False) when low is given."""
-    if isinstance(value, bool) or not isinstance(value, (int, float)):
-        raise TypeError(f"rope config: {name} must be a number, got {type(value).__name__} {value!r}")
-    if not math.isfinite(value) or (low is not None and (value <= low if above else value < low)):
-        rule = "finite" if low is None else f"finite and {'>' if above else '>='} {low}"
-        raise ValueError(f"rope config: {name} must be {rule}, got {value!r}")
-    return value
+    return check_number("rope config", name, value, low, strict=above)
 
 
 def _fields(config: Mapping[str, Any]) -> Mapping[str, Any]:

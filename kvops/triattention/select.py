@@ -9,11 +9,12 @@ from typing import Sequence
 
 import torch
 
-from .._checks import INT32_MAX, check_bool, check_device, check_int
+from .._checks import INT32_MAX, check_bool, check_device, check_int, check_number
 from ..distributed import all_reduce_union_rows_, check_group, check_heads_covered, check_same_on_ranks, rank_kv_heads
 from .calibration import Calibration, check_calibration
 from ..compaction.compact import MODES, decision_rows
 from .phase import check_round_starts
+from .prior import check_positions, recency_prior_unchecked
 from .reduce import check_k_scale_values, reduce_unchecked
 from .score import check_round_inputs, score_unchecked
 from ..topk import topk
@@ -68,11 +69,16 @@ class TriAttentionSelector:
     kv_heads : range, optional
         The model's KV heads this rank holds; by default the rank's block of the even split
         (``kvops.distributed.rank_kv_heads``). The calibration is the model's: it is sliced to these heads.
+    recency_prior : float
+        A lean toward recent tokens, finite and >= 0: before the top-k, the row score of a decode token of age a
+        (the round start less its logical position) gains ``recency_prior * clamp(1 - a / n, 0, 1)``, n the row's
+        decode tokens, in the units of the row scores (z-scores when normalized; kvops.triattention.prior). It
+        needs each token's logical position (``select(positions=)``). 0 (the default) adds nothing.
     """
 
     def __init__(self, calibration: Calibration, budget: int, mode: str = "union", normalize_scores: bool = True,
                  max_decode: int | None = None, k_scale: torch.Tensor | None = None, process_group=None,
-                 kv_heads: range | None = None):
+                 kv_heads: range | None = None, recency_prior: float = 0.0):
         what = "TriAttentionSelector"
         check_calibration(what, calibration)  # first: the KV-head split below reads its fields
         self.process_group = check_group(what, process_group)
@@ -88,6 +94,7 @@ class TriAttentionSelector:
             check_int(what, "max_decode", max_decode, budget, INT32_MAX)
         self.calibration, self.budget, self.mode, self.normalize_scores = calibration, budget, mode, normalize_scores
         self.max_decode = max_decode
+        self.recency_prior = float(check_number(what, "recency_prior", recency_prior, 0))
         self.rows = decision_rows(mode, calibration.num_layers, calibration.num_kv_heads)
         self.k_scale = None if k_scale is None else _check_k_scale(what, k_scale, calibration)
         self._on_device: dict[torch.device, tuple] = {}
@@ -95,9 +102,12 @@ class TriAttentionSelector:
     @property
     def settings(self) -> torch.Tensor:
         """What must be the same on every rank of a process group for the ranks to run one round (int64): the
-        mode, budget, max_decode (0: the table's reach), normalize_scores, and the model's layers and KV heads."""
-        return torch.tensor([MODES.index(self.mode), self.budget, self.max_decode or 0, self.normalize_scores,
-                             self.calibration.num_layers, self.model_kv_heads], dtype=torch.int64)
+        mode, budget, max_decode (0: the table's reach), normalize_scores, the model's layers and KV heads, and the
+        recency prior's bits."""
+        prior = torch.tensor([self.recency_prior], dtype=torch.float64).view(torch.int64)
+        return torch.cat((torch.tensor([MODES.index(self.mode), self.budget, self.max_decode or 0,
+                                        self.normalize_scores, self.calibration.num_layers, self.model_kv_heads],
+                                       dtype=torch.int64), prior))
 
     def _calibration_on(self, device: torch.device) -> tuple:
         """(omega, score weights) on `device`, copied once (at warm-up): a host-to-device copy per round would
@@ -109,7 +119,8 @@ class TriAttentionSelector:
         return self._on_device[device]
 
     def select(self, k_pools: Sequence[torch.Tensor], page_table: torch.Tensor, cache_lengths: torch.Tensor,
-               prompt_lengths: torch.Tensor, round_starts: torch.Tensor, validate: bool = False) -> torch.Tensor:
+               prompt_lengths: torch.Tensor, round_starts: torch.Tensor, validate: bool = False,
+               positions: torch.Tensor | None = None) -> torch.Tensor:
         """Keep sets of one round.
 
         Parameters
@@ -134,6 +145,9 @@ class TriAttentionSelector:
             absent (-1, outside the pools, or past the table) scores -inf and ranks last, and decode tokens past an
             explicit max_decode are not scored (leave max_decode unset, or check lengths on the host as the manager
             does).
+        positions : torch.Tensor, optional
+            int32 ``[R, rows, >= max_decode]`` with a contiguous last dim: the logical position of each row's
+            decode token j (cache position P + j). Needed with a recency prior, and read only then.
 
         Returns
         -------
@@ -159,6 +173,10 @@ class TriAttentionSelector:
             raise ValueError(f"{what}: round_starts must be [{page_table.shape[0]}] (one per page-table row), got "
                              f"{tuple(round_starts.shape)}")
         max_decode = self.max_decode or page_table.shape[1] * k_pools[0].shape[3]
+        if self.recency_prior:
+            if positions is None:
+                raise ValueError(f"{what}: a recency prior needs positions (each decode token's logical position)")
+            check_positions(what, positions, page_table.shape[0], self.rows, max_decode, device)
         group = self.process_group
         if validate and group is not None:  # first, on every rank: then the local checks agree too
             check_same_on_ranks(what, group, device, selector_settings=self.settings, page_table=page_table,
@@ -177,6 +195,9 @@ class TriAttentionSelector:
                                               max_decode, self.normalize_scores, weights, k_scale, topk_args=True)
         if group is not None and self.mode == "union":
             all_reduce_union_rows_(scores, lengths.view(R), group)
+        if self.recency_prior:
+            starts = round_starts if round_starts.dtype == torch.int32 else round_starts.to(torch.int32)
+            recency_prior_unchecked(scores, lengths, starts, positions, self.recency_prior)
         # decode index i is cache position prompt + i: the top-k adds the row's prompt length as it writes
         args = (scores.view(R * self.rows, scores.shape[-1]), lengths.view(-1), self.budget)
         picked = topk(*args, offsets=offsets.view(-1), validate=True) if validate else \
