@@ -162,6 +162,63 @@ def test_keep_policy_rounds_match_the_reference(calibration, mode, compaction_or
     assert checked >= 3
 
 
+@pytest.mark.parametrize("mode", MODES)
+def test_slot_positions_follow_every_request_through_rounds_and_seats(calibration, mode):
+    """With a recency prior the manager keeps each decode slot's logical position: a seat per request (the table
+    grows past its first size, a finished request's seat is taken again). Every token's K carries its logical
+    position, so after every round the stored slots must hold what the cache holds there."""
+    config = TriAttentionConfig(budget=12, beta=5, eviction_mode=mode, calibration_path=calibration,
+                                recency_prior=4.0, sink_tokens=1, recent_window=3, recent_layers=[1])
+    cache = _cache()
+    manager = create_compression_manager(config, cache, MODEL)
+    prompts, logical = {}, {}
+
+    def tokens(rid, n):  # K holds each token's logical position (exact in bf16 below 256)
+        k = torch.arange(logical[rid], logical[rid] + n).float().view(n, 1, 1).expand(n, 2, 32).bfloat16()
+        logical[rid] += n
+        return k, torch.randn(n, 2, 32).bfloat16()
+
+    def admit(rid, prompt):
+        prompts[rid], logical[rid] = prompt, 0
+        cache.add_request(rid)
+        manager.on_request_init(Request(rid, prompt))
+        cache.append(rid, *tokens(rid, prompt))
+        manager.on_context_step_end([Request(rid, prompt)])
+
+    for rid, prompt in (("a", 5), ("b", 9)):
+        admit(rid, prompt)
+    checked = 0
+    for step in range(45):
+        if step == 8:
+            admit("c", 3)  # a third seat: the table grows
+        if step == 20:
+            seat = manager._seats["b"]
+            manager.on_request_finish(Request("b", 9))
+            cache.finish("b")
+            del prompts["b"]
+            admit("d", 4)
+            assert manager._seats["d"] == seat  # the freed seat
+        active = list(prompts)
+        manager.on_generation_step_begin(active)
+        batch = []
+        for i, rid in enumerate(active):
+            n = 3 if (step + i) % 7 == 0 else 1
+            cache.append(rid, *tokens(rid, n))
+            batch.append((rid, n))
+        manager.on_generation_step_end(batch)
+        for rid in active:
+            stored = manager._stored[rid]
+            if not stored:
+                continue
+            P = prompts[rid] + 1
+            held = cache.read(rid)[0, 0, P:P + stored, :, 0].float().long()  # layer 0 (scored), K
+            table = manager.slot_positions[manager._seats[rid]].cpu().long()
+            for row in range(manager.selector.rows):
+                assert torch.equal(table[row, :stored], held[:, 0 if mode == "union" else row]), (step, rid, row)
+            checked += 1
+    assert checked > 30 and manager.slot_positions.shape[0] == 4
+
+
 @pytest.mark.parametrize("window,order", [(5, "fill"), (7, "ordered")])
 def test_a_window_longer_than_beta_keeps_the_newest_tokens_last(calibration, window, order):
     """A round protects its last slots as the window. A fill round scatters its tail into the evicted slots,
