@@ -182,17 +182,25 @@ def steady_round(w: SimpleNamespace, mode: str, order: str, cuda_graphs: bool, p
                                recency_prior=recency_prior,
                                process_group=process_group)
     cache = SimpleNamespace(device=w.device, views=lambda: w.pools)
-    W, max_tail, seats, stored, positions = recent_window, w.beta + recent_window, [], [], None
+    max_tail, positions = w.beta + recent_window, None
     if recency_prior:  # as after an earlier round: its slots' logical positions out of order, the rest in order
-        stored = [selector.budget + W] * w.R
-        seats = list(range(w.R))
         positions = torch.empty(w.R, selector.rows, selector.budget + max_tail, dtype=torch.int32, device=w.device)
         positions.copy_(torch.rand(positions.shape, device=w.device).argsort(-1) + w.prompt + sink_tokens)
     rnd = TriAttentionRound(selector, cache, w.R, w.table.shape[1], max_tail, cuda_graphs,
                             round_order(order, recent_window, w.beta), recent_layers, positions)
-    table = torch.nn.functional.pad(w.table, (0, rnd.width - w.table.shape[1]), value=-1)  # its bound width
-    rnd.run(table, [w.n - W] * w.R, [w.prompt + sink_tokens] * w.R, [W] * w.R, [w.n] * w.R, seats, stored)
+    rnd.run(*steady_args(w, rnd, sink_tokens, recent_window))
     return selector, rnd
+
+
+def steady_args(w: SimpleNamespace, rnd: TriAttentionRound, sink_tokens: int = 0, recent_window: int = 0,
+                **_) -> tuple:
+    """TriAttentionRound.run's arguments for the workload's round under a keep policy (the seats and stored slots
+    of every request, as after an earlier round, when the round tracks slot positions)."""
+    R, W = w.R, recent_window
+    table = torch.nn.functional.pad(w.table, (0, rnd.width - w.table.shape[1]), value=-1)  # its bound width
+    tracked = rnd.slot_positions is not None
+    return (table, [w.n - W] * R, [w.prompt + sink_tokens] * R, [W] * R, [w.n] * R,
+            list(range(R)) if tracked else [], [rnd.selector.budget + W] * R if tracked else [])
 
 
 def restorer(pools: list[torch.Tensor]):
@@ -383,12 +391,11 @@ def _round_kernels() -> list[str]:
     notes = [f"round_kernels R={R} {w.prompt}+{w.budget + w.beta} L={w.L} Hkv={w.Hkv} (fill; K of the decode tokens "
              f"{w.L * R * (w.budget + w.beta) * w.Hkv * w.D * 2 / 1e6:.0f} MB):"]
     cases = [(mode, {}) for mode in ("union", "per_head", "per_layer_perhead")]
-    cases.append(("per_head", resolve_keep_policy("_round_kernels", "per_head", w.budget, w.beta, w.L)._asdict()))
+    cases += [(mode, resolve_keep_policy("_round_kernels", mode, w.budget, w.beta, w.L)._asdict())
+              for mode in ("per_head", "per_layer_perhead")]
     for mode, options in cases:
         _, rnd = steady_round(w, mode, "fill", cuda_graphs=False, **options)
-        W = options.get("recent_window", 0)
-        args = (rnd.page_table[:R].clone(), [w.n - W] * R, [w.prompt + options.get("sink_tokens", 0)] * R, [W] * R,
-                [w.n] * R)
+        args = steady_args(w, rnd, **options)
         rnd.run(*args)  # warm
         torch.cuda.synchronize()
         with profile(activities=[ProfilerActivity.CUDA]) as prof:
