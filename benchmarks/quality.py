@@ -440,7 +440,7 @@ def main(argv: list[str] | None = None) -> int:
                     help="windows also decoded token by token through real caches in bf16 (full, TriAttention, "
                          "TriAttention after an NVFP4 offload/onboard cycle), with tokens/s; 0: none")
     ap.add_argument("--quick", action="store_true",
-                    help="about 4 minutes on two CPU cores: " + ", ".join(f"--{k.replace('_', '-')} {v}"
+                    help="under 5 minutes on two CPU cores: " + ", ".join(f"--{k.replace('_', '-')} {v}"
                                                                       for k, v in QUICK.items()))
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     ap.add_argument("--csv")

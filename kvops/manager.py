@@ -25,7 +25,7 @@ import triton
 from ._checks import INT32_MAX, check_bool, check_choice, check_hashable, check_int, check_int32
 from ._targets import CAPABILITIES as SUPPORTED_ARCHS  # noqa: F401  (the archs kvops builds kernels for)
 from .compaction import ORDERS, build_compaction_params, compact, decision_rows
-from .compaction.positions import follow_slot_positions_, gather_slot_positions_
+from .compaction.positions import SlotPositions, follow_slot_positions_
 from .config import KVCacheCompressionConfig, NVFP4ColdPageConfig, TriAttentionConfig, check_recent_layers
 from .distributed import capturable, check_group, check_same_on_ranks, rank_kv_heads
 from .nvfp4 import PageBlobCodec
@@ -378,10 +378,8 @@ class TriAttentionRound:
         # per_layer_perhead rows of the scored layers (row l * heads + g) when some layers keep their newest
         self.rows_index = None if rows == selector.rows else torch.tensor(
             [layer * heads + g for layer in self.scored for g in range(heads)], device=device)
-        self.slot_positions = self.dense = self.list_rows = None
+        self.slot_positions = self.list_rows = None
         if selector.recency_prior:
-            if selector.max_decode is None:
-                raise ValueError(f"{what}: a selector with a recency prior needs a max_decode")
             stored = selector.budget + max_tail  # a round leaves at most that many decode slots
             check_int32(what, device, slot_positions=(slot_positions, 3))
             if slot_positions.shape[1] != selector.rows or slot_positions.shape[2] < stored or \
@@ -389,9 +387,6 @@ class TriAttentionRound:
                 raise ValueError(f"{what}: slot_positions must be contiguous int32 [seats, {selector.rows}, >= "
                                  f"{stored}], got {tuple(slot_positions.shape)}")
             self.slot_positions = slot_positions
-            # every decode slot a round reads or moves: the scored ones and the tail
-            self.dense = torch.zeros(self.requests, selector.rows, selector.max_decode + max_tail, dtype=torch.int32,
-                                     device=device)
             if self.rows_index is not None:
                 self.list_rows = self.rows_index.to(torch.int32)
         kept = torch.zeros(self.requests, rows, selector.budget, dtype=torch.int32, device=device)
@@ -410,20 +405,19 @@ class TriAttentionRound:
 
     def _launch(self, R: int) -> None:
         scored, prompt, tail, position, _, seat, stored, base = self.lengths[:, :R]
-        pools, dense = self.params.pools, None
+        p, positions = self.params, None
         if self.slot_positions is not None:
-            dense = gather_slot_positions_(self.slot_positions, seat, stored, base, self.dense[:R])
-        picked = self.selector.select([pools[layer] for layer in self.scored] if len(self.scored) < len(pools)
-                                      else pools, self.page_table[:R], scored, prompt, position, positions=dense)
+            positions = SlotPositions(self.slot_positions, seat, stored, base)
+        picked = self.selector.select([p.pools[layer] for layer in self.scored] if len(self.scored) < len(p.pools)
+                                      else p.pools, self.page_table[:R], scored, prompt, position, positions=positions)
         if self.rows_index is None:
             self.params.kept[:R].copy_(picked)
         else:
             self.params.kept[:R].index_copy_(1, self.rows_index, picked)
-        compact(self.params, R)
-        if dense is not None:  # what landed in each slot: after the compaction, which wrote the lists
-            p = self.params
-            follow_slot_positions_(self.slot_positions, seat, dense, p.sources[:R], p.destination_bases[:R],
-                                   p.new_lengths[:R], self.list_rows)
+        compact(p, R)
+        if positions is not None:  # what landed in each slot: after the compaction, which wrote the lists
+            follow_slot_positions_(positions, p.sources[:R], p.destination_bases[:R], p.new_lengths[:R],
+                                   None if p.moves is None else p.moves[:R], self.list_rows)
 
     def run(self, page_table: torch.Tensor, scored: Sequence[int], prompts: Sequence[int], tails: Sequence[int],
             positions: Sequence[int], seats: Sequence[int] = (), stored: Sequence[int] = ()) -> None:

@@ -6,10 +6,9 @@ import pytest
 import torch
 
 from conftest import DEVICES, bytes_of, opcheck, poison_, requires_cuda, run_python
-from kvops.compaction import (build_compaction_params, compact, compact_layers_, decision_row, decision_rows,
-                              pack_move_sources, stream_rows)
-from kvops.compaction.positions import follow_slot_positions_, gather_slot_positions_
-from kvops.compaction.reference import pack_move_sources_torch
+from kvops.compaction import (SlotPositions, build_compaction_params, compact, compact_layers_, decision_row,
+                              decision_rows, follow_slot_positions_, pack_move_sources, stream_rows)
+from kvops.compaction.reference import pack_move_sources_torch, slot_positions_torch
 from kvops.compaction.reference import compact_reference, fill_order, ring_order
 
 LAYOUTS = ("hnd", "nhd", "vllm")
@@ -928,6 +927,7 @@ def test_argument_types_are_named(device):
         build_compaction_params(pools, table, kept, scored, tail, base, max_tail=5, layer_windows=[False, True, False])
 
 
+
 def _witness(pool, table, r, h, positions):
     """The K element 0 of request r's head h at cache positions `positions` (the tests write logical positions
     there)."""
@@ -940,15 +940,14 @@ def _witness(pool, table, r, h, positions):
 @pytest.mark.parametrize("order", ["ordered", "fill"])
 @pytest.mark.parametrize("mapped", [False, True])
 def test_slot_positions_follow_the_tokens(device, order, mapped):
-    """Each token's K carries its logical position: gather_slot_positions_ reads what the pools hold (the table's
-    stored slots, the rest in order), and after a compaction follow_slot_positions_ leaves in each slot what the
-    compaction moved there. Seats out of order, a canary seat, poisoned buffers."""
+    """Each token's K carries its logical position, which the SlotPositions hold (the table's stored slots, the
+    rest in order); after a compaction follow_slot_positions_ leaves in each slot what the compaction moved there.
+    Seats out of order, a canary seat, poisoned slots past the new lengths."""
     H, T, K, R = 2, 16, 6, 3
     P, table, kept, scored, tail, base = _batch(R, T, K, H, device)   # per_head of one layer: row h is head h
     pool = poison_(torch.empty(P, 2, H, T, 64, dtype=torch.bfloat16, device=device))
     C, seats = K + 5, torch.tensor([2, 0, 3], dtype=torch.int32, device=device)
     positions = poison_(torch.empty(4, H, C, dtype=torch.int32, device=device))
-    canary = positions[1].clone()
     stored, bases = [], []
     for r in range(R):
         b, n = int(base[r]), int(scored[r] + tail[r])
@@ -957,96 +956,101 @@ def test_slot_positions_follow_the_tokens(device, order, mapped):
         stored.append(held)
         bases.append(first + b)
         for h in range(H):
-            logical = torch.arange(n) + first            # slots below base: the prompt, in order
-            logical[b:b + held] = torch.randperm(held) + first + b + 1000 % 97  # stored: out of order
+            logical = torch.arange(n) + first            # the prompt, and the slots past the stored ones: in order
+            logical[b:b + held] = torch.randperm(held) + first + b + 30  # the stored ones: out of order
             positions[int(seats[r]), h, :held] = logical[b:b + held].int().to(device)
             pages = table[r].long().cpu()[torch.arange(n) // T]
             pool[pages.to(device), 0, h, (torch.arange(n) % T).to(device), 0] = logical.bfloat16().to(device)
     i32 = lambda v: torch.tensor(v, dtype=torch.int32, device=device)  # noqa: E731
-    width = int((scored + tail - base).max()) + 3
-    dense = poison_(torch.empty(R, H, width, dtype=torch.int32, device=device))
-    gather_slot_positions_(positions, seats, i32(stored), i32(bases), dense)
-    for r in range(R):
+    rows = [1] if mapped else [0, 1]
+    slots = SlotPositions(positions[:, rows].contiguous(), seats, i32(stored), i32(bases))
+    canary = slots.table[1].clone()  # nobody's seat
+    width = int((scored + tail - base).max())
+    dense = slot_positions_torch(*slots, width)
+    for r in range(R):  # the test's own layout, as the kernels read it
         n = int(scored[r] + tail[r] - base[r])
-        for h in range(H):
+        for i, h in enumerate(rows):
             want = _witness(pool, table, r, h, torch.arange(n) + int(base[r]))
-            assert torch.equal(dense[r, h, :n].cpu().long(), want)
-            assert torch.equal(dense[r, h, n:].cpu(), torch.arange(n, width, dtype=torch.int32) + bases[r])
+            assert torch.equal(dense[r, i, :n].cpu().long(), want)
     params = build_compaction_params([pool], table, kept, scored, tail, base, max_tail=5, order=order)
     new_lengths = compact(params, R)
-    rows = [1] if mapped else [0, 1]
-    table_rows = positions[:, rows].contiguous()
-    follow_slot_positions_(table_rows, seats, dense[:, rows].contiguous(), params.sources, params.destination_bases,
-                           new_lengths, i32(rows) if mapped else None)
+    args = (params.sources, params.destination_bases, new_lengths, params.moves, i32(rows) if mapped else None)
+    follow_slot_positions_(slots, *args)
     for r in range(R):
         n = int(new_lengths[r] - base[r])
         for i, h in enumerate(rows):
             want = _witness(pool, table, r, h, torch.arange(n) + int(base[r]))
-            assert torch.equal(table_rows[int(seats[r]), i, :n].cpu().long(), want), (r, h)
-    assert torch.equal(table_rows[1].cpu(), canary[rows].cpu())  # nobody's seat
-    opcheck(torch.ops.kvops.compaction_gather_slot_positions_.default, (positions, seats, i32(stored), i32(bases),
-                                                                        dense))
+            assert torch.equal(slots.table[int(seats[r]), i, :n].cpu().long(), want), (r, h)
+    assert torch.equal(slots.table[1], canary)
     opcheck(torch.ops.kvops.compaction_follow_slot_positions_.default,
-            (table_rows, seats, dense[:, rows].contiguous(), params.sources, i32(rows) if mapped else None,
+            (slots.table, seats, i32(stored), i32(bases), params.sources, params.moves, args[-1],
              params.destination_bases, new_lengths))
 
 
-def test_slot_position_kernels_match_torch_in_the_interpreter():
-    """The Triton kernels (under TRITON_INTERPRET=1, on the CPU) against the torch paths, on random tables."""
+def test_slot_position_kernel_matches_torch_in_the_interpreter():
+    """The Triton kernel (under TRITON_INTERPRET=1, on the CPU) against the torch path: in order, and in fill order
+    through a real fill compaction's lists (moves)."""
     code = (
         "import torch\n"
-        "from kvops.compaction.positions import follow_slot_positions_, gather_slot_positions_\n"
-        "from kvops.compaction.reference import follow_slot_positions_torch, gather_slot_positions_torch\n"
+        "from kvops.compaction import SlotPositions, build_compaction_params, follow_slot_positions_\n"
+        "from kvops.compaction.reference import follow_slot_positions_torch\n"
         "i = lambda *v: torch.tensor(v, dtype=torch.int32)\n"
-        "table = torch.randint(0, 10**6, (5, 3, 40), dtype=torch.int32)\n"
-        "seats, stored, bases = i(4, 0, 2), i(0, 17, 40), i(5, 900, 2**20)\n"
-        "a = torch.full((3, 3, 700), 7, dtype=torch.int32); b = a.clone()\n"
-        "gather_slot_positions_(table, seats, stored, bases, a)\n"
-        "gather_slot_positions_torch(table, seats, stored, bases, b)\n"
-        "assert torch.equal(a, b), 'gather'\n"
-        "sources = torch.randint(-1, 720, (3, 4, 600), dtype=torch.int32)\n"
-        "for rows in (None, i(3, 0, 2)):\n"
-        "    ta, tb = table.clone(), table.clone()\n"
-        "    args = (seats, a, sources)\n"
-        "    follow_slot_positions_(ta, *args, i(3, 0, 9), i(30, 600, 9), rows)\n"
-        "    follow_slot_positions_torch(tb, *args, rows, i(3, 0, 9), i(30, 600, 9))\n"
-        "    assert torch.equal(ta, tb), 'follow'\n")
+        "R, K, T = 3, 300, 16\n"
+        "base, scored, tail = i(5, 0, 40), i(5 + K + 280, K + 7, 40 + K + 300), i(0, 9, 3)\n"
+        "kept = torch.stack([torch.randperm(int(s - b))[:K].sort().values + b for b, s in zip(base, scored)]).int()\n"
+        "pages = int((scored + tail).max()) // T + 1\n"
+        "pools = [torch.zeros(R * pages, 2, 1, T, 8, dtype=torch.bfloat16)]\n"
+        "table = torch.arange(R * pages, dtype=torch.int32).view(R, pages)\n"
+        "for order in ('ordered', 'fill'):\n"
+        "    p = build_compaction_params(pools, table, kept[:, None], scored, tail, base, max_tail=10, order=order)\n"
+        "    from kvops.compaction.pack import pack_move_sources\n"
+        "    pack_move_sources(kept[:, None], scored, tail, base, p.sources, p.new_lengths, p.moves)\n"
+        "    for rows in (None, i(0)):\n"
+        "        t = torch.randint(0, 10**6, (4, 1, K + 12), dtype=torch.int32)\n"
+        "        seats, stored, bases = i(3, 0, 2), i(0, K + 9, 170), i(5, 900, 2**20)\n"
+        "        a, b = t.clone(), t.clone()\n"
+        "        follow_slot_positions_(SlotPositions(a, seats, stored, bases), p.sources, p.destination_bases,\n"
+        "                               p.new_lengths, p.moves, rows)\n"
+        "        follow_slot_positions_torch(b, seats, stored, bases, p.sources, rows, p.destination_bases,\n"
+        "                                    p.new_lengths)\n"
+        "        assert torch.equal(a, b), (order, rows)\n")
     run_python(code, TRITON_INTERPRET="1")
 
 
 @pytest.mark.parametrize("device", DEVICES)
 def test_slot_positions_compile_and_refuse_bad_arguments(device):
-    """Both ops trace whole under torch.compile(fullgraph=True) and give what they give eagerly; bad arguments are
+    """The op traces whole under torch.compile(fullgraph=True) and gives what it gives eagerly; bad arguments are
     refused, naming them, before anything is written."""
     i32 = lambda *v: torch.tensor(v, dtype=torch.int32, device=device)  # noqa: E731
     table = torch.randint(0, 999, (3, 2, 9), dtype=torch.int32, device=device)
     seats, stored, bases = i32(2, 0), i32(4, 0), i32(100, 200)
-    sources = torch.randint(0, 12, (2, 3, 9), dtype=torch.int32, device=device)
+    sources = (torch.arange(9, device=device) + 3).int().expand(2, 3, 9).contiguous()  # in order: never below m
     dest, new = i32(1, 2), i32(8, 11)
 
-    def both(table, dense):
-        gather_slot_positions_(table, seats, stored, bases, dense)
-        follow_slot_positions_(table, seats, dense, sources, dest, new, i32(2, 0))
-        return table + 0, dense + 0
+    def follow(table):
+        follow_slot_positions_(SlotPositions(table, seats, stored, bases), sources, dest, new, None, i32(2, 0))
+        return table + 0
 
-    compiled = torch.compile(both, fullgraph=True, backend="aot_eager" if device == "cpu" else "inductor")
-    want = both(table.clone(), torch.zeros(2, 2, 12, dtype=torch.int32, device=device))
-    got = compiled(table.clone(), torch.zeros(2, 2, 12, dtype=torch.int32, device=device))
-    assert all(torch.equal(a, b) for a, b in zip(got, want))
-    dense = torch.zeros(2, 2, 12, dtype=torch.int32, device=device)
+    compiled = torch.compile(follow, fullgraph=True, backend="aot_eager" if device == "cpu" else "inductor")
+    assert torch.equal(compiled(table.clone()), follow(table.clone()))
     before = table.clone()
-    for call, words in (
-            (lambda: gather_slot_positions_(table.long(), seats, stored, bases, dense), "table must be int32"),
-            (lambda: gather_slot_positions_(table[:, :1], seats, stored, bases, dense), "table must be int32"),
-            (lambda: gather_slot_positions_(table, seats[:1], stored, bases, dense), "seats"),
-            (lambda: gather_slot_positions_(table, seats, stored[:1], bases, dense), "stored and bases"),
-            (lambda: gather_slot_positions_(table, seats, stored, bases, table[:2, :, :9].view(2, 2, 9)),
-             "share"),
-            (lambda: follow_slot_positions_(table, seats, dense, sources[:1], dest, new), "sources"),
-            (lambda: follow_slot_positions_(table, seats, dense, sources, dest, new, i32(0)), "list_rows"),
-            (lambda: follow_slot_positions_(table, seats, dense, sources, dest, new, i32(0, 1).long()),
+    slots = SlotPositions(table, seats, stored, bases)
+    for call, error, words in (
+            (lambda: follow_slot_positions_(slots._replace(table=table.long()), sources, dest, new), ValueError,
+             "table must be int32"),
+            (lambda: follow_slot_positions_(slots._replace(seats=seats[:1]), sources, dest, new), ValueError,
+             "seats, stored and bases"),
+            (lambda: follow_slot_positions_(tuple(slots), sources, dest, new), TypeError, "SlotPositions"),
+            (lambda: follow_slot_positions_(slots, sources[:1], dest, new), ValueError, r"seats, stored and bases \[1\]"),
+            (lambda: follow_slot_positions_(slots, sources[:, :1], dest, new), ValueError, "sources"),
+            (lambda: follow_slot_positions_(slots, sources, dest, new, sources[:, :2]), ValueError, "moves"),
+            (lambda: follow_slot_positions_(slots, sources, dest, new, None, i32(0)), ValueError, "list_rows"),
+            (lambda: follow_slot_positions_(slots, sources, dest, new, None, i32(0, 3)), ValueError,
+             r"list_rows must lie in \[0, 3\)"),
+            (lambda: follow_slot_positions_(slots, sources, dest, new, None, i32(0, 1).long()), ValueError,
              "list_rows must be int32"),
-            (lambda: follow_slot_positions_(table, seats, table[:2], sources, dest, new), "share")):
-        with pytest.raises(ValueError, match=words):
+            (lambda: follow_slot_positions_(slots._replace(stored=table[0, 0, :2]), sources, dest, new),
+             ValueError, "share")):
+        with pytest.raises(error, match=words):
             call()
         assert torch.equal(table, before)

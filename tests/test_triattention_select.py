@@ -5,6 +5,8 @@ import torch
 
 from conftest import DEVICES, opcheck, paged_pools, requires_cuda, run_python, synthetic_calibration
 from kvops.triattention import SHIPPED, load_calibration, mean_phase
+from kvops.compaction import SlotPositions
+from kvops.compaction.reference import slot_positions_torch
 from kvops.triattention.prior import add_recency_prior_
 from kvops.triattention.reference import select_reference
 from kvops.triattention.select import TriAttentionSelector, score_rows
@@ -320,30 +322,46 @@ def test_a_round_over_no_requests_keeps_nothing(mode, device):
 
 
 @pytest.mark.parametrize("device", DEVICES)
-def test_recency_prior_op(device):
-    """add_recency_prior_ against the formula in float64, columns past a row's length untouched (-inf and a
-    poisoned finite value), its opcheck, and its refusals."""
+@pytest.mark.parametrize("dense", [True, False])
+def test_recency_prior_op(device, dense):
+    """add_recency_prior_ against the formula in float64, from a dense tensor or a table read through seats, stored
+    counts and bases; columns past a row's length untouched (-inf and a poisoned finite value); its opcheck and
+    its refusals."""
     R, rows, n = 3, 4, 50
     scores = torch.randn(R, rows, n, device=device)
     lengths = torch.randint(0, n + 1, (R, rows), dtype=torch.int32, device=device)
-    starts = torch.randint(100, 10**6, (R,), dtype=torch.int32, device=device)
-    positions = (starts[:, None, None] - torch.randint(1, 120, (R, rows, n + 7), device=device)).int()
+    starts = torch.randint(1000, 10**6, (R,), dtype=torch.int32, device=device)
+    if dense:
+        positions = (starts[:, None, None] - torch.randint(1, 120, (R, rows, n + 7), device=device)).int()
+        want_positions = positions[..., :n]
+    else:
+        i32 = lambda *v: torch.tensor(v, dtype=torch.int32, device=device)  # noqa: E731
+        table = torch.randint(0, 999, (5, rows, 30), dtype=torch.int32, device=device)
+        positions = SlotPositions(table, i32(4, 0, 2), i32(30, 0, 17), starts - n - 3)
+        want_positions = slot_positions_torch(*positions, n)
+        assert torch.equal(want_positions[0, :, :30], table[4]) and \
+            torch.equal(want_positions[1], (starts[1] - n - 3 + torch.arange(n, device=device)).int().expand(rows, n))
     scores[..., -1] = -float("inf")
     before = scores.clone()
     add_recency_prior_(scores, lengths, starts, positions, 3.0)
-    age = (starts[:, None, None] - positions[..., :n]).double()
+    age = (starts[:, None, None] - want_positions).double()
     want = before.double() + 3.0 * (1 - age / lengths[..., None].clamp(min=1).double()).clamp(0, 1)
     inside = torch.arange(n, device=device) < lengths[..., None]
     torch.testing.assert_close(scores[inside].double(), want[inside], rtol=1e-6, atol=1e-6)
     assert torch.equal(scores[~inside], before[~inside])
-    opcheck(torch.ops.kvops.triattention_recency_prior_.default, (scores, lengths, starts, positions, 3.0))
+    slots = SlotPositions.dense(positions) if dense else positions
+    opcheck(torch.ops.kvops.triattention_recency_prior_.default, (scores, lengths, starts, *slots, 3.0))
+    bad_positions = ((positions[..., :n - 1], ValueError, "positions must be int32"),
+                     (scores.view(torch.int32), ValueError, "shares memory")) if dense else \
+        ((tuple(positions), TypeError, "SlotPositions"),
+         (positions._replace(seats=positions.seats[:2]), ValueError, "seats, stored and bases"),
+         (positions._replace(table=positions.table[:, :2]), ValueError, "table must be int32"))
     for change, error, words in ((dict(scores=scores.double()), ValueError, "scores must be contiguous float32"),
                                  (dict(lengths=lengths[:, :2]), ValueError, "lengths must be contiguous"),
                                  (dict(round_starts=starts.long()), ValueError, "round_starts must be int32"),
-                                 (dict(positions=positions[..., :n - 1]), ValueError, "positions must be int32"),
                                  (dict(prior=-1.0), ValueError, "prior must be finite"),
                                  (dict(prior="1"), TypeError, "prior must be a number"),
-                                 (dict(positions=scores.view(torch.int32)), ValueError, "shares memory")):
+                                 *((dict(positions=p), e, w) for p, e, w in bad_positions)):
         args = dict(scores=scores, lengths=lengths, round_starts=starts, positions=positions, prior=1.0) | change
         kept = scores.clone()
         with pytest.raises(error, match=words):
@@ -354,14 +372,18 @@ def test_recency_prior_op(device):
 def test_recency_prior_kernel_matches_torch_in_the_interpreter():
     code = (
         "import torch\n"
+        "from kvops.compaction import SlotPositions\n"
         "from kvops.triattention.prior import add_recency_prior_\n"
         "from kvops.triattention.reference import recency_prior_torch\n"
         "s = torch.randn(2, 3, 1500); s[0, 1, 7] = -float('inf')\n"
         "lengths = torch.tensor([[0, 1500, 9], [1100, 3, 1499]], dtype=torch.int32)\n"
         "starts = torch.tensor([5000, 2**30], dtype=torch.int32)\n"
-        "pos = (starts[:, None, None] - torch.randint(-5, 3000, (2, 3, 1600))).int()\n"
-        "a, b = s.clone(), s.clone()\n"
-        "add_recency_prior_(a, lengths, starts, pos, 2.5)\n"
-        "recency_prior_torch(b, lengths, starts, pos, 2.5)\n"
-        "torch.testing.assert_close(a, b)\n")
+        "i = lambda *v: torch.tensor(v, dtype=torch.int32)\n"
+        "table = (2**30 - torch.randint(-5, 3000, (4, 3, 1300))).int()\n"
+        "for pos in (SlotPositions.dense((starts[:, None, None] - torch.randint(-5, 3000, (2, 3, 1600))).int()),\n"
+        "            SlotPositions(table, i(3, 1), i(1300, 700), i(3000, 2**30 - 1600))):\n"
+        "    a, b = s.clone(), s.clone()\n"
+        "    add_recency_prior_(a, lengths, starts, pos, 2.5)\n"
+        "    recency_prior_torch(b, lengths, starts, pos, 2.5)\n"
+        "    torch.testing.assert_close(a, b)\n")
     run_python(code, TRITON_INTERPRET="1")

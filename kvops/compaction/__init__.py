@@ -3,8 +3,8 @@
 from .compact import (MODES, ORDERS, CompactionParams, build_compaction_params, check_decisions, compact,
                       compact_layers_, decision_row, decision_rows, stream_rows)
 from .pack import pack_move_sources
-from .positions import follow_slot_positions_, gather_slot_positions_
+from .positions import SlotPositions, follow_slot_positions_
 
-__all__ = ["MODES", "ORDERS", "CompactionParams", "build_compaction_params", "check_decisions", "compact",
-           "compact_layers_", "decision_row", "decision_rows", "follow_slot_positions_", "gather_slot_positions_",
-           "pack_move_sources", "stream_rows"]
+__all__ = ["MODES", "ORDERS", "CompactionParams", "SlotPositions", "build_compaction_params", "check_decisions",
+           "compact", "compact_layers_", "decision_row", "decision_rows", "follow_slot_positions_", "pack_move_sources",
+           "stream_rows"]

@@ -131,29 +131,32 @@ def pack_move_sources_torch(kept, scored_lengths, tail_lengths, destination_base
         moves.copy_(moves_torch(sources, destination_bases, new_lengths))
 
 
-def gather_slot_positions_torch(table: torch.Tensor, seats: torch.Tensor, stored: torch.Tensor, bases: torch.Tensor,
-                                out: torch.Tensor) -> None:
-    """kvops::compaction_gather_slot_positions_ in torch (positions.py states it): slot j of request r holds
-    table[seats[r], row, j] below stored[r], else bases[r] + j."""
-    width = out.shape[2]
-    j = torch.arange(width, device=out.device)
+
+def slot_positions_torch(table: torch.Tensor, seats: torch.Tensor, stored: torch.Tensor, bases: torch.Tensor,
+                         width: int) -> torch.Tensor:
+    """int32 [R, rows, width]: every decode slot's logical position (positions.py states it): slot j of request r
+    holds table[seats[r], row, j] below stored[r], else bases[r] + j."""
+    j = torch.arange(width, device=table.device)
     rows = table[seats.long()]
-    from_table = rows[..., :width] if rows.shape[2] >= width else torch.nn.functional.pad(rows, (0, width - rows.shape[2]))
-    out.copy_(torch.where(j < stored[:, None, None], from_table, bases[:, None, None] + j))
+    if rows.shape[2] < width:
+        rows = torch.nn.functional.pad(rows, (0, width - rows.shape[2]))
+    return torch.where(j < stored[:, None, None], rows[..., :width], bases[:, None, None] + j).int()
 
 
-def follow_slot_positions_torch(table: torch.Tensor, seats: torch.Tensor, dense: torch.Tensor, sources: torch.Tensor,
-                                list_rows: torch.Tensor | None, destination_bases: torch.Tensor,
+def follow_slot_positions_torch(table: torch.Tensor, seats: torch.Tensor, stored: torch.Tensor, bases: torch.Tensor,
+                                sources: torch.Tensor, list_rows: torch.Tensor | None, destination_bases: torch.Tensor,
                                 new_lengths: torch.Tensor) -> None:
-    """kvops::compaction_follow_slot_positions_ in torch, request by request: table[seats[r], row, m] = the dense
-    position of what landed at m (``sources`` less the base), for m below the new length (and the table's width);
-    -1 for a source outside the dense buffer."""
-    R, rows, width = dense.shape
+    """kvops::compaction_follow_slot_positions_ in torch, out of place: table[seats[r], row, m] = the position
+    before the compaction of what landed at m (``sources`` less the base), for m below the new length (and the
+    table's width); -1 for a -1 source."""
+    R, rows = seats.shape[0], table.shape[1]
     capacity = min(table.shape[2], sources.shape[2])
+    width = int(max(capacity, int((sources.max() - destination_bases.min()).clamp(min=0)) + 1)) if R else 0
+    before = slot_positions_torch(table, seats, stored, bases, width)
     lists = sources if list_rows is None else sources[:, list_rows.long()]
     for r in range(R):
         base = int(destination_bases[r])
         n = max(0, min(int(new_lengths[r]) - base, capacity))
         src = lists[r, :rows, :n].long() - base
         ok = (src >= 0) & (src < width)
-        table[int(seats[r]), :, :n] = torch.where(ok, dense[r].gather(1, src.clamp(0, width - 1)), -1).to(table.dtype)
+        table[int(seats[r]), :, :n] = torch.where(ok, before[r].gather(1, src.clamp(0, width - 1)), -1).int()

@@ -13,6 +13,7 @@ from typing import Sequence
 
 import torch
 
+from ..compaction.reference import slot_positions_torch
 from ..compaction.rows import MODES
 from .calibration import Calibration
 from ..topk.reference import topk_reference
@@ -110,11 +111,12 @@ def select_reference(k_pools, page_table, cache_lengths, prompt_lengths, round_s
     return torch.stack(kept), row_scores
 
 
-def recency_prior_torch(scores: torch.Tensor, lengths: torch.Tensor, round_starts: torch.Tensor,
-                        positions: torch.Tensor, prior: float) -> None:
-    """kvops::triattention_recency_prior_ in float32 torch (kvops/triattention/prior.py states it)."""
+def recency_prior_torch(scores: torch.Tensor, lengths: torch.Tensor, round_starts: torch.Tensor, positions,
+                        prior: float) -> None:
+    """kvops::triattention_recency_prior_ in float32 torch (kvops/triattention/prior.py states it); positions: a
+    SlotPositions."""
     n = scores.shape[2]
-    age = (round_starts[:, None, None] - positions[..., :n]).float()
+    age = (round_starts[:, None, None] - slot_positions_torch(*positions, n)).float()
     length = lengths[..., None]
     ramp = (1 - age / length.clamp(min=1).float()).clamp(0, 1)
     scores.add_(torch.where(torch.arange(n, device=scores.device) < length, prior * ramp, 0))

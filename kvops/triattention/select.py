@@ -14,7 +14,7 @@ from ..distributed import all_reduce_union_rows_, check_group, check_heads_cover
 from .calibration import Calibration, check_calibration
 from ..compaction.compact import MODES, decision_rows
 from .phase import check_round_starts
-from .prior import check_positions, recency_prior_unchecked
+from .prior import as_slot_positions, recency_prior_unchecked
 from .reduce import check_k_scale_values, reduce_unchecked
 from .score import check_round_inputs, score_unchecked
 from ..topk import topk
@@ -145,9 +145,10 @@ class TriAttentionSelector:
             absent (-1, outside the pools, or past the table) scores -inf and ranks last, and decode tokens past an
             explicit max_decode are not scored (leave max_decode unset, or check lengths on the host as the manager
             does).
-        positions : torch.Tensor, optional
-            int32 ``[R, rows, >= max_decode]`` with a contiguous last dim: the logical position of each row's
-            decode token j (cache position P + j). Needed with a recency prior, and read only then.
+        positions : SlotPositions or torch.Tensor, optional
+            The logical position of each row's decode token j (cache position P + j): a
+            ``kvops.compaction.SlotPositions`` (the table a round keeps), or an int32 ``[R, rows, >= max_decode]``
+            tensor with a contiguous last dim. Needed with a recency prior, and read only then.
 
         Returns
         -------
@@ -176,7 +177,7 @@ class TriAttentionSelector:
         if self.recency_prior:
             if positions is None:
                 raise ValueError(f"{what}: a recency prior needs positions (each decode token's logical position)")
-            check_positions(what, positions, page_table.shape[0], self.rows, max_decode, device)
+            positions = as_slot_positions(what, positions, page_table.shape[0], self.rows, max_decode, device)
         group = self.process_group
         if validate and group is not None:  # first, on every rank: then the local checks agree too
             check_same_on_ranks(what, group, device, selector_settings=self.settings, page_table=page_table,
