@@ -673,6 +673,40 @@ def test_a_round_over_no_requests_does_nothing(calibration):
     assert _same(before, _snapshot(manager, cache))
 
 
+def test_a_round_with_a_prior_checks_its_table_seats_and_stored_slots(calibration):
+    """A selector with a recency prior needs the round's slot-position table; each request's seat and stored
+    slots are checked before anything is copied."""
+    cache = _cache()
+    config = TriAttentionConfig(budget=12, beta=5, eviction_mode="union", calibration_path=calibration)
+    manager = create_compression_manager(config, cache, MODEL)
+    assert manager.selector.recency_prior == 8.0
+    _admit(manager, cache, "a", 5, decode=4)
+    _admit(manager, cache, "b", 5, decode=4)
+    C = manager.selector.budget + manager.max_tail
+    for table, error, match in ((None, TypeError, "slot_positions must be a tensor"),
+                                (torch.zeros(2, 1, C - 1, dtype=torch.int32), ValueError,
+                                 "slot_positions must be contiguous int32"),
+                                (torch.zeros(2, 2, C, dtype=torch.int32), ValueError,
+                                 "slot_positions must be contiguous int32"),
+                                (torch.zeros(2, 1, C), ValueError, "slot_positions must be int32")):
+        with pytest.raises(error, match=match):
+            TriAttentionRound(manager.selector, cache, 2, 3, manager.max_tail, False, slot_positions=table)
+    round_ = TriAttentionRound(manager.selector, cache, 2, 3, manager.max_tail, False,
+                               slot_positions=torch.zeros(2, 1, C, dtype=torch.int32))
+    table = cache.page_table(["a", "b"], 4)
+    buffers = round_.page_table.clone(), round_.lengths.clone()
+    base = (table, [14, 14], [5, 5], [0, 0], [14, 14])
+    for seats, stored, error, match in (([], [], ValueError, "seats and stored slots"),
+                                        ([0, 2], [0, 0], ValueError, "a seat below 2"),
+                                        ([1, 1], [0, 0], ValueError, "share a seat"),
+                                        ([0, 1], [0, 10], ValueError, "stored slots, within its decode tokens"),
+                                        ([0, -1], [0, 0], ValueError, r"seats\[1\] must be in"),
+                                        ([0, 1], [0, 1.0], TypeError, r"stored\[1\] must be an int")):
+        with pytest.raises(error, match=match):
+            round_.run(*base, seats, stored)
+        assert torch.equal(round_.page_table, buffers[0]) and torch.equal(round_.lengths, buffers[1])
+
+
 def _round_kept(old, new, prompt, budget, tail):
     """A round's effect on one request's [L, 2, n, H, D] contents: the prompt stays; per (layer, KV head) the
     budget + tail decode rows it holds after are distinct rows of the decode tokens it held before (scored or
