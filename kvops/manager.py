@@ -381,7 +381,7 @@ class TriAttentionRound:
         self.slot_positions = self.list_rows = None
         if selector.recency_prior:
             stored = selector.budget + max_tail  # a round leaves at most that many decode slots
-            check_int32(what, device, slot_positions=(slot_positions, 3))
+            check_int32(what, self.page_table.device, slot_positions=(slot_positions, 3))
             if slot_positions.shape[1] != selector.rows or slot_positions.shape[2] < stored or \
                     not slot_positions.is_contiguous():
                 raise ValueError(f"{what}: slot_positions must be contiguous int32 [seats, {selector.rows}, >= "

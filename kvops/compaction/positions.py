@@ -96,12 +96,15 @@ def _follow_kernel(table, t_stride_s, t_stride_row, seats, stored, bases, source
             tl.store(at + m, tl.where(src >= 0, p, -1), mask=ok)
             start += BLOCK
             more = (start < n) & (tl.min(m) >= 0)
-        for start in range(held, n, BLOCK):  # slots past the stored ones whose token stays: in order
+        start = held
+        while start < n:  # slots past the stored ones whose token stays: in order
             m = start + i
             src = tl.load(sources + lists + m, mask=m < n, other=-1) - base
             tl.store(at + m, first + m, mask=(m < n) & (src == m))
+            start += BLOCK
     else:
-        for start in range(0, n, BLOCK):
+        start = 0
+        while start < n:  # (while loops: bounds loaded at run time, in the interpreter too)
             m = start + i
             src = tl.load(sources + lists + m, mask=m < n, other=-1) - base
             stays = (src >= 0) & (src < held)
@@ -109,6 +112,7 @@ def _follow_kernel(table, t_stride_s, t_stride_row, seats, stored, bases, source
             tl.debug_barrier()  # every load of the block before any store: a source may be another lane's slot
             tl.store(at + m, tl.where(src >= 0, p, -1), mask=m < n)
             tl.debug_barrier()
+            start += BLOCK
 
 
 # built ahead of time (kvops/_triton.py)
