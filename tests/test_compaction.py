@@ -1045,8 +1045,8 @@ def test_slot_positions_compile_and_refuse_bad_arguments(device):
             (lambda: follow_slot_positions_(slots, sources[:, :1], dest, new), ValueError, "sources"),
             (lambda: follow_slot_positions_(slots, sources, dest, new, sources[:, :2]), ValueError, "moves"),
             (lambda: follow_slot_positions_(slots, sources, dest, new, None, i32(0)), ValueError, "list_rows"),
-            (lambda: follow_slot_positions_(slots, sources, dest, new, None, i32(0, 3)), ValueError,
-             r"list_rows must lie in \[0, 3\)"),
+            *(((lambda: follow_slot_positions_(slots, sources, dest, new, None, i32(0, 3)), ValueError,
+                r"list_rows must lie in \[0, 3\)"),) if device == "cpu" else ()),  # a device one: read unchecked
             (lambda: follow_slot_positions_(slots, sources, dest, new, None, i32(0, 1).long()), ValueError,
              "list_rows must be int32"),
             (lambda: follow_slot_positions_(slots._replace(stored=table[0, 0, :2]), sources, dest, new),
