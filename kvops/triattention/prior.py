@@ -81,7 +81,7 @@ def as_slot_positions(what: str, positions, R: int, rows: int, n: int, device: t
 
 
 def add_recency_prior_(scores: torch.Tensor, lengths: torch.Tensor, round_starts: torch.Tensor,
-                       positions: torch.Tensor, prior: float) -> torch.Tensor:
+                       positions: SlotPositions | torch.Tensor, prior: float) -> torch.Tensor:
     """Add the recency prior to row scores in place (module docstring).
 
     Parameters
