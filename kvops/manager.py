@@ -15,6 +15,7 @@ never leaving a half-updated state visible to the engine. Every hook is a no-op 
 
 from __future__ import annotations
 
+import heapq
 from collections.abc import Sequence as SequenceABC
 from dataclasses import dataclass
 from typing import Any, Mapping, Sequence
@@ -167,6 +168,7 @@ class TriAttentionManager(KVCacheCompressionManager):
         # With a recency prior, each decode slot's logical position (kvops.compaction.positions): a table row
         # (seat) per admitted request, grown in powers of two; and the slots each request's last round stored.
         self._seats: dict[Any, int] = {}
+        self._free_seats: list[int] = []  # a heap: a finished request's seat goes to the next admitted one
         self._stored: dict[Any, int] = {}
         self.slot_positions: torch.Tensor | None = None
         # On the GPU, each round size is captured once and replayed (TriAttentionRound); set False to run every
@@ -205,7 +207,7 @@ class TriAttentionManager(KVCacheCompressionManager):
         self.num_compressed_tokens[request.id] = 0
         self.accounted_length[request.id] = request.prompt_length  # what the prefill will write
         if self.selector.recency_prior:
-            self._seats[request.id] = min(set(range(len(self._seats) + 1)) - set(self._seats.values()))
+            self._seats[request.id] = heapq.heappop(self._free_seats) if self._free_seats else len(self._seats)
             self._stored[request.id] = 0
 
     def on_context_step_end(self, requests: Sequence[Request]) -> None:
@@ -241,6 +243,8 @@ class TriAttentionManager(KVCacheCompressionManager):
         what = "TriAttentionManager.on_request_finish"
         request = _request(what, "request", request)
         self._admitted(what, "request", request.id)
+        if request.id in self._seats:
+            heapq.heappush(self._free_seats, self._seats[request.id])
         for table in (self.prompt_length, self.since_round, self.num_compressed_tokens, self.accounted_length,
                       self._seats, self._stored):
             table.pop(request.id, None)
@@ -309,7 +313,7 @@ class TriAttentionManager(KVCacheCompressionManager):
             raise RuntimeError(f"TriAttentionManager: a step confirmed more than beta={self.config.beta} tokens past "
                                f"a due round ({max(tails)} unscored); call on_generation_step_end every step")
         width = max(triton.cdiv(n, cache.page_size) for n in lengths)  # page-table columns this round needs
-        seats = [self._seats[r] for r in rids] if self._seats else []
+        seats = [self._seats[r] for r in rids] if self.selector.recency_prior else []
         if seats and (self.slot_positions is None or max(seats) >= self.slot_positions.shape[0]):
             self._grow_slot_positions(max(seats) + 1)
         if self._round is None or not self._round.fits(len(rids), width):

@@ -56,16 +56,18 @@ class SlotPositions(NamedTuple):
                    torch.zeros(R, dtype=torch.int32, device=device))
 
 
-def check_slot_positions(what: str, positions: SlotPositions, R: int, rows: int, device: torch.device) -> None:
-    """A SlotPositions for R requests of `rows` table rows on `device`."""
+def check_slot_positions(what: str, positions: SlotPositions, R: int, rows: int | None,
+                         device: torch.device) -> None:
+    """A SlotPositions for R requests of `rows` table rows (any number when None) on `device`."""
     if not isinstance(positions, SlotPositions):
         raise TypeError(f"{what}: positions must be a kvops.compaction.SlotPositions or an int32 tensor, got "
                         f"{type(positions).__name__}")
     table, seats, stored, bases = positions
     check_int32(what, device, table=(table, 3), seats=(seats, 1), stored=(stored, 1), bases=(bases, 1))
-    if table.shape[1] != rows or (table.shape[2] > 1 and table.stride(2) != 1) or \
+    if table.shape[1] != (table.shape[1] if rows is None else rows) or (table.shape[2] > 1 and table.stride(2) != 1) or \
             not seats.shape[0] == stored.shape[0] == bases.shape[0] == R:
-        raise ValueError(f"{what}: positions.table must be int32 [seats, {rows}, width] with a contiguous last dim, "
+        raise ValueError(f"{what}: positions.table must be int32 [seats, {rows or 'rows'}, width] with a contiguous "
+                         f"last dim, "
                          f"and seats, stored and bases [{R}]; got {tuple(table.shape)} strides {table.stride()}, "
                          f"{tuple(seats.shape)}, {tuple(stored.shape)}, {tuple(bases.shape)}")
 
@@ -165,9 +167,8 @@ def follow_slot_positions_(positions: SlotPositions, sources: torch.Tensor, dest
                          new_lengths=(new_lengths, 1), **({} if moves is None else {"moves": (moves, 3)}),
                          **({} if list_rows is None else {"list_rows": (list_rows, 1)}))
     R = sources.shape[0]
-    rows = positions.table.shape[1] if isinstance(positions, SlotPositions) and \
-        isinstance(positions.table, torch.Tensor) and positions.table.dim() == 3 else 0
-    check_slot_positions(what, positions, R, rows, device)
+    check_slot_positions(what, positions, R, None, device)
+    rows = positions.table.shape[1]
     if destination_bases.shape[0] != R or new_lengths.shape[0] != R or \
             (list_rows is None and sources.shape[1] < rows) or (list_rows is not None and list_rows.shape[0] != rows) \
             or (sources.shape[2] > 1 and sources.stride(2) != 1) or \
