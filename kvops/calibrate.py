@@ -5,7 +5,8 @@ E[q_f] of the pre-RoPE query at frequency f (dims f and f + F paired, as rotate-
 q-norm) and E|q_f|. The file is the official format (kvops.triattention.calibration), which ``load_calibration``
 reads back::
 
-    python -m kvops calibrate MODEL_DIR --text FILE [--max-tokens N] [--window W] --out FILE.pt
+    python -m kvops calibrate MODEL_DIR --text FILE [--max-tokens N] [--window W] [--sensitivity-windows N] \
+        --out FILE.pt
 
 transformers (>= 5.0) is an optional extra of kvops: this module imports it only when it runs. Models load from
 local directories only. The query is taken where the model computes it (the output of ``q_norm`` when the
@@ -16,15 +17,22 @@ statistic is written.
 
 from __future__ import annotations
 
+import contextlib
 import os
 from typing import Any, Mapping
 
 import torch
 
+from ._checks import check_int
 from ._files import read_json_object, writable_target, write_whole
 from .triattention.rope import head_dim_of, rope_parameters
 
 MIN_TRANSFORMERS = (5, 0)
+# Layer sensitivity (layer_sensitivity): the recent windows a layer is limited to, the first tokens it keeps
+# (a prompt's stand-in), and how many calibration windows it is measured on.
+SENSITIVITY_RECENT = (64, 256, 1024)
+SENSITIVITY_SINKS = 16
+SENSITIVITY_WINDOWS = 4
 # Families whose attention projects q with q_proj (q_norm in Qwen3) and applies rotate-half RoPE to the whole head.
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "mixtral", "qwen2", "qwen2_moe", "qwen3", "qwen3_moe")
 
@@ -62,6 +70,43 @@ def require_transformers():
     return transformers
 
 
+def attention_modules(model) -> dict[int, Any]:
+    """The model's attention modules by layer: those with a q_proj and an int layer_idx, one per layer (else a
+    ValueError: an attention this tool cannot hook)."""
+    layers = model.config.num_hidden_layers
+    attentions = {}
+    for module in model.modules():
+        if hasattr(module, "q_proj") and isinstance(getattr(module, "layer_idx", None), int):
+            attentions[module.layer_idx] = module
+    if sorted(attentions) != list(range(layers)):
+        raise ValueError(f"kvops calibrate: found q_proj attention in layers {sorted(attentions)}, the model has "
+                         f"{layers}; its attention is not one this tool can hook")
+    return attentions
+
+
+@contextlib.contextmanager
+def layer_masks(model, masks: Mapping[int, torch.Tensor]):
+    """Within it, each layer in `masks` attends under its own mask instead of the model's: bool ``[1, 1 or heads,
+    q, kv]``, True where a query may read a key, handed to the layer's attention as an additive mask in the
+    model's dtype by a forward pre-hook. The attention must take a 4-D mask (eager or sdpa)."""
+    attentions = attention_modules(model)
+    handles = []
+
+    def hook(additive):
+        def replace_mask(module, args, kwargs):
+            return args, {**kwargs, "attention_mask": additive}
+        return replace_mask
+    try:
+        for layer, allowed in masks.items():
+            additive = torch.zeros(allowed.shape, dtype=model.dtype, device=allowed.device)
+            additive.masked_fill_(~allowed, torch.finfo(model.dtype).min)
+            handles.append(attentions[layer].register_forward_pre_hook(hook(additive), with_kwargs=True))
+        yield
+    finally:
+        for handle in handles:
+            handle.remove()
+
+
 class QueryStatistics:
     """Running float64 sums of the pre-RoPE queries, per layer, head and frequency, fed by forward hooks."""
 
@@ -78,14 +123,7 @@ class QueryStatistics:
         self.real, self.imag, self.magnitude = (torch.zeros(shape, dtype=torch.float64) for _ in range(3))
         self.tokens = 0
         self._handles = []
-        attentions = {}
-        for module in model.modules():
-            if hasattr(module, "q_proj") and isinstance(getattr(module, "layer_idx", None), int):
-                attentions[module.layer_idx] = module
-        if sorted(attentions) != list(range(self.num_layers)):
-            raise ValueError(f"kvops calibrate: found q_proj attention in layers {sorted(attentions)}, the model has "
-                             f"{self.num_layers}; its attention is not one this tool can hook")
-        for layer, attention in attentions.items():
+        for layer, attention in attention_modules(model).items():
             # the query as the model feeds it to RoPE: after q_norm where there is one
             source = attention.q_norm if getattr(attention, "q_norm", None) is not None else attention.q_proj
             self._handles.append(source.register_forward_hook(self._hook(layer)))
@@ -123,27 +161,100 @@ class QueryStatistics:
         return {"metadata": meta, "stats": stats}
 
 
-@torch.no_grad()
-def calibrate(model, token_ids: torch.Tensor, window: int = 2048, progress: bool = False,
-              metadata: Mapping[str, Any] | None = None) -> dict:
-    """Run `token_ids` (int64 [n], ids of the model's vocabulary) through `model` in windows of `window` tokens
-    (each its own sequence, batch 1) and return the calibration in the official format (save it with
-    ``torch.save``). `metadata` joins the file's metadata (it may not replace what the measurement writes); the
-    model's train/eval mode is restored after."""
-    if not hasattr(getattr(model, "config", None), "to_dict") or not hasattr(model, "parameters"):
-        raise TypeError(f"calibrate: model must be a transformers model (with a config), got {type(model).__name__}")
+def _check_tokens(what: str, model, token_ids) -> None:
+    """token_ids: a 1-D int64 tensor of at least one id of the model's vocabulary, on a real device."""
     if not isinstance(token_ids, torch.Tensor) or token_ids.dim() != 1 or token_ids.dtype != torch.int64:
-        raise ValueError("calibrate: token_ids must be a 1-D int64 tensor")
+        raise ValueError(f"{what}: token_ids must be a 1-D int64 tensor")
     if token_ids.device.type == "meta" or token_ids.numel() == 0:
-        raise ValueError(f"calibrate: token_ids must hold at least one token on a real device, got "
+        raise ValueError(f"{what}: token_ids must hold at least one token on a real device, got "
                          f"{token_ids.numel()} on {token_ids.device}")
     vocab = getattr(model.config, "vocab_size", None)
     low, high = int(token_ids.min()), int(token_ids.max())  # a sync, once: calibration runs offline
     if low < 0 or (isinstance(vocab, int) and high >= vocab):  # the embedding would index outside its table
-        raise ValueError(f"calibrate: token_ids must be ids in [0, {vocab}) (the model's vocab_size), got values in "
+        raise ValueError(f"{what}: token_ids must be ids in [0, {vocab}) (the model's vocab_size), got values in "
                          f"[{low}, {high}]")
-    if isinstance(window, bool) or not isinstance(window, int) or window < 1:
-        raise ValueError(f"calibrate: window must be a positive int, got {window!r}")
+
+
+def _check_model(what: str, model) -> None:
+    if not hasattr(getattr(model, "config", None), "to_dict") or not hasattr(model, "parameters"):
+        raise TypeError(f"{what}: model must be a transformers model (with a config), got {type(model).__name__}")
+
+
+def _check_sensitivity(what: str, model, window, windows, recent, sinks) -> None:
+    check_int(what, "window", window, 2)
+    check_int(what, "windows", windows, 1)
+    check_int(what, "sinks", sinks)
+    if not isinstance(recent, (tuple, list)) or not recent:
+        raise TypeError(f"{what}: recent must be a non-empty tuple of window sizes, got {recent!r}"[:300])
+    for i, r in enumerate(recent):
+        check_int(what, f"recent[{i}]", r, 1)
+    if list(recent) != sorted(set(recent)):
+        raise ValueError(f"{what}: recent must be increasing, got {recent!r}"[:300])
+    implementation = getattr(model.config, "_attn_implementation", None)
+    if implementation not in ("eager", "sdpa"):
+        raise ValueError(f"{what}: the model's attention ({implementation!r}) must take a 4-D mask for the layer "
+                         f"sensitivity: load it with attn_implementation='sdpa' or 'eager'")
+    attention_modules(model)  # an attention the masks can reach
+
+
+@torch.no_grad()
+def layer_sensitivity(model, token_ids: torch.Tensor, *, window: int = 2048, windows: int = SENSITIVITY_WINDOWS,
+                      recent: tuple[int, ...] = SENSITIVITY_RECENT, sinks: int = SENSITIVITY_SINKS) -> dict:
+    """What each layer's attention needs beyond its recent tokens, as loss: for each layer l and r in `recent`,
+    the mean next-token loss (nats per token) the model adds when layer l alone attends only to the first
+    `sinks` tokens and its newest r, every other layer to everything. Measured over the second half of each of the
+    first `windows` windows of `window` tokens of `token_ids` (each its own sequence, batch 1). The per-layer
+    budget rule reads it (``kvops.config.layer_split``).
+
+    Returns ``{"recent": int64 [R], "nats": float32 [R, L], "sinks": int, "tokens": int}`` (tokens: the positions
+    each value averages), the ``layer_sensitivity`` entry of a calibration file. The model's attention must take
+    a 4-D mask: eager or sdpa."""
+    what = "layer_sensitivity"
+    _check_model(what, model)
+    _check_tokens(what, model, token_ids)
+    _check_sensitivity(what, model, window, windows, recent, sinks)
+    device = next(model.parameters()).device
+    L = model.config.num_hidden_layers
+    loss = torch.nn.functional.cross_entropy
+    nats, tokens = torch.zeros(len(recent), L, dtype=torch.float64), 0
+    training = model.training
+    try:
+        model.eval()
+        for start in range(0, min(windows * window, token_ids.numel()), window):
+            ids = token_ids[start:start + window].to(device)
+            n, half = ids.numel(), ids.numel() // 2
+            if n < 2:
+                break
+            full = loss(model(input_ids=ids[None], use_cache=False).logits[0, half:-1].float(), ids[half + 1:],
+                        reduction="sum")
+            t = torch.arange(n, device=device)
+            age = t[:, None] - t[None, :]
+            for i, r in enumerate(recent):
+                allowed = ((age >= 0) & ((age < r) | (t[None, :] < sinks)))[None, None]
+                for layer in range(L):
+                    with layer_masks(model, {layer: allowed}):
+                        logits = model(input_ids=ids[None], use_cache=False).logits[0, half:-1].float()
+                    nats[i, layer] += float(loss(logits, ids[half + 1:], reduction="sum") - full)
+            tokens += n - 1 - half
+    finally:
+        model.train(training)
+    return {"recent": torch.tensor(recent, dtype=torch.int64), "nats": (nats / max(tokens, 1)).float(),
+            "sinks": sinks, "tokens": tokens}
+
+
+@torch.no_grad()
+def calibrate(model, token_ids: torch.Tensor, window: int = 2048, progress: bool = False,
+              metadata: Mapping[str, Any] | None = None, sensitivity_windows: int = SENSITIVITY_WINDOWS) -> dict:
+    """Run `token_ids` (int64 [n], ids of the model's vocabulary) through `model` in windows of `window` tokens
+    (each its own sequence, batch 1) and return the calibration in the official format (save it with
+    ``torch.save``), with the ``layer_sensitivity`` of the first `sensitivity_windows` windows (0: none; it needs
+    an eager or sdpa attention). `metadata` joins the file's metadata (it may not replace what the measurement
+    writes); the model's train/eval mode is restored after."""
+    _check_model("calibrate", model)
+    _check_tokens("calibrate", model, token_ids)
+    check_int("calibrate", "window", window, 1)
+    if check_int("calibrate", "sensitivity_windows", sensitivity_windows):
+        _check_sensitivity("calibrate", model, window, sensitivity_windows, SENSITIVITY_RECENT, SENSITIVITY_SINKS)
     if not isinstance(progress, bool):
         raise TypeError(f"calibrate: progress must be a bool, got {type(progress).__name__} {progress!r}")
     if metadata is not None and not isinstance(metadata, Mapping):
@@ -172,7 +283,10 @@ def calibrate(model, token_ids: torch.Tensor, window: int = 2048, progress: bool
         model.train(training)
         if bar is not None:
             bar.close()
-    return stats.to_file_format(metadata)
+    data = stats.to_file_format(metadata)
+    if sensitivity_windows:
+        data["layer_sensitivity"] = layer_sensitivity(model, token_ids, window=window, windows=sensitivity_windows)
+    return data
 
 
 def _device(ap, text: str) -> torch.device:
@@ -206,6 +320,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--out", required=True, help="where to write the calibration (.pt)")
     ap.add_argument("--max-tokens", type=int, default=None, help="use at most this many tokens of the text")
     ap.add_argument("--window", type=int, default=2048, help="tokens per forward pass (default 2048)")
+    ap.add_argument("--sensitivity-windows", type=int, default=SENSITIVITY_WINDOWS,
+                    help=f"windows the layer sensitivity is measured on (default {SENSITIVITY_WINDOWS}; 0: none)")
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu", help="cpu, cuda or cuda:N")
     ap.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], default=None,
                     help="model dtype (default: bfloat16 on a GPU, float32 on the CPU)")
@@ -220,6 +336,8 @@ def main(argv: list[str] | None = None) -> int:
         ap.error(f"--max-tokens must be >= 1, got {a.max_tokens}")
     if a.window < 1:
         ap.error(f"--window must be >= 1, got {a.window}")
+    if a.sensitivity_windows < 0 or a.sensitivity_windows and a.window < 2:
+        ap.error(f"--sensitivity-windows must be >= 0 (and needs --window >= 2), got {a.sensitivity_windows}")
     device = _device(ap, a.device)
     if writable_target(a.out):
         ap.error(f"--out {a.out}: {writable_target(a.out)}")
@@ -263,7 +381,8 @@ def main(argv: list[str] | None = None) -> int:
         ap.error(f"{a.model_dir}: its tokenizer makes token {int(ids.max())}, the model's vocab_size is {vocab}")
     dtype = getattr(torch, a.dtype) if a.dtype else (torch.bfloat16 if device.type == "cuda" else torch.float32)
     try:
-        model = transformers.AutoModelForCausalLM.from_pretrained(a.model_dir, local_files_only=True, dtype=dtype)
+        model = transformers.AutoModelForCausalLM.from_pretrained(a.model_dir, local_files_only=True, dtype=dtype,
+                                                                  attn_implementation="sdpa")
     except (TypeError, ValueError, KeyError, OSError) as e:
         ap.error(f"{a.model_dir}: cannot load the model's weights ({_first_line(e)})")
     try:  # an attention this tool cannot hook, refused before the model moves or runs
@@ -273,7 +392,8 @@ def main(argv: list[str] | None = None) -> int:
     model.to(device)
     data = calibrate(model, ids, a.window, progress=True,
                      metadata={"model_name": getattr(config, "_name_or_path", None) or os.path.basename(
-                         os.path.abspath(a.model_dir)), "text": os.path.basename(a.text)})
+                         os.path.abspath(a.model_dir)), "text": os.path.basename(a.text)},
+                     sensitivity_windows=a.sensitivity_windows)
     write_whole(a.out, lambda f: torch.save(data, f))  # --out is the whole calibration or as it was
     print(f"kvops calibrate: {data['metadata']['tokens']} tokens, {len(data['stats'])} heads -> {a.out}")
     return 0

@@ -13,7 +13,7 @@ from conftest import TINY, TINY_MODELS, run_python, tiny_model
 
 transformers = pytest.importorskip("transformers")
 
-from kvops.calibrate import QueryStatistics, calibrate, check_model_config, main  # noqa: E402
+from kvops.calibrate import QueryStatistics, calibrate, check_model_config, layer_sensitivity, main  # noqa: E402
 from kvops.triattention import TriAttentionSelector, load_calibration  # noqa: E402
 
 
@@ -58,6 +58,94 @@ def test_statistics_equal_the_queries_attention_rotates(name):
     cal = load_calibration(data, config)  # the dict as the file holds it
     assert cal.num_freqs == F and cal.num_kv_heads == model.config.num_key_value_heads
     assert set(QueryStatistics.MEASURED) == set(data["metadata"])  # what metadata= may not replace
+
+
+def _restricted_loss(model, name, ids, layer, recent, sinks):
+    """The summed loss of the second half of `ids` with layer `layer` limited to its first `sinks` and newest
+    `recent` keys (None: no limit), by wrapping the modeling module's eager attention (independent of the
+    forward pre-hooks layer_sensitivity uses)."""
+    module = sys.modules[f"transformers.models.{TINY_MODELS[name][1]}.modeling_{TINY_MODELS[name][1]}"]
+    original = module.eager_attention_forward
+
+    def limited(attention, query, key, value, attention_mask, *args, **kwargs):
+        if attention.layer_idx == layer and recent is not None:
+            n = key.shape[2]
+            t = torch.arange(n)
+            far = (t[:, None] - t[None, :] >= recent) & (t[None, :] >= sinks)
+            attention_mask = attention_mask.masked_fill(far, torch.finfo(attention_mask.dtype).min)
+        return original(attention, query, key, value, attention_mask, *args, **kwargs)
+
+    module.eager_attention_forward = limited
+    try:
+        with torch.no_grad():
+            logits = model(input_ids=ids[None], use_cache=False).logits[0]
+    finally:
+        module.eager_attention_forward = original
+    half = ids.numel() // 2
+    return float(torch.nn.functional.cross_entropy(logits[half:-1].double(), ids[half + 1:], reduction="sum"))
+
+
+@pytest.mark.parametrize("name", ["qwen3", "llama3"])
+def test_layer_sensitivity_is_the_loss_a_recent_window_adds(name):
+    """Each layer limited in turn to its sinks and newest r keys, the loss over each window's second half, against
+    the same loss through an attention wrapped at the modeling module (eager there, sdpa in the measurement); a
+    window the size of the sequence adds nothing."""
+    model = tiny_model(name)
+    model.config._attn_implementation = "sdpa"
+    ids = torch.randint(0, TINY["vocab_size"], (200,))
+    got = layer_sensitivity(model, ids, window=128, windows=2, recent=(8, 32, 128), sinks=4)
+    assert got["recent"].tolist() == [8, 32, 128] and got["sinks"] == 4 and got["tokens"] == 63 + 35
+    assert got["nats"].dtype == torch.float32 and got["nats"].shape == (3, 2)
+    model.config._attn_implementation = "eager"
+    windows = [ids[:128], ids[128:]]
+    for i, r in enumerate((8, 32)):
+        for layer in range(2):
+            want = sum(_restricted_loss(model, name, w, layer, r, 4) - _restricted_loss(model, name, w, layer, None, 4)
+                       for w in windows) / got["tokens"]
+            assert abs(float(got["nats"][i, layer]) - want) < 1e-4, (r, layer)
+    assert got["nats"][:2].abs().max() > 1e-3  # the windows do limit something
+    assert got["nats"][2].abs().max() < 1e-5   # a window of 128 limits nothing in 128-token sequences
+
+
+def test_a_calibration_file_carries_the_layer_sensitivity():
+    """calibrate writes it (sensitivity_windows=0: not); load_calibration reads it back, for_layers keeps the
+    layers' columns; a file without one (the shipped ones) loads with None; a malformed one is refused by name."""
+    model = tiny_model("qwen3")
+    model.config._attn_implementation = "sdpa"
+    config = model.config.to_dict()
+    ids = torch.randint(0, TINY["vocab_size"], (160,))
+    data = calibrate(model, ids, window=80)
+    entry = data["layer_sensitivity"]
+    assert entry["nats"].shape == (3, 2) and entry["tokens"] == 39 + 39
+    torch.testing.assert_close(entry["nats"], layer_sensitivity(model, ids, window=80)["nats"])
+    cal = load_calibration(data, config)
+    assert cal.layer_sensitivity.recent == (64, 256, 1024) and cal.layer_sensitivity.sinks == 16
+    torch.testing.assert_close(cal.layer_sensitivity.nats, entry["nats"])
+    torch.testing.assert_close(cal.for_layers([1]).layer_sensitivity.nats, entry["nats"][:, 1:])
+    assert "layer_sensitivity" not in calibrate(model, ids, window=80, sensitivity_windows=0)
+    assert load_calibration({k: v for k, v in data.items() if k != "layer_sensitivity"}, config).layer_sensitivity \
+        is None
+    for bad, match in (({"recent": entry["recent"], "nats": entry["nats"]}, "dict of recent, nats and sinks"),
+                       ({**entry, "recent": torch.tensor([64, 32, 1024])}, "increasing window sizes"),
+                       ({**entry, "recent": entry["recent"].float()}, "increasing window sizes"),
+                       ({**entry, "nats": entry["nats"][:, :1]}, r"has shape \(3, 1\)"),
+                       ({**entry, "nats": entry["nats"] * float("nan")}, "NaN"),
+                       ({**entry, "sinks": -1}, "sinks")):
+        with pytest.raises(ValueError, match=match):
+            load_calibration({**data, "layer_sensitivity": bad}, config)
+    model.config._attn_implementation = "flash_attention_2"
+    with pytest.raises(ValueError, match="must take a 4-D mask"):  # refused before the statistics run
+        calibrate(model, ids)
+    for kw, error, match in ((dict(window=1), ValueError, "window must be >= 2"),
+                             (dict(windows=0), ValueError, "windows must be >= 1"),
+                             (dict(recent=(64, 8)), ValueError, "recent must be increasing"),
+                             (dict(recent=(64, 64)), ValueError, "recent must be increasing"),
+                             (dict(recent=()), TypeError, "recent must be a non-empty"),
+                             (dict(recent=(8, "x")), TypeError, r"recent\[1\] must be an int"),
+                             (dict(sinks=-1), ValueError, "sinks must be >= 0"),
+                             (dict(window=2.0), TypeError, "window must be an int")):
+        with pytest.raises(error, match=match):
+            layer_sensitivity(model, ids, **kw)
 
 
 def test_the_python_api_refuses_what_the_model_cannot_run():
@@ -229,6 +317,8 @@ def _bad_cases(tmp, model):
         (ok() + ["--max-tokens", "0"], "--max-tokens must be >= 1, got 0"),
         (ok() + ["--max-tokens", "-1"], "--max-tokens must be >= 1, got -1"),
         (ok() + ["--window", "0"], "--window must be >= 1, got 0"),
+        (ok() + ["--sensitivity-windows", "-1"], "--sensitivity-windows must be >= 0"),
+        (ok() + ["--window", "1"], "needs --window >= 2"),
         (ok(out=tmp / "missing" / "c.pt"), "does not exist"),
         (ok(out=tmp), "is a directory"),
         (ok(out=text), "is the --text file"),

@@ -470,7 +470,7 @@ def test_a_cache_for_fewer_layers_than_the_model_is_refused_and_holds_nothing():
 
     model, cal = _setup()
     config = transformers.Qwen3Config(**{**model.config.to_dict(), "num_hidden_layers": 1, "layer_types": None})
-    one = replace(cal, q_mean=cal.q_mean[:1], q_abs_mean=cal.q_abs_mean[:1])
+    one = replace(cal, q_mean=cal.q_mean[:1], q_abs_mean=cal.q_abs_mean[:1], layer_sensitivity=None)
     for static in (False, True):
         cache = TriAttentionCache(config, one, budget=16, beta=4, static=static)
         with pytest.raises(ValueError, match="layer_idx 1.*1 layer"):
@@ -487,7 +487,7 @@ def test_a_model_with_fewer_layers_than_the_cache_is_refused_at_its_next_call():
     model, cal = _setup()
     config = transformers.Qwen3Config(**{**model.config.to_dict(), "num_hidden_layers": 3, "layer_types": None})
     three = replace(cal, q_mean=torch.cat([cal.q_mean, cal.q_mean[:1]]),
-                    q_abs_mean=torch.cat([cal.q_abs_mean, cal.q_abs_mean[:1]]))
+                    q_abs_mean=torch.cat([cal.q_abs_mean, cal.q_abs_mean[:1]]), layer_sensitivity=None)
     cache = TriAttentionCache(config, three, budget=16, beta=4)
     with pytest.raises(RuntimeError, match="2 of the cache's 3 layers"):
         model.generate(torch.randint(1, TINY["vocab_size"], (2, 10)), max_new_tokens=4, do_sample=False,

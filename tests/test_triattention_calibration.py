@@ -7,7 +7,7 @@ import pickle
 import pytest
 import torch
 
-from kvops.triattention.calibration import SHIPPED, load_calibration
+from kvops.triattention.calibration import SHIPPED, LayerSensitivity, load_calibration
 from kvops.triattention.reference import mean_phase_reference, normalize_reference, reduce_reference
 from kvops.triattention.rope import rope_parameters
 
@@ -287,7 +287,10 @@ def test_validate_calibration_checks_a_calibration_object():
            (replace(cal, omega=cal.omega[:3]), r"omega has shape \(3,\); q_mean's \(2, 4, 8\) needs \(8,\)"),
            (replace(cal, q_mean=cal.q_mean[0]), r"q_mean must be \[layers, query heads, frequencies\]"),
            (replace(cal, num_kv_heads=3), "num_kv_heads 3 must divide q_mean's 4 query heads"),
-           (replace(cal, head_dim=8), "head_dim 8 is below the 16 rotary dims")]
+           (replace(cal, head_dim=8), "head_dim 8 is below the 16 rotary dims"),
+           (replace(cal, layer_sensitivity=LayerSensitivity((64,), torch.zeros(1, 3), 16)),
+            r"layer_sensitivity must be None or a LayerSensitivity whose nats are \[windows, 2\]"),
+           (replace(cal, layer_sensitivity=torch.zeros(1, 2)), "layer_sensitivity must be None or")]
     for broken, match in bad:
         with pytest.raises((TypeError, ValueError), match=match):
             validate_calibration(broken, CONFIG)

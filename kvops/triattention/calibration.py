@@ -61,6 +61,23 @@ def calibration_file(source: str | os.PathLike) -> str:
 
 
 @dataclass(frozen=True)
+class LayerSensitivity:
+    """What each layer's attention needs beyond its recent tokens (``kvops.calibrate.layer_sensitivity``): the
+    loss, in nats per token, the model adds when layer l alone attends only to its first `sinks` and newest
+    recent[i] tokens is nats[i, l]. The per-layer budget rule reads it (``kvops.config.layer_split``)."""
+
+    recent: tuple[int, ...]      # increasing window sizes
+    nats: torch.Tensor           # float32 [len(recent), L], on the CPU
+    sinks: int
+
+    def at(self, window: int) -> torch.Tensor:
+        """float32 [L]: each layer's loss at the largest measured window not above `window` (the smallest
+        one's where `window` is below every one: the loss only grows as the window shrinks)."""
+        i = max([i for i, r in enumerate(self.recent) if r <= window], default=0)
+        return self.nats[i]
+
+
+@dataclass(frozen=True)
 class Calibration:
     q_mean: torch.Tensor         # complex64 [L, Hq, F]: E[q_f] of the pre-RoPE query
     q_abs_mean: torch.Tensor     # float32 [L, Hq, F]: E|q_f|
@@ -68,6 +85,7 @@ class Calibration:
     freq_scale_sq: torch.Tensor  # float32 [F]: squared attention scaling of each frequency
     num_kv_heads: int
     head_dim: int
+    layer_sensitivity: LayerSensitivity | None = None  # files from kvops calibrate since 2026-12-05 hold one
 
     @property
     def num_layers(self) -> int:
@@ -114,7 +132,10 @@ class Calibration:
         layers = [check_int(what, f"layers[{i}]", x, 0, self.num_layers - 1) for i, x in enumerate(layers)]
         if not layers or len(set(layers)) != len(layers):
             raise ValueError(f"{what}: layers must be distinct layer indices in [0, {self.num_layers}), got {layers!r}")
-        return replace(self, q_mean=self.q_mean[layers].contiguous(), q_abs_mean=self.q_abs_mean[layers].contiguous())
+        sensitivity = self.layer_sensitivity and replace(self.layer_sensitivity,
+                                                         nats=self.layer_sensitivity.nats[:, layers].contiguous())
+        return replace(self, q_mean=self.q_mean[layers].contiguous(), q_abs_mean=self.q_abs_mean[layers].contiguous(),
+                       layer_sensitivity=sensitivity)
 
     def to(self, device: torch.device | str) -> "Calibration":
         """The calibration with its tensors on `device` (a real one: on meta it would have no values)."""
@@ -255,7 +276,25 @@ def load_calibration(source: str | os.PathLike | Mapping[str, Any], model_config
         freq_scale_sq = rope_fss if freq_scale_sq is None else freq_scale_sq
     omega = _tensor(omega, "omega", (F,), torch.float32)
     freq_scale_sq = _tensor(freq_scale_sq, "freq_scale_sq", (F,), torch.float32)
-    return _validate("load_calibration", Calibration(q_mean, q_abs, omega, freq_scale_sq, Hkv, D), model_config)
+    sensitivity = _sensitivity(data.get("layer_sensitivity"), L)
+    return _validate("load_calibration", Calibration(q_mean, q_abs, omega, freq_scale_sq, Hkv, D, sensitivity),
+                     model_config)
+
+
+def _sensitivity(entry: Any, L: int) -> LayerSensitivity | None:
+    """A file's ``layer_sensitivity`` entry (``kvops.calibrate.layer_sensitivity``'s dict), checked; None if absent."""
+    if entry is None:
+        return None
+    what = "the file's layer_sensitivity"
+    if not isinstance(entry, Mapping) or not {"recent", "nats", "sinks"} <= set(entry):
+        raise ValueError(f"load_calibration: {what} must be a dict of recent, nats and sinks")
+    recent = entry["recent"]
+    if not isinstance(recent, torch.Tensor) or recent.dtype != torch.int64 or recent.dim() != 1 or \
+            recent.numel() == 0 or not bool((recent >= 1).all()) or not bool((recent.diff() > 0).all()):
+        raise ValueError(f"load_calibration: {what}.recent must be an int64 tensor of increasing window sizes >= 1")
+    nats = _tensor(entry["nats"], f"{what}.nats", (recent.numel(), L), torch.float32)
+    sinks = check_int(f"load_calibration: {what}", "sinks", entry["sinks"])
+    return LayerSensitivity(tuple(recent.tolist()), nats, sinks)
 
 
 def validate_calibration(calibration: Calibration, model_config: Mapping[str, Any], *,
@@ -317,6 +356,11 @@ def check_calibration(what: str, calibration: Calibration) -> Calibration:
         if tuple(fields[name].shape) != shape:
             raise ValueError(f"{what}: calibration.{name} has shape {tuple(fields[name].shape)}; q_mean's "
                              f"{(L, Hq, F)} needs {shape}")
+    sensitivity = cal.layer_sensitivity
+    if sensitivity is not None and (not isinstance(sensitivity, LayerSensitivity) or not isinstance(
+            sensitivity.nats, torch.Tensor) or tuple(sensitivity.nats.shape) != (len(sensitivity.recent), L)):
+        raise ValueError(f"{what}: calibration.layer_sensitivity must be None or a LayerSensitivity whose nats are "
+                         f"[windows, {L}] (one column per layer of q_mean)")
     if Hq % cal.num_kv_heads:
         raise ValueError(f"{what}: calibration.num_kv_heads {cal.num_kv_heads} must divide q_mean's {Hq} query heads")
     if cal.head_dim < 2 * F:
