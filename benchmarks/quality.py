@@ -33,12 +33,12 @@ import math
 import os
 import sys
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
-from kvops.calibrate import calibrate, require_transformers
-from kvops.config import resolve_keep_policy
+from kvops.calibrate import calibrate, layer_masks, require_transformers
+from kvops.config import layer_split, resolve_keep_policy
 from kvops.integrations.transformers import TriAttentionCache, cache_keyword
 from kvops.triattention import TriAttentionSelector, load_calibration
 
@@ -59,7 +59,8 @@ class Policy:
     kvops does by default in that mode: the keep policy ``kvops.config.resolve_keep_policy`` gives for each
     budget. ``+fF`` (harness only: no cache keeps a length per layer yet) splits the same total unevenly: each
     layer on recency keeps its newest F x budget tokens and the other layers share the rest equally, under the
-    policy their share gives (``+default`` resolves it for that share)."""
+    policy their share gives (``+default`` resolves it for that share). ``+split`` takes the layers on recency
+    and their share from the calibration's layer sensitivity (``kvops.config.layer_split``) instead."""
 
     kind: str
     mode: str = ""
@@ -69,6 +70,7 @@ class Policy:
     default: bool = False
     share: float = 1.0
     prior: float = 0.0
+    split: bool = False
 
     @classmethod
     def parse(cls, text: str) -> "Policy":
@@ -83,8 +85,10 @@ class Policy:
         for option in options:
             key, value = option[:1], option[1:]
             if option == "default" and kind == "triattention" and \
-                    all(o == "default" or o.startswith("f") for o in options):
+                    all(o in ("default", "split") or o.startswith("f") for o in options):
                 fields["default"] = True
+            elif option == "split" and kind != "full" and not any(o.startswith(("f", "l")) for o in options):
+                fields["split"] = True
             elif key == "f" and value.replace(".", "", 1).isdigit() and 0 < float(value):
                 fields["share"] = float(value)
             elif key == "l":
@@ -102,7 +106,7 @@ class Policy:
         if self == Policy("recent", sinks=SINKS):
             return "sinks"
         name = self.kind + (f"_{self.mode}" if self.mode else "")
-        share = f"+f{self.share:g}" if self.share != 1.0 else ""
+        share = f"+f{self.share:g}" if self.share != 1.0 else "+split" if self.split else ""
         if self.default:
             return name + "+default" + share
         name += f"+w{self.recent}" if self.recent else ""
@@ -133,25 +137,13 @@ def rounds(n: int, prompt: int, budget: int, beta: int):
 
 def _chunk(model, ids: torch.Tensor, allowed: torch.Tensor, cache) -> torch.Tensor:
     """Logits of the rows ``ids`` (the tokens after those `cache` holds), row i restricted to allowed[l, h, i]
-    (bool [1 or L, Hq, q, kv]; one mask per layer reaches each layer's attention through a forward pre-hook)."""
-    mask = torch.zeros(allowed.shape, dtype=model.dtype, device=ids.device)
-    mask.masked_fill_(~allowed, torch.finfo(model.dtype).min)
-    hooks = []
-    if mask.shape[0] > 1:
-        attentions = {m.layer_idx: m for m in model.modules() if hasattr(m, "q_proj") and hasattr(m, "layer_idx")}
-
-        def per_layer(layer):
-            def hook(module, args, kwargs):
-                return args, {**kwargs, "attention_mask": mask[layer][None]}
-            return hook
-        hooks = [attentions[layer].register_forward_pre_hook(per_layer(layer), with_kwargs=True)
-                 for layer in range(mask.shape[0])]
-    try:
-        return model(input_ids=ids[None], attention_mask=mask[:1], use_cache=True,
+    (bool [1 or L, Hq, q, kv]; one mask per layer reaches each layer's attention through ``layer_masks``)."""
+    mask = torch.zeros(allowed[:1].shape, dtype=model.dtype, device=ids.device)
+    mask.masked_fill_(~allowed[:1], torch.finfo(model.dtype).min)
+    per_layer = {layer: allowed[layer][None] for layer in range(allowed.shape[0])} if allowed.shape[0] > 1 else {}
+    with layer_masks(model, per_layer):
+        return model(input_ids=ids[None], attention_mask=mask, use_cache=True,
                      **{cache_keyword(model): cache}).logits[0].float()
-    finally:
-        for hook in hooks:
-            hook.remove()
 
 
 def full_attention(model, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -166,14 +158,23 @@ def simulate(model, ids: torch.Tensor, prompt: int, budget: int, beta: int, poli
     rounds go through the model as one chunk over a cache that keeps every key, each query row masked to what
     the evicting cache would hold at its time (the prompt, the kept tokens, the tokens since the round). A key is
     computed once, under the masks of its own time, as in decoding. TriAttention's keep sets come from kvops'
-    ``TriAttentionSelector`` on those keys, laid out as the evicting cache holds them. `record` (a list) gets
-    (t, held) after each round at t: held bool [1 or L, Hkv, t], the positions each (layer, KV head) holds."""
+    ``TriAttentionSelector`` on those keys, laid out as the evicting cache holds them. Under a per-layer split
+    (``+fF``, ``+split``) each group of layers runs its rounds when it holds more than its own count. `record` (a
+    list) gets (t, held) after each round at t: held bool [1 or L, Hkv, t], the positions each (layer, KV head)
+    holds."""
     transformers = require_transformers()
     config = model.config
     L, Hq, Hkv = config.num_hidden_layers, config.num_attention_heads, config.num_key_value_heads
     G, n, device = Hq // Hkv, ids.numel(), ids.device
-    held_by_recent = None  # +fF: what each layer on recency keeps; the others' budget is what is left
-    if policy.share != 1.0:
+    held_by_recent = None  # +fF, +split: what each layer on recency keeps; the others' budget is what is left
+    split = None
+    if policy.split:
+        if calibration is None or calibration.layer_sensitivity is None:
+            raise ValueError(f"{policy.name}: needs a calibration with a layer sensitivity (kvops calibrate)")
+        split = layer_split(calibration.layer_sensitivity, budget)
+        if split.local_layers:
+            held_by_recent, budget = split.local_budget, split.budget
+    elif policy.share != 1.0:
         layers = policy.recent_layers or (resolve_keep_policy("simulate", policy.mode, budget, beta, L).recent_layers
                                           if policy.default else ())
         if not layers or len(layers) == L:
@@ -183,6 +184,8 @@ def simulate(model, ids: torch.Tensor, prompt: int, budget: int, beta: int, poli
     if policy.default:
         sinks, recent, layers, prior = resolve_keep_policy("simulate", policy.mode, budget, beta, L)
         policy = Policy(policy.kind, policy.mode, recent, sinks, layers, share=policy.share, prior=prior)
+    if split is not None and split.local_layers:  # the split's layers on recency, in place of the default's
+        policy = replace(policy, recent_layers=split.local_layers)
     if policy.sinks + policy.recent >= budget:
         raise ValueError(f"{policy.name}: sinks + recent must stay below the budget {budget}")
     k = budget - policy.sinks - policy.recent  # what the method chooses each round
@@ -197,7 +200,11 @@ def simulate(model, ids: torch.Tensor, prompt: int, budget: int, beta: int, poli
         selector = TriAttentionSelector(calibration.for_layers(scored) if policy.recent_layers else calibration, k,
                                         policy.mode, recency_prior=policy.prior)
     logits, start = [], 0
-    for t in [*rounds(n, prompt, budget, beta), n]:
+    # Layers that keep another count (+fF, +split) run their own rounds, when they hold more than theirs: a cache
+    # with a length per layer group holds no more than that in them.
+    scored_times = set(rounds(n, prompt, budget, beta))
+    local_times = set(rounds(n, prompt, held_by_recent, beta)) if held_by_recent is not None else set()
+    for t in [*sorted(scored_times | local_times), n]:
         if start < t:
             allowed = causal[start:t, :t] & visible[:, :, None, :t]
             logits.append(_chunk(model, ids[start:t], allowed.repeat_interleave(G, 1), cache))
@@ -209,14 +216,19 @@ def simulate(model, ids: torch.Tensor, prompt: int, budget: int, beta: int, poli
         fixed = [[torch.cat((row[:policy.sinks], row[row.numel() - policy.recent:])) for row in rows]
                  for rows in held]
         candidates = [[row[policy.sinks:row.numel() - policy.recent] for row in rows] for rows in held]
-        if policy.kind == "triattention":
+        if t not in scored_times:
+            chosen = None
+        elif policy.kind == "triattention":
             chosen = _triattention(selector, cache, candidates, prompt, policy.recent_layers)
         else:
             chosen = [[_choose(policy, c, k, layer, h, t, beta, attention, gen, G) for h, c in enumerate(rows)]
                       for layer, rows in enumerate(candidates)]
         for layer in range(visible.shape[0]):
+            local = layer in policy.recent_layers and held_by_recent is not None
+            if t not in (local_times if local else scored_times):
+                continue
             for h in range(Hkv):
-                if layer in policy.recent_layers and held_by_recent is not None:
+                if local:
                     kept = held[layer][h][-held_by_recent:]
                 else:
                     keep = candidates[layer][h][-k:] if layer in policy.recent_layers else chosen[layer][h]
@@ -479,6 +491,14 @@ def main(argv: list[str] | None = None) -> int:
         os.path.join(a.model, "pytorch_model.bin"))
     print(f"benchmarks.quality: {a.model}, {len(windows)} windows of {a.window} tokens, prompt {a.prompt}, "
           f"beta {a.beta}" + ("" if trained else " (random weights: mechanics only)"))
+    if any(m.split for m in methods):
+        if calibration.layer_sensitivity is None:
+            ap.error("--methods: +split needs a calibration with a layer sensitivity (kvops calibrate writes one)")
+        sensitivity = calibration.layer_sensitivity
+        for r, nats in zip(sensitivity.recent, sensitivity.nats.tolist()):
+            print(f"  layer sensitivity, newest {r} tokens: " + " ".join(f"{v:+.4f}" for v in nats))
+        for budget in budgets:
+            print(f"  +split at budget {budget}: {layer_split(sensitivity, budget)}")
     rows = evaluate(model, windows, calibration, budgets, a.beta, a.prompt, methods)
     if a.cache_windows > 0:
         rows += evaluate_caches(model, windows[:a.cache_windows], calibration, budgets, a.beta, a.prompt)

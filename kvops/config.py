@@ -17,7 +17,7 @@ import torch
 
 from ._checks import INT32_MAX, check_bool, check_choice, check_int, check_number
 from .nvfp4.layout import DEFAULT_SCALE, MAX_MIDDLE_DIMS, RowSpec, _check_spec
-from .triattention.calibration import SHIPPED, calibration_file
+from .triattention.calibration import SHIPPED, LayerSensitivity, calibration_file
 from .compaction.compact import MODES, ORDERS
 
 # The eviction mode a TriAttention config or cache takes by default: the best on a trained model, with its keep
@@ -274,6 +274,46 @@ def resolve_keep_policy(what: str, mode: str, budget: int, beta: int, num_layers
     # the layers against the model's: policy_selector
     layers = check_keep_policy(what, budget, sink_tokens, recent_window, recent_layers, recency_prior)
     return KeepPolicy(sink_tokens, recent_window, layers, float(recency_prior))
+
+
+# The per-layer budget rule (layer_split), measured on a trained model (benchmarks/RESULTS.md, "Per-layer
+# budgets"): a local layer keeps LOCAL_SHARE of a budget (a quarter measured the same); a layer is local when its
+# loss on that window is at most LOCAL_THRESHOLD of the most sensitive layer's.
+LOCAL_SHARE = 0.5
+LOCAL_THRESHOLD = 0.1
+
+
+class LayerSplit(NamedTuple):
+    """Decode tokens per layer, the same total as `budget` in every layer: the local layers keep their newest
+    `local_budget`, every other layer `budget` (scored)."""
+    local_layers: tuple[int, ...]
+    local_budget: int
+    budget: int
+
+
+def layer_split(sensitivity, budget: int, share: float = LOCAL_SHARE,
+                threshold: float = LOCAL_THRESHOLD) -> LayerSplit:
+    """Split ``L x budget`` decode tokens over a model's L layers by what each layer's attention needs beyond its
+    recent tokens (`sensitivity`: a ``kvops.triattention.LayerSensitivity``, which ``kvops calibrate`` measures
+    on the calibration text). A layer whose loss on a recent window of ``share x budget`` tokens is at most
+    `threshold` of the most sensitive layer's is local: it keeps its newest ``max(1, int(share x budget))``
+    tokens, and the other layers share what the local ones leave. With no layer that far below the most
+    sensitive one (or none above 0 nats), nothing is local: ``LayerSplit((), budget, budget)``."""
+    what = "layer_split"
+    if not isinstance(sensitivity, LayerSensitivity):
+        raise TypeError(f"{what}: sensitivity must be a LayerSensitivity (Calibration.layer_sensitivity), got "
+                        f"{type(sensitivity).__name__}")
+    check_int(what, "budget", budget, 1)
+    for name, value in (("share", share), ("threshold", threshold)):
+        if check_number(what, name, value, 0, strict=True) >= 1:
+            raise ValueError(f"{what}: {name} must be below 1, got {value!r}")
+    local_budget = max(1, int(share * budget))
+    nats = sensitivity.at(local_budget)
+    L, most = nats.numel(), float(nats.max())
+    local = tuple(i for i, v in enumerate(nats.tolist()) if v <= threshold * most) if most > 0 else ()
+    if not local:
+        return LayerSplit((), budget, budget)
+    return LayerSplit(local, local_budget, (L * budget - len(local) * local_budget) // (L - len(local)))
 
 
 CONFIGS = {cls.algorithm: cls for cls in (NVFP4ColdPageConfig, TriAttentionConfig)}

@@ -178,3 +178,39 @@ def test_keep_policy_defaults_are_each_modes_measured_best(calibration):
         TriAttentionConfig(budget=512, calibration_path=calibration, recency_prior=-2.0)
     with pytest.raises(ValueError, match="must be below the budget 512"):
         TriAttentionConfig(budget=512, calibration_path=calibration, sink_tokens=12, recent_window=500)
+
+
+def test_layer_split_keeps_the_same_total_and_localizes_the_insensitive_layers():
+    """Fresh random sensitivities: the local layers are those at most the threshold of the most sensitive one, at
+    the window of their share (the largest measured one not above it); the totals stay within rounding of
+    L x budget; nothing is local where no layer is that low or none needs anything."""
+    from kvops.config import LOCAL_SHARE, LOCAL_THRESHOLD, LayerSplit, layer_split
+    from kvops.triattention import LayerSensitivity
+
+    gen = torch.Generator().manual_seed(1)
+    for trial in range(50):
+        L = int(torch.randint(2, 40, (), generator=gen))
+        nats = torch.rand(3, L, generator=gen) ** 4  # a few sensitive layers, many near 0
+        sensitivity = LayerSensitivity((64, 256, 1024), nats, 16)
+        budget = int(torch.randint(1, 3000, (), generator=gen))
+        split = layer_split(sensitivity, budget)
+        local_budget = max(1, int(LOCAL_SHARE * budget))
+        row = nats[max([i for i, r in enumerate((64, 256, 1024)) if r <= local_budget], default=0)]
+        want = tuple(i for i in range(L) if row[i] <= LOCAL_THRESHOLD * row.max())
+        assert split.local_layers == want and len(want) < L
+        assert split == (split if want else LayerSplit((), budget, budget)) and split.budget >= budget
+        assert split.local_budget == (local_budget if want else budget)
+        total = len(want) * split.local_budget + (L - len(want)) * split.budget
+        assert L * budget - (L - len(want)) < total <= L * budget
+    flat = LayerSensitivity((64,), torch.full((1, 4), 0.3), 16)
+    assert layer_split(flat, 100) == LayerSplit((), 100, 100)  # no layer below a tenth of the most sensitive
+    assert layer_split(LayerSensitivity((64,), torch.zeros(1, 4), 16), 100) == LayerSplit((), 100, 100)
+    one = LayerSensitivity((64, 256), torch.tensor([[0.04, 0.5, 0.01], [0.2, 0.5, 0.01]]), 16)
+    assert layer_split(one, 100) == LayerSplit((0, 2), 50, 200)        # at 64 (50 is below every window)
+    assert layer_split(one, 600) == LayerSplit((2,), 300, 750)         # at 256: layer 0 needs 0.2 there
+    for args, error, match in (((nats, 100), TypeError, "LayerSensitivity"), ((one, 0), ValueError, "budget"),
+                               ((one, 100, 1.0), ValueError, "share must be below 1"),
+                               ((one, 100, 0.5, 0), ValueError, "threshold must be finite and > 0"),
+                               ((one, 100, True), TypeError, "share must be a number")):
+        with pytest.raises(error, match=match):
+            layer_split(*args)

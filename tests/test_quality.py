@@ -1,6 +1,8 @@
 """benchmarks.quality on tiny random models: the mechanics of the eviction-quality harness, and its keep sets
 against TriAttentionCache decoding token by token."""
 
+from dataclasses import replace
+
 import pytest
 import torch
 
@@ -20,12 +22,14 @@ def test_policies_parse_and_name_themselves():
 
     for text in ("full", "recent", "sinks", "random", "oracle+l0", "triattention_per_head+w16+s4+l0.2",
                  "triattention_union", "recent+w8", "triattention_per_head+default+f0.5", "recent+l0+f2",
-                 "triattention_union+w16+s4+l0+p4", "triattention_per_head+p0.5"):
+                 "triattention_union+w16+s4+l0+p4", "triattention_per_head+p0.5", "recent+split",
+                 "triattention_per_head+default+split", "triattention_union+w16+split"):
         assert Policy.parse(text).name == text
     assert Policy.parse("triattention_per_layer_perhead+l3.1").recent_layers == (3, 1)
     assert Policy.parse("triattention_per_head+default+f0.25").share == 0.25
     for bad in ("triattention", "oracle_union", "recent_union", "triattention_per_head+x3", "window", "random+w",
-                "recent+l0+f0", "recent+l0+f-1", "recent+fx", "recent+p2", "triattention_union+p-1"):
+                "recent+l0+f0", "recent+l0+f-1", "recent+fx", "recent+p2", "triattention_union+p-1", "full+split",
+                "recent+l0+split", "recent+split+f0.5", "recent+splits"):
         with pytest.raises(ValueError):
             Policy.parse(bad)
 
@@ -65,21 +69,55 @@ def test_simulated_rounds_hold_the_prompt_the_budget_and_the_tail():
         assert held[..., :8 + 2].all() and held[..., t - 16 + 2:].all()  # prompt, sinks, the newest 14
 
 
+def _check_split(record, local, local_budget, scored, budget, t_local, t_scored, newest=None):
+    """After each round: a group whose round it is holds its count of decode tokens (the local one its newest);
+    a group between its rounds holds at most its count plus the tokens since its last round (beta)."""
+    assert record and {t for t, _ in record} == set(t_local) | set(t_scored)
+    for t, held in record:
+        decode = held[..., 8:].sum(-1)  # the prompt is 8 tokens
+        assert (decode[local] == local_budget).all() == (t in t_local) and (decode[local] <= local_budget + 4).all()
+        assert (decode[scored] == budget).all() if t in t_scored else (decode[scored] <= budget + 4).all()
+        if t in t_local:
+            assert held[local, :, t - local_budget:].all()
+        if t in t_scored and newest:
+            assert held[scored, :, t - newest:].all()
+
+
 def test_a_per_layer_split_holds_the_same_total():
-    """+fF: the layers on recency keep their newest F x budget, the others share the rest of the same total."""
-    from benchmarks.quality import Policy, simulate
+    """+fF: the layers on recency keep their newest F x budget, the others share the rest of the same total; each
+    group runs its rounds when it holds more than its count."""
+    from benchmarks.quality import Policy, rounds, simulate
 
     model = tiny_model("qwen3")  # 2 layers
     model.config._attn_implementation = "eager"
     ids = torch.randint(0, TINY["vocab_size"], (96,))
     record = []
     simulate(model, ids, 8, 16, 4, Policy.parse("recent+l0+f0.5"), record=record)
-    assert record
-    for t, held in record:  # layer 0: its newest 8; layer 1: the other 24 of the 2 x 16, its newest
-        assert (held[0, :, 8:].sum(-1) == 8).all() and held[0, :, t - 8:].all()
-        assert (held[1, :, 8:].sum(-1) == 24).all() and held[1, :, t - 24:].all()
+    # layer 0: its newest 8; layer 1: the other 24 of the 2 x 16, its newest
+    _check_split(record, 0, 8, 1, 24, list(rounds(96, 8, 8, 4)), list(rounds(96, 8, 24, 4)), newest=24)
     with pytest.raises(ValueError, match="per-layer split"):
         simulate(model, ids, 8, 16, 4, Policy.parse("recent+f0.5"))
+
+
+def test_a_calibrated_split_puts_the_insensitive_layers_on_recency():
+    """+split: the calibration's layer sensitivity picks the layers on recency (kvops.config.layer_split): here
+    layer 1 (a hundredth of layer 0's loss) keeps its newest half budget and layer 0 the rest of the same total;
+    the default policy's own recent layer (0) gives way to the split's."""
+    from benchmarks.quality import Policy, rounds, simulate
+    from kvops.triattention import LayerSensitivity
+
+    model = tiny_model("qwen3")  # 2 layers
+    model.config._attn_implementation = "eager"
+    ids = torch.randint(0, TINY["vocab_size"], (96,))
+    cal = _calibrated(model)
+    cal = replace(cal, layer_sensitivity=LayerSensitivity((4, 64), torch.tensor([[0.5, 0.005], [0.2, 0.002]]), 4))
+    times = list(rounds(96, 8, 8, 4)), list(rounds(96, 8, 24, 4))
+    for method, newest in (("recent+split", 24), ("triattention_per_head+default+split", 4)):  # window min(24 // 4, 4)
+        record = []
+        simulate(model, ids, 8, 16, 4, Policy.parse(method), cal, record=record)
+        _check_split(record, 1, 8, 0, 24, *times, newest=newest)
+    with pytest.raises(ValueError, match="layer sensitivity"):
+        simulate(model, ids, 8, 16, 4, Policy.parse("recent+split"), replace(cal, layer_sensitivity=None))
 
 
 @pytest.mark.parametrize("mode,options", [("union", {}), ("per_head", {}), ("union", BARE),
