@@ -115,7 +115,7 @@ class Policy:
         return name + (f"+p{self.prior:g}" if self.prior else "") + share
 
 
-METHODS = ("full", "triattention_per_head+default", "triattention_union+default",
+METHODS = ("full", "triattention_per_head+default", "triattention_per_head+default+split", "triattention_union+default",
            "triattention_per_layer_perhead+default", "triattention_union", "triattention_per_head",
            "triattention_per_layer_perhead", "recent", "sinks", "random", "oracle+l0")
 # --quick: fewer windows and calibration tokens, no token-by-token decoding through real caches
@@ -462,7 +462,7 @@ def main(argv: list[str] | None = None) -> int:
         ap.error(f"--skip-windows: a count of windows >= 0, got {a.skip_windows}")
     if a.quick:
         vars(a).update(QUICK)
-    a.methods = a.methods or ",".join(QUICK_METHODS if a.quick else METHODS)
+    chosen, a.methods = bool(a.methods), a.methods or ",".join(QUICK_METHODS if a.quick else METHODS)
     try:
         methods = [Policy.parse(m) for m in a.methods.split(",")]
     except ValueError as e:
@@ -491,9 +491,11 @@ def main(argv: list[str] | None = None) -> int:
         os.path.join(a.model, "pytorch_model.bin"))
     print(f"benchmarks.quality: {a.model}, {len(windows)} windows of {a.window} tokens, prompt {a.prompt}, "
           f"beta {a.beta}" + ("" if trained else " (random weights: mechanics only)"))
-    if any(m.split for m in methods):
-        if calibration.layer_sensitivity is None:
+    if calibration.layer_sensitivity is None and any(m.split for m in methods):
+        if chosen:
             ap.error("--methods: +split needs a calibration with a layer sensitivity (kvops calibrate writes one)")
+        methods = [m for m in methods if not m.split]  # the default list, on an older calibration file
+    if any(m.split for m in methods):
         sensitivity = calibration.layer_sensitivity
         for r, nats in zip(sensitivity.recent, sensitivity.nats.tolist()):
             print(f"  layer sensitivity, newest {r} tokens: " + " ".join(f"{v:+.4f}" for v in nats))
