@@ -220,8 +220,9 @@ def simulate(model, ids: torch.Tensor, prompt: int, budget: int, beta: int, poli
             chosen = None
         elif policy.kind == "triattention":
             chosen = _triattention(selector, cache, candidates, prompt, policy.recent_layers)
-        else:
-            chosen = [[_choose(policy, c, k, layer, h, t, beta, attention, gen, G) for h, c in enumerate(rows)]
+        else:  # not for layers that keep another count: they hold fewer candidates
+            chosen = [None if layer in policy.recent_layers and held_by_recent is not None else
+                      [_choose(policy, c, k, layer, h, t, beta, attention, gen, G) for h, c in enumerate(rows)]
                       for layer, rows in enumerate(candidates)]
         for layer in range(visible.shape[0]):
             local = layer in policy.recent_layers and held_by_recent is not None

@@ -103,7 +103,7 @@ def test_a_calibrated_split_puts_the_insensitive_layers_on_recency():
     """+split: the calibration's layer sensitivity picks the layers on recency (kvops.config.layer_split): here
     layer 1 (a hundredth of layer 0's loss) keeps its newest half budget and layer 0 the rest of the same total;
     the default policy's own recent layer (0) gives way to the split's."""
-    from benchmarks.quality import Policy, rounds, simulate
+    from benchmarks.quality import Policy, full_attention, rounds, simulate
     from kvops.triattention import LayerSensitivity
 
     model = tiny_model("qwen3")  # 2 layers
@@ -112,9 +112,11 @@ def test_a_calibrated_split_puts_the_insensitive_layers_on_recency():
     cal = _calibrated(model)
     cal = replace(cal, layer_sensitivity=LayerSensitivity((4, 64), torch.tensor([[0.5, 0.005], [0.2, 0.002]]), 4))
     times = list(rounds(96, 8, 8, 4)), list(rounds(96, 8, 24, 4))
-    for method, newest in (("recent+split", 24), ("triattention_per_head+default+split", 4)):  # window min(24 // 4, 4)
+    attention = full_attention(model, ids)[1]
+    for method, newest in (("recent+split", 24), ("triattention_per_head+default+split", 4),  # min(24 // 4, 4)
+                           ("oracle+split", None), ("random+split", None)):
         record = []
-        simulate(model, ids, 8, 16, 4, Policy.parse(method), cal, record=record)
+        simulate(model, ids, 8, 16, 4, Policy.parse(method), cal, attention, record=record)
         _check_split(record, 1, 8, 0, 24, *times, newest=newest)
     with pytest.raises(ValueError, match="layer sensitivity"):
         simulate(model, ids, 8, 16, 4, Policy.parse("recent+split"), replace(cal, layer_sensitivity=None))
