@@ -126,8 +126,9 @@ def test_a_calibration_file_carries_the_layer_sensitivity():
     assert load_calibration({k: v for k, v in data.items() if k != "layer_sensitivity"}, config).layer_sensitivity \
         is None
     for bad, match in (({"recent": entry["recent"], "nats": entry["nats"]}, "dict of recent, nats and sinks"),
-                       ({**entry, "recent": torch.tensor([64, 32, 1024])}, "increasing window sizes"),
-                       ({**entry, "recent": entry["recent"].float()}, "increasing window sizes"),
+                       ({**entry, "recent": torch.tensor([64, 32, 1024])}, "recent must be increasing"),
+                       ({**entry, "recent": torch.tensor([0, 32, 1024])}, r"recent\[0\] must be >= 1"),
+                       ({**entry, "recent": entry["recent"].float()}, "1-D int64 tensor"),
                        ({**entry, "nats": entry["nats"][:, :1]}, r"has shape \(3, 1\)"),
                        ({**entry, "nats": entry["nats"] * float("nan")}, "NaN"),
                        ({**entry, "sinks": -1}, "sinks")):

@@ -208,6 +208,16 @@ def test_layer_split_keeps_the_same_total_and_localizes_the_insensitive_layers()
     one = LayerSensitivity((64, 256), torch.tensor([[0.04, 0.5, 0.01], [0.2, 0.5, 0.01]]), 16)
     assert layer_split(one, 100) == LayerSplit((0, 2), 50, 200)        # at 64 (50 is below every window)
     assert layer_split(one, 600) == LayerSplit((2,), 300, 750)         # at 256: layer 0 needs 0.2 there
+    for fields, error, match in ((((64,), [[0.1]], 16), TypeError, "nats must be a float32 CPU tensor"),
+                                 (((64,), torch.zeros(1, 2).double(), 16), TypeError, "nats must be a float32"),
+                                 (((64, 256), torch.zeros(1, 2), 16), ValueError, r"nats must be \[2 windows"),
+                                 (((64,), torch.zeros(1, 0), 16), ValueError, "layers >= 1"),
+                                 (((64,), torch.full((1, 2), float("nan")), 16), ValueError, "NaN"),
+                                 (((256, 64), torch.zeros(2, 2), 16), ValueError, "recent must be increasing"),
+                                 (([64], torch.zeros(1, 2), 16), TypeError, "recent must be a non-empty tuple"),
+                                 (((64,), torch.zeros(1, 2), -1), ValueError, "sinks must be >= 0")):
+        with pytest.raises(error, match=match):
+            LayerSensitivity(*fields)
     for args, error, match in (((nats, 100), TypeError, "LayerSensitivity"), ((one, 0), ValueError, "budget"),
                                ((one, 100, 1.0), ValueError, "share must be below 1"),
                                ((one, 100, 0.5, 0), ValueError, "threshold must be finite and > 0"),

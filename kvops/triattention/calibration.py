@@ -70,6 +70,25 @@ class LayerSensitivity:
     nats: torch.Tensor           # float32 [len(recent), L], on the CPU
     sinks: int
 
+    def __post_init__(self):
+        what = "LayerSensitivity"
+        if not isinstance(self.recent, tuple) or not self.recent:
+            raise TypeError(f"{what}: recent must be a non-empty tuple of window sizes, got {self.recent!r}"[:300])
+        for i, r in enumerate(self.recent):
+            check_int(what, f"recent[{i}]", r, 1)
+        if list(self.recent) != sorted(set(self.recent)):
+            raise ValueError(f"{what}: recent must be increasing, got {self.recent}")
+        check_int(what, "sinks", self.sinks)
+        nats = self.nats
+        if not isinstance(nats, torch.Tensor) or nats.dtype != torch.float32 or nats.device.type != "cpu":
+            raise TypeError(f"{what}: nats must be a float32 CPU tensor, got {type(nats).__name__} "
+                            f"{getattr(nats, 'dtype', '')} {getattr(nats, 'device', '')}")
+        if nats.dim() != 2 or nats.shape[0] != len(self.recent) or nats.shape[1] == 0:
+            raise ValueError(f"{what}: nats must be [{len(self.recent)} windows, layers >= 1], got shape "
+                             f"{tuple(nats.shape)}")
+        if not bool(torch.isfinite(nats).all()):
+            raise ValueError(f"{what}: nats holds NaN or Inf")
+
     def at(self, window: int) -> torch.Tensor:
         """float32 [L]: each layer's loss at the largest measured window not above `window` (the smallest
         one's where `window` is below every one: the loss only grows as the window shrinks)."""
@@ -289,12 +308,13 @@ def _sensitivity(entry: Any, L: int) -> LayerSensitivity | None:
     if not isinstance(entry, Mapping) or not {"recent", "nats", "sinks"} <= set(entry):
         raise ValueError(f"load_calibration: {what} must be a dict of recent, nats and sinks")
     recent = entry["recent"]
-    if not isinstance(recent, torch.Tensor) or recent.dtype != torch.int64 or recent.dim() != 1 or \
-            recent.numel() == 0 or not bool((recent >= 1).all()) or not bool((recent.diff() > 0).all()):
-        raise ValueError(f"load_calibration: {what}.recent must be an int64 tensor of increasing window sizes >= 1")
+    if not isinstance(recent, torch.Tensor) or recent.dtype != torch.int64 or recent.dim() != 1:
+        raise ValueError(f"load_calibration: {what}.recent must be a 1-D int64 tensor of window sizes")
     nats = _tensor(entry["nats"], f"{what}.nats", (recent.numel(), L), torch.float32)
-    sinks = check_int(f"load_calibration: {what}", "sinks", entry["sinks"])
-    return LayerSensitivity(tuple(recent.tolist()), nats, sinks)
+    try:
+        return LayerSensitivity(tuple(recent.tolist()), nats, entry["sinks"])
+    except (TypeError, ValueError) as e:
+        raise ValueError(f"load_calibration: {what}: {e}") from e
 
 
 def validate_calibration(calibration: Calibration, model_config: Mapping[str, Any], *,
