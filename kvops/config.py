@@ -277,8 +277,8 @@ def resolve_keep_policy(what: str, mode: str, budget: int, beta: int, num_layers
 
 
 # The per-layer budget rule (layer_split), measured on a trained model (benchmarks/RESULTS.md, "Per-layer
-# budgets"): a local layer keeps LOCAL_SHARE of a budget (a quarter measured the same); a layer is local when its
-# loss on that window is at most LOCAL_THRESHOLD of the most sensitive layer's.
+# budgets by layer sensitivity"): a local layer keeps LOCAL_SHARE of a budget (a quarter measured about the same);
+# a layer is local when its loss on that window is at most LOCAL_THRESHOLD of the most sensitive layer's.
 LOCAL_SHARE = 0.5
 LOCAL_THRESHOLD = 0.1
 

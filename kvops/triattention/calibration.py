@@ -104,7 +104,7 @@ class Calibration:
     freq_scale_sq: torch.Tensor  # float32 [F]: squared attention scaling of each frequency
     num_kv_heads: int
     head_dim: int
-    layer_sensitivity: LayerSensitivity | None = None  # files from kvops calibrate since 2026-12-05 hold one
+    layer_sensitivity: LayerSensitivity | None = None  # None: not measured (the shipped files)
 
     @property
     def num_layers(self) -> int:
@@ -376,9 +376,8 @@ def check_calibration(what: str, calibration: Calibration) -> Calibration:
         if tuple(fields[name].shape) != shape:
             raise ValueError(f"{what}: calibration.{name} has shape {tuple(fields[name].shape)}; q_mean's "
                              f"{(L, Hq, F)} needs {shape}")
-    sensitivity = cal.layer_sensitivity
-    if sensitivity is not None and (not isinstance(sensitivity, LayerSensitivity) or not isinstance(
-            sensitivity.nats, torch.Tensor) or tuple(sensitivity.nats.shape) != (len(sensitivity.recent), L)):
+    sensitivity = cal.layer_sensitivity  # a LayerSensitivity checks its own fields
+    if sensitivity is not None and (not isinstance(sensitivity, LayerSensitivity) or sensitivity.nats.shape[1] != L):
         raise ValueError(f"{what}: calibration.layer_sensitivity must be None or a LayerSensitivity whose nats are "
                          f"[windows, {L}] (one column per layer of q_mean)")
     if Hq % cal.num_kv_heads:
