@@ -213,6 +213,9 @@ def layer_sensitivity(model, token_ids: torch.Tensor, *, window: int = 2048, win
     _check_model(what, model)
     _check_tokens(what, model, token_ids)
     _check_sensitivity(what, model, window, windows, recent, sinks)
+    if min(window, token_ids.numel()) < 3:
+        raise ValueError(f"{what}: the first window must hold at least 3 tokens (its second half is measured), got "
+                         f"{min(window, token_ids.numel())}")
     device = next(model.parameters()).device
     L = model.config.num_hidden_layers
     loss = torch.nn.functional.cross_entropy
@@ -247,8 +250,8 @@ def calibrate(model, token_ids: torch.Tensor, window: int = 2048, progress: bool
               metadata: Mapping[str, Any] | None = None, sensitivity_windows: int = SENSITIVITY_WINDOWS) -> dict:
     """Run `token_ids` (int64 [n], ids of the model's vocabulary) through `model` in windows of `window` tokens
     (each its own sequence, batch 1) and return the calibration in the official format (save it with
-    ``torch.save``), with the ``layer_sensitivity`` of the first `sensitivity_windows` windows (0: none; it needs
-    an eager or sdpa attention). `metadata` joins the file's metadata (it may not replace what the measurement
+    ``torch.save``), with the ``layer_sensitivity`` of the first `sensitivity_windows` windows (0, or fewer than 3
+    tokens: none; it needs an eager or sdpa attention). `metadata` joins the file's metadata (it may not replace what the measurement
     writes); the model's train/eval mode is restored after."""
     _check_model("calibrate", model)
     _check_tokens("calibrate", model, token_ids)
@@ -284,7 +287,7 @@ def calibrate(model, token_ids: torch.Tensor, window: int = 2048, progress: bool
         if bar is not None:
             bar.close()
     data = stats.to_file_format(metadata)
-    if sensitivity_windows:
+    if sensitivity_windows and min(window, token_ids.numel()) >= 3:  # else no position to measure
         data["layer_sensitivity"] = layer_sensitivity(model, token_ids, window=window, windows=sensitivity_windows)
     return data
 

@@ -123,6 +123,9 @@ def test_a_calibration_file_carries_the_layer_sensitivity():
     torch.testing.assert_close(cal.layer_sensitivity.nats, entry["nats"])
     torch.testing.assert_close(cal.for_layers([1]).layer_sensitivity.nats, entry["nats"][:, 1:])
     assert "layer_sensitivity" not in calibrate(model, ids, window=80, sensitivity_windows=0)
+    assert "layer_sensitivity" not in calibrate(model, ids[:2])  # no second half to measure
+    with pytest.raises(ValueError, match="at least 3 tokens"):
+        layer_sensitivity(model, ids[:2])
     assert load_calibration({k: v for k, v in data.items() if k != "layer_sensitivity"}, config).layer_sensitivity \
         is None
     for bad, match in (({"recent": entry["recent"], "nats": entry["nats"]}, "dict of recent, nats and sinks"),
