@@ -38,7 +38,7 @@ from dataclasses import dataclass, replace
 import torch
 
 from kvops.calibrate import calibrate, layer_masks, require_transformers
-from kvops.config import layer_split, resolve_keep_policy
+from kvops.config import layer_split, resolve_keep_policy, split_budget
 from kvops.integrations.transformers import TriAttentionCache, cache_keyword
 from kvops.triattention import TriAttentionSelector, load_calibration
 
@@ -179,8 +179,7 @@ def simulate(model, ids: torch.Tensor, prompt: int, budget: int, beta: int, poli
                                           if policy.default else ())
         if not layers or len(layers) == L:
             raise ValueError(f"{policy.name}: a per-layer split needs some layers on recency and some scored")
-        held_by_recent = max(1, int(policy.share * budget))
-        budget = (L * budget - len(layers) * held_by_recent) // (L - len(layers))
+        _, held_by_recent, budget = split_budget(layers, budget, L, policy.share)
     if policy.default:
         sinks, recent, layers, prior = resolve_keep_policy("simulate", policy.mode, budget, beta, L)
         policy = Policy(policy.kind, policy.mode, recent, sinks, layers, share=policy.share, prior=prior)
@@ -204,6 +203,7 @@ def simulate(model, ids: torch.Tensor, prompt: int, budget: int, beta: int, poli
     # with a length per layer group holds no more than that in them.
     scored_times = set(rounds(n, prompt, budget, beta))
     local_times = set(rounds(n, prompt, held_by_recent, beta)) if held_by_recent is not None else set()
+    local_layers = set(policy.recent_layers) if held_by_recent is not None else set()
     for t in [*sorted(scored_times | local_times), n]:
         if start < t:
             allowed = causal[start:t, :t] & visible[:, :, None, :t]
@@ -221,11 +221,11 @@ def simulate(model, ids: torch.Tensor, prompt: int, budget: int, beta: int, poli
         elif policy.kind == "triattention":
             chosen = _triattention(selector, cache, candidates, prompt, policy.recent_layers)
         else:  # not for layers that keep another count: they hold fewer candidates
-            chosen = [None if layer in policy.recent_layers and held_by_recent is not None else
+            chosen = [None if layer in local_layers else
                       [_choose(policy, c, k, layer, h, t, beta, attention, gen, G) for h, c in enumerate(rows)]
                       for layer, rows in enumerate(candidates)]
         for layer in range(visible.shape[0]):
-            local = layer in policy.recent_layers and held_by_recent is not None
+            local = layer in local_layers
             if t not in (local_times if local else scored_times):
                 continue
             for h in range(Hkv):

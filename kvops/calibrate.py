@@ -33,6 +33,7 @@ MIN_TRANSFORMERS = (5, 0)
 SENSITIVITY_RECENT = (64, 256, 1024)
 SENSITIVITY_SINKS = 16
 SENSITIVITY_WINDOWS = 4
+MIN_SENSITIVITY_TOKENS = 3  # a window's second half predicts at least one token
 # Families whose attention projects q with q_proj (q_norm in Qwen3) and applies rotate-half RoPE to the whole head.
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "mixtral", "qwen2", "qwen2_moe", "qwen3", "qwen3_moe")
 
@@ -213,9 +214,15 @@ def layer_sensitivity(model, token_ids: torch.Tensor, *, window: int = 2048, win
     _check_model(what, model)
     _check_tokens(what, model, token_ids)
     _check_sensitivity(what, model, window, windows, recent, sinks)
-    if min(window, token_ids.numel()) < 3:
-        raise ValueError(f"{what}: the first window must hold at least 3 tokens (its second half is measured), got "
-                         f"{min(window, token_ids.numel())}")
+    if min(window, token_ids.numel()) < MIN_SENSITIVITY_TOKENS:
+        raise ValueError(f"{what}: the first window must hold at least {MIN_SENSITIVITY_TOKENS} tokens (its second "
+                         f"half is measured), got {min(window, token_ids.numel())}")
+    return _sensitivity(model, token_ids, window, windows, recent, sinks)
+
+
+def _sensitivity(model, token_ids: torch.Tensor, window: int, windows: int, recent: tuple[int, ...],
+                 sinks: int) -> dict:
+    """layer_sensitivity on checked arguments."""
     device = next(model.parameters()).device
     L = model.config.num_hidden_layers
     loss = torch.nn.functional.cross_entropy
@@ -226,7 +233,7 @@ def layer_sensitivity(model, token_ids: torch.Tensor, *, window: int = 2048, win
         for start in range(0, min(windows * window, token_ids.numel()), window):
             ids = token_ids[start:start + window].to(device)
             n, half = ids.numel(), ids.numel() // 2
-            if n < 2:
+            if n < MIN_SENSITIVITY_TOKENS:  # a last window with no position to measure
                 break
             full = loss(model(input_ids=ids[None], use_cache=False).logits[0, half:-1].float(), ids[half + 1:],
                         reduction="sum")
@@ -241,7 +248,7 @@ def layer_sensitivity(model, token_ids: torch.Tensor, *, window: int = 2048, win
             tokens += n - 1 - half
     finally:
         model.train(training)
-    return {"recent": torch.tensor(recent, dtype=torch.int64), "nats": (nats / max(tokens, 1)).float(),
+    return {"recent": torch.tensor(recent, dtype=torch.int64), "nats": (nats / tokens).float(),
             "sinks": sinks, "tokens": tokens}
 
 
@@ -250,9 +257,9 @@ def calibrate(model, token_ids: torch.Tensor, window: int = 2048, progress: bool
               metadata: Mapping[str, Any] | None = None, sensitivity_windows: int = SENSITIVITY_WINDOWS) -> dict:
     """Run `token_ids` (int64 [n], ids of the model's vocabulary) through `model` in windows of `window` tokens
     (each its own sequence, batch 1) and return the calibration in the official format (save it with
-    ``torch.save``), with the ``layer_sensitivity`` of the first `sensitivity_windows` windows (0, or fewer than 3
-    tokens: none; it needs an eager or sdpa attention). `metadata` joins the file's metadata (it may not replace what the measurement
-    writes); the model's train/eval mode is restored after."""
+    ``torch.save``), with the ``layer_sensitivity`` of the first `sensitivity_windows` windows (none for 0 or a
+    first window under 3 tokens; it needs an eager or sdpa attention). `metadata` joins the file's metadata (it may
+    not replace what the measurement writes); the model's train/eval mode is restored after."""
     _check_model("calibrate", model)
     _check_tokens("calibrate", model, token_ids)
     check_int("calibrate", "window", window, 1)
@@ -287,8 +294,9 @@ def calibrate(model, token_ids: torch.Tensor, window: int = 2048, progress: bool
         if bar is not None:
             bar.close()
     data = stats.to_file_format(metadata)
-    if sensitivity_windows and min(window, token_ids.numel()) >= 3:  # else no position to measure
-        data["layer_sensitivity"] = layer_sensitivity(model, token_ids, window=window, windows=sensitivity_windows)
+    if sensitivity_windows and min(window, token_ids.numel()) >= MIN_SENSITIVITY_TOKENS:
+        data["layer_sensitivity"] = _sensitivity(model, token_ids, window, sensitivity_windows, SENSITIVITY_RECENT,
+                                                 SENSITIVITY_SINKS)
     return data
 
 

@@ -307,13 +307,28 @@ def layer_split(sensitivity, budget: int, share: float = LOCAL_SHARE,
     for name, value in (("share", share), ("threshold", threshold)):
         if check_number(what, name, value, 0, strict=True) >= 1:
             raise ValueError(f"{what}: {name} must be below 1, got {value!r}")
-    local_budget = max(1, int(share * budget))
-    nats = sensitivity.at(local_budget)
-    L, most = nats.numel(), float(nats.max())
+    nats = sensitivity.at(max(1, int(share * budget)))
+    most = float(nats.max())
     local = tuple(i for i, v in enumerate(nats.tolist()) if v <= threshold * most) if most > 0 else ()
-    if not local:
+    return split_budget(local, budget, nats.numel(), share)  # (not every layer: the most sensitive is not local)
+
+
+def split_budget(local_layers: tuple[int, ...], budget: int, num_layers: int, share: float) -> LayerSplit:
+    """``num_layers x budget`` decode tokens with `local_layers` (some, not all, of the layers; none: the even
+    split) at their newest ``max(1, int(share x budget))`` and the other layers sharing the rest evenly (at least
+    one token each)."""
+    what = "split_budget"
+    check_int(what, "budget", budget, 1)
+    local_layers = check_recent_layers(what, local_layers, check_int(what, "num_layers", num_layers, 1))
+    check_number(what, "share", share, 0, strict=True)
+    if not local_layers:
         return LayerSplit((), budget, budget)
-    return LayerSplit(local, local_budget, (L * budget - len(local) * local_budget) // (L - len(local)))
+    local_budget, n = max(1, int(share * budget)), len(local_layers)
+    rest = (num_layers * budget - n * local_budget) // (num_layers - n)
+    if rest < 1:
+        raise ValueError(f"{what}: {n} layers at {local_budget} tokens leave the other {num_layers - n} none of "
+                         f"{num_layers} x {budget}")
+    return LayerSplit(local_layers, local_budget, rest)
 
 
 CONFIGS = {cls.algorithm: cls for cls in (NVFP4ColdPageConfig, TriAttentionConfig)}

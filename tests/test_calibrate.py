@@ -166,7 +166,9 @@ def test_the_python_api_refuses_what_the_model_cannot_run():
             ((object(), ids), {}, TypeError, "model must be a transformers model"),
             ((model, ids), {"metadata": [1]}, TypeError, "metadata must be a dict"),
             ((model, ids), {"metadata": {"tokens": 999}}, ValueError, "may not replace the measured fields"),
-            ((model, ids), {"progress": "no"}, TypeError, "progress must be a bool")):
+            ((model, ids), {"progress": "no"}, TypeError, "progress must be a bool"),
+            ((model, ids), {"sensitivity_windows": -1}, ValueError, "sensitivity_windows must be >= 0"),
+            ((model, ids), {"sensitivity_windows": True}, TypeError, "sensitivity_windows must be an int")):
         with pytest.raises(error, match=match):
             calibrate(*args, **kw)
     data = calibrate(model, ids, metadata={"note": "x"})

@@ -184,7 +184,7 @@ def test_layer_split_keeps_the_same_total_and_localizes_the_insensitive_layers()
     """Fresh random sensitivities: the local layers are those at most the threshold of the most sensitive one, at
     the window of their share (the largest measured one not above it); the totals stay within rounding of
     L x budget; nothing is local where no layer is that low or none needs anything."""
-    from kvops.config import LOCAL_SHARE, LOCAL_THRESHOLD, LayerSplit, layer_split
+    from kvops.config import LOCAL_SHARE, LOCAL_THRESHOLD, LayerSplit, layer_split, split_budget
     from kvops.triattention import LayerSensitivity
 
     gen = torch.Generator().manual_seed(1)
@@ -218,6 +218,17 @@ def test_layer_split_keeps_the_same_total_and_localizes_the_insensitive_layers()
                                  (((64,), torch.zeros(1, 2), -1), ValueError, "sinks must be >= 0")):
         with pytest.raises(error, match=match):
             LayerSensitivity(*fields)
+    assert split_budget((2, 0), 100, 4, 0.25) == LayerSplit((0, 2), 25, 175)
+    assert split_budget((), 100, 4, 3.0) == LayerSplit((), 100, 100)
+    for args, error, match in ((((0, 0), 100, 4, 0.5), ValueError, "a layer twice"),
+                               (((0, 4), 100, 4, 0.5), ValueError, "past the model's 4"),
+                               (((0, 1, 2, 3), 100, 4, 0.5), ValueError, "names every layer"),
+                               (((0,), 100, 4, 0), ValueError, "share must be finite and > 0"),
+                               (((0, 1), 100, 3, 2.0), ValueError, "leave the other 1 none"),
+                               (((0,), 0, 4, 0.5), ValueError, "budget must be >= 1"),
+                               ((0, 100, 4, 0.5), TypeError, "list or tuple")):
+        with pytest.raises(error, match=match):
+            split_budget(*args)
     for args, error, match in (((nats, 100), TypeError, "LayerSensitivity"), ((one, 0), ValueError, "budget"),
                                ((one, 100, 1.0), ValueError, "share must be below 1"),
                                ((one, 100, 0.5, 0), ValueError, "threshold must be finite and > 0"),

@@ -64,11 +64,10 @@ def check_slot_positions(what: str, positions: SlotPositions, R: int, rows: int 
                         f"{type(positions).__name__}")
     table, seats, stored, bases = positions
     check_int32(what, device, table=(table, 3), seats=(seats, 1), stored=(stored, 1), bases=(bases, 1))
-    if table.shape[1] != (table.shape[1] if rows is None else rows) or (table.shape[2] > 1 and table.stride(2) != 1) or \
+    if (rows is not None and table.shape[1] != rows) or (table.shape[2] > 1 and table.stride(2) != 1) or \
             not seats.shape[0] == stored.shape[0] == bases.shape[0] == R:
         raise ValueError(f"{what}: positions.table must be int32 [seats, {rows or 'rows'}, width] with a contiguous "
-                         f"last dim, "
-                         f"and seats, stored and bases [{R}]; got {tuple(table.shape)} strides {table.stride()}, "
+                         f"last dim, and seats, stored and bases [{R}]; got {tuple(table.shape)} strides {table.stride()}, "
                          f"{tuple(seats.shape)}, {tuple(stored.shape)}, {tuple(bases.shape)}")
 
 
