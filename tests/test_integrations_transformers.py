@@ -13,10 +13,12 @@ from conftest import BARE, DEVICES, TINY, bytes_of, tiny_model
 
 transformers = pytest.importorskip("transformers")
 
-from benchmarks.quality import masked_logits  # noqa: E402
+from benchmarks.quality import masked_logits, rounds  # noqa: E402
 from kvops.calibrate import calibrate  # noqa: E402
+from kvops.config import LayerSplit  # noqa: E402
 from kvops.integrations.transformers import (  # noqa: E402
-    GROUPED_SDPA, KVOPS_ATTENTION, TriAttentionCache, cache_keyword, grouped_sdpa, kv_bytes, kvops_attention)
+    GROUPED_SDPA, KVOPS_ATTENTION, TriAttentionCache, cache_keyword, grouped_sdpa, install_layer_masks, kv_bytes,
+    kvops_attention)
 from kvops.triattention import load_calibration  # noqa: E402
 from kvops.triattention.reference import select_reference  # noqa: E402
 
@@ -73,22 +75,39 @@ def test_with_eviction_logits_equal_attention_over_what_the_cache_holds(mode, or
 
 def _assert_logits_of_what_the_cache_held(model, cache, seq, logits, prompt, mode="union"):
     """`logits` (one row's generated steps) equal one full forward pass over `seq` in which each query row sees
-    exactly what the cache held at that step (its recorded rounds), and differ from the full cache's."""
+    exactly what the cache held at that step (its recorded rounds; a layer split's local layers, the prompt and
+    their newest local_budget tokens from each of their rounds on, at the times the manager's rule gives), and
+    differ from the full cache's."""
     n, device, budget = seq.shape[0], seq.device, cache.budget
     L, Hq, Hkv = model.config.num_hidden_layers, model.config.num_attention_heads, model.config.num_key_value_heads
-    layers = L if mode == "per_layer_perhead" else 1
+    scored = cache.scored_layers
+    layers = L if mode == "per_layer_perhead" or cache.local_layers else 1
     heads = 1 if mode == "union" else Hq
     causal = torch.ones(n, n, dtype=torch.bool, device=device).tril()
     allowed = causal.expand(layers, heads, -1, -1).clone()
-    for t, kept in cache.rounds:  # kept [1, rows, budget]: row 0, KV head g, or layer l's KV head g at l * Hkv + g
-        assert kept.shape == (1, layers * (1 if mode == "union" else Hkv), budget) and (kept >= prompt).all()
-        visible = torch.zeros(layers, heads, n, dtype=torch.bool, device=device)
-        visible[..., :prompt] = True
-        visible[..., t:] = True
-        for layer in range(layers):
+
+    def held_from(t, layer, visible):  # query rows t on of `layer` see the prompt, `visible` and what follows t
+        visible[:, :prompt] = True
+        visible[:, t:] = True
+        allowed[layer, :, t:] = causal[t:] & visible[:, None, :]
+
+    rows = len(scored) if mode == "per_layer_perhead" else 1
+    for t, kept in cache.rounds:  # kept [1, rows, budget]: row 0, KV head g, or scored layer i's KV head g: i * Hkv + g
+        assert kept.shape == (1, rows * (1 if mode == "union" else Hkv), budget) and (kept >= prompt).all()
+        for layer in [scored[0]] if layers == 1 else scored:
+            visible = torch.zeros(heads, n, dtype=torch.bool, device=device)
+            i = scored.index(layer) if mode == "per_layer_perhead" else 0
             for h in range(heads):
-                visible[layer, h, kept[0, 0 if mode == "union" else layer * Hkv + h // (Hq // Hkv)]] = True
-        allowed[:, :, t:] = causal[t:] & visible[:, :, None]
+                visible[h, kept[0, 0 if mode == "union" else i * Hkv + h // (Hq // Hkv)]] = True
+            held_from(t, min(layer, layers - 1), visible)
+    if cache.local_layers:
+        times = [t for t in rounds(n, prompt, cache.local_budget, cache.beta) if t < n - 1]
+        assert cache.num_local_rounds == len(times) > 0
+        for t in times:
+            for layer in cache.local_layers:
+                visible = torch.zeros(heads, n, dtype=torch.bool, device=device)
+                visible[:, t - cache.local_budget:t] = True
+                held_from(t, layer, visible)
     attention = model.config._attn_implementation
     model.config._attn_implementation = "eager"  # the simulation's 4-D float masks
     with torch.no_grad():
@@ -194,16 +213,20 @@ def test_a_step_that_overshoots_a_round_is_scored_whole():
 
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("attention", ["eager", GROUPED_SDPA])
-def test_static_cache_compiles_the_decode_step_once(attention, device):
+@pytest.mark.parametrize("split", [None, LayerSplit((0,), 8, 24)])
+def test_static_cache_compiles_the_decode_step_once(split, attention, device):
     """static=True: generate compiles the decode step as one graph, every step reuses it (rounds between steps
-    included), and every step's logits are those of attention over what the cache held."""
+    included), and every step's logits are those of attention over what the cache held. With a layer split the
+    local layer's mask is mapped inside the compiled step, from the offsets on the device."""
     from torch._dynamo.utils import counters
 
     model, cal = _setup(device=device)
+    install_layer_masks(model)
     prompt, budget, beta = 10, 16, 4
     ids = torch.randint(1, TINY["vocab_size"], (1, prompt), device=device)
     cache = TriAttentionCache(model.config, cal, budget=budget, beta=beta, mode="union", static=True,
-                              round_history=None, **BARE)
+                              round_history=None, layer_split=split or False, **BARE)
+    budget = cache.budget
     model.config._attn_implementation = attention
     assert cache.is_compileable and not TriAttentionCache(model.config, cal).is_compileable
     # fullgraph: a graph break fails the test. On the GPU generate's own choice otherwise (inductor, CUDA graphs);
@@ -219,10 +242,91 @@ def test_static_cache_compiles_the_decode_step_once(attention, device):
     assert graphs > 0
     out = _generate(model, first.sequences, cache, 41, **kw)
     assert counters["stats"]["unique_graphs"] == graphs  # 40 more steps and their rounds: nothing recompiled
-    assert cache.num_rounds >= 5 and cache.held <= prompt + budget + beta
-    assert cache.pools[0].shape[3] == prompt + budget + beta + 1  # what attention reads in every step
+    assert cache.num_rounds >= (1 if split else 5) and cache.held <= prompt + budget + beta
+    assert cache.pools[-1].shape[3] == prompt + budget + beta + 1  # what attention reads in every step
     logits = torch.cat([torch.stack(first.logits, 1), torch.stack(out.logits, 1)], 1)[0].float()
     _assert_logits_of_what_the_cache_held(model, cache, out.sequences[0], logits, prompt)
+
+
+# issue 34: per-layer budgets
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("mode", ["union", "per_head", "per_layer_perhead"])
+@pytest.mark.parametrize("local", [0, 1])
+def test_a_layer_split_holds_each_groups_count_under_its_own_mask(local, mode, device):
+    """layer_split: the local layer keeps its newest local_budget tokens in a pool of that size, with rounds of
+    its own, and the scored one the split's budget under the mode's policy; every step's logits are attention over
+    what each group held (the local layer's mask mapped by install_layer_masks: layer 0 maps its mask before the
+    step's first write runs the due rounds)."""
+    model, cal = _setup(device=device)
+    install_layer_masks(model)
+    prompt, beta = 10, 4
+    ids = torch.randint(1, TINY["vocab_size"], (1, prompt), device=device)
+    cache = TriAttentionCache(model.config, cal, budget=16, beta=beta, mode=mode, layer_split=LayerSplit((local,), 8, 24),
+                              round_history=None, **BARE)
+    out = _generate(model, ids, cache, 44)
+    assert cache.local_layers == (local,) and cache.scored_layers == (1 - local,) and cache.budget == 24
+    assert [p.shape[3] for p in cache.pools][local] == prompt + 8 + beta + 1  # the local layer's memory
+    assert cache.pools[1 - local].shape[3] == prompt + 24 + beta + 1
+    assert cache.num_rounds >= 3 and cache.local_held <= prompt + 8 + beta < cache.held
+    assert kv_bytes(cache) == (cache.held + cache.local_held) * 2 * 2 * 16 * 2  # each layer's held, K and V
+    logits = torch.stack(out.logits, 1)[0].float()
+    _assert_logits_of_what_the_cache_held(model, cache, out.sequences[0], logits, prompt, mode)
+
+
+@pytest.mark.parametrize("attention", ["eager", "sdpa"])
+def test_a_split_cache_takes_several_tokens_in_one_step(attention):
+    """A step of several tokens once the groups hold different counts: each layer's mask maps the causal block of
+    the new tokens onto its own slots, so the step gives the logits of the same tokens fed one by one."""
+    model, cal = _setup()
+    install_layer_masks(model)
+    model.config._attn_implementation = attention
+    seq = torch.randint(1, TINY["vocab_size"], (1, 44))
+    caches = [TriAttentionCache(model.config, cal, budget=16, beta=4, layer_split=LayerSplit((0,), 8, 24))
+              for _ in range(2)]
+    for cache in caches:
+        _run(model, cache, seq[:, :10])
+        for t in range(10, 36):  # local rounds at 19, 23, ..., 35; scored at 35
+            _run(model, cache, seq[:, t:t + 1])
+    one = torch.cat([_run(model, caches[0], seq[:, t:t + 1]) for t in range(36, 39)], 1)
+    several = _run(model, caches[1], seq[:, 36:39])
+    assert caches[1].local_held == 10 + 8 + 4 < caches[1].held == 10 + 24 + 4
+    torch.testing.assert_close(several, one, rtol=0, atol=1e-2)
+    assert (several - _run(model, TriAttentionCache(model.config, cal, budget=16, beta=4, layer_split=LayerSplit(
+        (0,), 8, 24)), seq[:, :39])[:, 36:]).abs().max() > 1e-2  # what was evicted would have changed them
+
+
+def test_a_layer_split_is_refused_by_name():
+    """layer_split: a bool or a LayerSplit naming layers of the model with counts of at least one; True needs the
+    calibration's layer sensitivity; it names the layers on recency, so recent_layers stays unset. A model whose
+    local layers would attend under the scored layers' mask (no install_layer_masks) is refused at its first
+    step, which then holds nothing."""
+    from dataclasses import replace
+
+    model, cal = _setup()
+    for kw, error, match in (
+            (dict(layer_split="yes"), TypeError, "layer_split must be a bool or a kvops.config.LayerSplit"),
+            (dict(layer_split=(0,)), TypeError, "layer_split must be a bool"),
+            (dict(layer_split=LayerSplit((2,), 8, 24)), ValueError, "names layers past the model's 2"),
+            (dict(layer_split=LayerSplit((0, 1), 8, 24)), ValueError, "names every layer"),
+            (dict(layer_split=LayerSplit((0,), 0, 24)), ValueError, "local_budget must be in"),
+            (dict(layer_split=LayerSplit((0,), 8, 2.5)), TypeError, "budget must be an int"),
+            (dict(layer_split=LayerSplit((0,), 8, 24), recent_layers=(1,)), ValueError, "leave recent_layers None"),
+            (dict(layer_split=True, calibration=replace(cal, layer_sensitivity=None)), ValueError,
+             "needs the calibration's layer sensitivity")):
+        args = {"calibration": cal, **kw}
+        with pytest.raises(error, match=match):
+            TriAttentionCache(model.config, args.pop("calibration"), budget=16, beta=4, **args)
+    plain = TriAttentionCache(model.config, replace(cal, layer_sensitivity=None), budget=16, beta=4)
+    assert plain.layer_split is None and plain.local_held == plain.held == 0
+    cache = TriAttentionCache(model.config, cal, budget=16, beta=4, layer_split=LayerSplit((1,), 8, 24))
+    with pytest.raises(RuntimeError, match="install_layer_masks"):
+        _run(model, cache, torch.randint(1, TINY["vocab_size"], (1, 10)))
+    assert cache.pools is None and cache.held == 0
+    install_layer_masks(install_layer_masks(model))  # once per model
+    assert sum(len(m._forward_pre_hooks) for m in model.modules()) == 2
+    _run(model, cache, torch.randint(1, TINY["vocab_size"], (1, 10)))
+    assert cache.held == cache.local_held == 10
 
 
 @pytest.mark.parametrize("device", DEVICES)

@@ -163,6 +163,40 @@ def test_harness_keeps_what_decoding_with_the_kvops_cache_keeps(mode, options):
                 assert sorted(kept[0, row].tolist()) == want.tolist(), (t, layer, g)
 
 
+@pytest.mark.parametrize("mode", ["union", "per_head", "per_layer_perhead"])
+def test_harness_split_is_what_the_split_cache_decodes(mode):
+    """+split against TriAttentionCache(layer_split=True) fed the same tokens one by one: the scored layer keeps
+    the same tokens at the same rounds, and the logits agree to bf16 rounding (the local layer's ring holds its
+    tokens in another slot order); a local layer holding other tokens would differ by far more."""
+    from benchmarks.quality import Policy, simulate
+    from kvops.integrations.transformers import TriAttentionCache, cache_keyword, install_layer_masks
+    from kvops.triattention import LayerSensitivity
+
+    model = tiny_model("qwen3").to(torch.bfloat16)
+    model.config._attn_implementation = "eager"
+    install_layer_masks(model)
+    cal = replace(_calibrated(model, 256),  # layer 1 local: 8 tokens, layer 0 scored: 24
+                  layer_sensitivity=LayerSensitivity((4, 64), torch.tensor([[0.5, 0.005], [0.2, 0.002]]), 4))
+    seq, prompt, budget, beta = torch.randint(1, TINY["vocab_size"], (70,)), 10, 16, 4
+    cache = TriAttentionCache(model.config, cal, budget=budget, beta=beta, mode=mode, layer_split=True,
+                              round_history=None)
+    with torch.no_grad():
+        logits = [model(input_ids=seq[None, :prompt], **{cache_keyword(model): cache}).logits[0]]
+        logits += [model(input_ids=seq[None, t:t + 1], **{cache_keyword(model): cache}).logits[0]
+                   for t in range(prompt, seq.numel())]
+        record = []
+        sim = simulate(model, seq, prompt, budget, beta, Policy.parse(f"triattention_{mode}+default+split"), cal,
+                       record=record)
+    assert cache.local_layers == (1,) and cache.num_local_rounds >= 10 and cache.num_rounds >= 5
+    by_time = dict(record)
+    Hkv = model.config.num_key_value_heads
+    for t, kept in cache.rounds:
+        for g in range(Hkv):
+            want = by_time[t][0, g, prompt:].nonzero().flatten() + prompt
+            assert sorted(kept[0, 0 if mode == "union" else g].tolist()) == want.tolist(), (t, g)
+    torch.testing.assert_close(torch.cat(logits).float(), sim.float(), rtol=0, atol=2e-2)
+
+
 def test_real_caches_decode_with_and_without_an_nvfp4_cycle():
     """evaluate_caches: the bf16 caches decode the window token by token; TriAttention's cache keeps its memory
     bound, and an NVFP4 offload/onboard cycle changes its predictions by codec error only."""

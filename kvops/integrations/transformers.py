@@ -34,7 +34,7 @@ import inspect
 import os
 import sys
 from dataclasses import dataclass
-from typing import Mapping
+from typing import Mapping, NamedTuple
 
 import torch
 
@@ -42,7 +42,8 @@ from .._checks import check_bool, check_choice, check_device, check_int
 from .._dispatch import python_op
 from ..calibrate import require_transformers
 from ..compaction import MODES, ORDERS, decision_rows
-from ..config import DEFAULT_MODE, MAX_POSITIONS, check_round_sizes, resolve_keep_policy
+from ..config import (DEFAULT_MODE, MAX_POSITIONS, LayerSplit, check_recent_layers, check_round_sizes, layer_split,
+                      resolve_keep_policy)
 from ..attention import HEAD_DIMS, QUERY_DTYPES, decode_attention
 from ..manager import TriAttentionRound, policy_selector, round_order
 from ..nvfp4 import PageBlobCodec, RowSpec
@@ -75,12 +76,23 @@ def _tokens(query_length):
 _KV_DTYPES = (torch.bfloat16, torch.float16)
 
 
+class _Layers(NamedTuple):
+    """Some of a cache's layers, as a round reads them (``TriAttentionRound``: their pools and device)."""
+
+    pools: list
+    device: torch.device
+
+    def views(self) -> list:
+        return self.pools
+
+
 @dataclass
 class _Step:
     """An eager step between its first and last layer's write: its tokens count as held only once the last layer
     has written them (a step stopped or refused half-way holds nothing)."""
 
-    start: int           # the slot of its first token
+    start: int           # the slot of its first token (in the scored layers)
+    local_start: int     # and in the local layers (a layer split's)
     tokens: int
     shape: torch.Size    # every layer's key_states and value_states
     first: bool          # the cache's first step (the prompt): it allocated the pools
@@ -125,7 +137,8 @@ class _PoolLayer(_transformers_module.cache_utils.CacheLayerMixin):
 
     @property
     def keys(self):
-        return None if self.cache.pools is None else self.cache.pools[self.layer_idx][:, 0, :, :self.cache.held]
+        return None if self.cache.pools is None else self.cache.pools[self.layer_idx][:, 0, :, :self.cache._held_by(
+            self.layer_idx)]
 
     @keys.setter
     def keys(self, value):  # the base class initialises keys/values; the pools are the storage
@@ -133,7 +146,8 @@ class _PoolLayer(_transformers_module.cache_utils.CacheLayerMixin):
 
     @property
     def values(self):
-        return None if self.cache.pools is None else self.cache.pools[self.layer_idx][:, 1, :, :self.cache.held]
+        return None if self.cache.pools is None else self.cache.pools[self.layer_idx][:, 1, :, :self.cache._held_by(
+            self.layer_idx)]
 
     @values.setter
     def values(self, value):
@@ -169,6 +183,14 @@ class TriAttentionCache(_transformers_module.Cache):
         not matter) or ``"ordered"`` (``kvops.compaction.ORDERS``).
     cuda_graphs : bool
         Replay each round size from a CUDA graph on the GPU (as ``TriAttentionManager`` does).
+    layer_split : bool or kvops.config.LayerSplit
+        Per-layer budgets: the same ``num_layers x budget`` decode tokens split by what each layer's attention
+        needs (docs/triattention.md, "Per-layer budgets"). True takes the split the calibration's measured layer
+        sensitivity gives (``kvops.config.layer_split``; ``kvops calibrate`` writes the sensitivity); a
+        ``LayerSplit`` gives it. Its local layers keep their newest ``local_budget`` generated tokens, with
+        rounds of their own, in pools sized to that; the other layers are scored under the keep policy for
+        ``split.budget`` (its recent layers are the split's local ones). The model must first pass through
+        ``install_layer_masks``, which hands each local layer its own attention mask.
     round_history : int or None
         How many of the last rounds ``rounds`` keeps (what each kept, on the device: ``batch x list rows x
         budget`` int64, 289 rows a request for Qwen3-8B in per_layer_perhead), None for every round;
@@ -195,7 +217,7 @@ class TriAttentionCache(_transformers_module.Cache):
                  sink_tokens: int | None = None, recent_window: int | None = None,
                  recent_layers: tuple[int, ...] | None = None, recency_prior: float | None = None,
                  compaction_order: str = "fill", cuda_graphs: bool = True, static: bool = False,
-                 round_history: int | None = 1):
+                 layer_split: bool | LayerSplit = False, round_history: int | None = 1):
         what = "TriAttentionCache"
         check_round_sizes(what, budget, beta)
         if round_history is not None:
@@ -228,16 +250,24 @@ class TriAttentionCache(_transformers_module.Cache):
         self.num_layers = calibration.num_layers
         self.num_kv_heads, self.head_dim = calibration.num_kv_heads, calibration.head_dim
         super().__init__(layers=[_PoolLayer(self, i) for i in range(self.num_layers)])
+        split = self._layer_split(layer_split, calibration, budget, recent_layers)
+        self.layer_split = split if split.local_layers else None
+        self.local_layers = split.local_layers
+        # the scored layers (every layer without a split): the round's layers, calibration and budget
+        self.scored_layers = tuple(layer for layer in range(self.num_layers) if layer not in self.local_layers)
+        budget, self.local_budget = split.budget, split.local_budget
+        if self.local_layers:
+            calibration = calibration.for_layers(list(self.scored_layers))
         # the generated tokens a row can hold (a step may overshoot a due round by one): all of them are scored,
         # so no token past max_decode is ever dropped unscored
         self.max_generated = budget + beta + 1
-        # the keep policy for the model (checked before anything is allocated)
-        policy = resolve_keep_policy(what, mode, budget, beta, self.num_layers, sink_tokens, recent_window,
-                                     recent_layers, recency_prior)
+        # the keep policy for the scored layers (checked before anything is allocated)
+        policy = resolve_keep_policy(what, mode, budget, beta, calibration.num_layers, sink_tokens, recent_window,
+                                     () if self.local_layers else recent_layers, recency_prior)
         self.selector = policy_selector(what, calibration, budget, mode, self.max_generated, *policy)
         self.sink_tokens, self.recent_window, self.recent_layers, self.recency_prior = policy
         # slot bookkeeping per compaction list row: the decision rows, and the window row of the recent layers
-        self._list_rows = decision_rows(mode, self.num_layers, self.num_kv_heads) + bool(self.recent_layers)
+        self._list_rows = decision_rows(mode, calibration.num_layers, self.num_kv_heads) + bool(self.recent_layers)
         self.budget, self.beta, self.cuda_graphs = budget, beta, cuda_graphs
         self.order = round_order(compaction_order, self.recent_window, beta)
         self.round_history = round_history
@@ -245,6 +275,28 @@ class TriAttentionCache(_transformers_module.Cache):
         self._host: torch.Tensor | None = None
         self._offloaded: set[int] = set()
         self._reset()
+
+    def _layer_split(self, split, calibration: Calibration, budget: int, recent_layers) -> LayerSplit:
+        """The cache's `layer_split` argument as a LayerSplit (no local layers: every layer at `budget`)."""
+        what = "TriAttentionCache"
+        if split is False:
+            return LayerSplit((), budget, budget)
+        if split is True:
+            if calibration.layer_sensitivity is None:
+                raise ValueError(f"{what}: layer_split=True needs the calibration's layer sensitivity, which this "
+                                 f"calibration lacks (kvops calibrate measures it); or pass a LayerSplit")
+            split = layer_split(calibration.layer_sensitivity, budget)
+        elif not isinstance(split, LayerSplit):
+            raise TypeError(f"{what}: layer_split must be a bool or a kvops.config.LayerSplit, got "
+                            f"{type(split).__name__} {split!r}")
+        check_recent_layers(f"{what}: layer_split", split.local_layers, self.num_layers)
+        for name in ("local_budget", "budget"):
+            check_int(f"{what}: layer_split", name, getattr(split, name), 1, MAX_POSITIONS)
+        if split.local_layers and recent_layers:
+            raise ValueError(f"{what}: recent_layers {list(recent_layers)} and a layer split both name layers on "
+                             f"recency; the split's local layers {list(split.local_layers)} are them (leave "
+                             f"recent_layers None)")
+        return split
 
     def _reset(self) -> None:
         """The state of a cache that holds nothing (no pools, no rounds)."""
@@ -256,6 +308,11 @@ class TriAttentionCache(_transformers_module.Cache):
         self.evicted = 0           # tokens each row has dropped (logical length = held + evicted)
         self.prompt = 0            # the first step's length: never evicted
         self._round_held = 0       # what each row held after the prompt or the last round
+        # the same of a layer split's local layers (their own rounds; static: their write offset on the device)
+        self._local_offset: torch.Tensor | None = None
+        self._local_held = self.local_evicted = self._local_round_held = 0
+        self.num_local_rounds = 0
+        self._masked = -1          # the last layer install_layer_masks' hook handed its mask (eager steps)
         # logical position of each slot, [batch, list rows, capacity]
         self.slot_positions: torch.Tensor | None = None
         # the last round_history rounds (all with None): (the logical position of the first token after it, the
@@ -281,6 +338,18 @@ class TriAttentionCache(_transformers_module.Cache):
         if self.static and self._offset is not None:
             self._held = int(self._offset)
         return self._held
+
+    @property
+    def local_held(self) -> int:
+        """Tokens each row holds in a layer split's local layers (``held`` without a split)."""
+        if not self.local_layers:
+            return self.held
+        if self.static and self._local_offset is not None:
+            self._local_held = int(self._local_offset)
+        return self._local_held
+
+    def _held_by(self, layer_idx: int) -> int:
+        return self.local_held if layer_idx in self.local_layers else self.held
 
     def get_seq_length(self, layer_idx: int = 0):
         """The logical length: every token seen (evicted ones too), from which the model takes RoPE positions (a
@@ -312,8 +381,12 @@ class TriAttentionCache(_transformers_module.Cache):
 
     def _mask_sizes(self, q: int) -> int:
         if self.static:  # every slot; the first step (the prompt) allocates q + max_generated of them
-            return self.pools[0].shape[3] if self.pools is not None else q + self.max_generated
+            return self._capacity() if self.pools is not None else q + self.max_generated
         return (self._held if self._offloaded else self._after_round(self._held)) + q
+
+    def _capacity(self, local: bool = False) -> int:
+        """The slots of a scored layer's pool (a local one's with `local`)."""
+        return self.pools[self.local_layers[0] if local else self.scored_layers[0]].shape[3]
 
     @property
     def device(self) -> torch.device:
@@ -376,6 +449,36 @@ class TriAttentionCache(_transformers_module.Cache):
         raise NotImplementedError("TriAttentionCache.early_initialization: not supported; the first step (the "
                                   "prompt) sizes the pools")
 
+    def layer_mask(self, layer_idx: int, mask):
+        """Layer `layer_idx`'s attention mask, from the mask transformers built for every layer
+        (``install_layer_masks`` calls it before the layer's attention). A scored layer's is that mask; a layer
+        split's local layer holds fewer tokens, so its columns are the mask's columns of its slots: the held ones
+        (the prompt's, with their padding, come first in both) and the step's new tokens, which in the mask follow
+        the scored layers' held ones. A 4-D tensor mask (bool, or additive) maps; no mask stays none."""
+        if not torch.compiler.is_compiling():
+            self._masked = layer_idx
+        if layer_idx not in self.local_layers or mask is None:
+            return mask
+        if not isinstance(mask, torch.Tensor) or mask.dim() != 4:
+            raise TypeError(f"TriAttentionCache.layer_mask: a layer split's local layers need a 4-D mask tensor "
+                            f"(eager, sdpa or kvops attention), got {type(mask).__name__}")
+        q, width = mask.shape[-2], mask.shape[-1]
+        if self.static and self.pools is None:  # the first step (the prompt) sizes the pools
+            scored, local, slots = 0, 0, q + self.local_budget + self.beta + 1
+        elif self.static:  # every slot, the offsets on the device: the step's new tokens at [offset, offset + q)
+            scored, local, slots = self._offset, self._local_offset, self._capacity(True)
+        else:  # the held tokens after a due round (the step's first layer runs it: maybe after this one)
+            scored = width - q
+            local = self._step.local_start if self._step is not None else self._after_round(self._local_held, True)
+            slots = local + q
+        slot = torch.arange(slots, device=mask.device)
+        column = torch.where(slot < local, slot, slot - local + scored).clamp_max(width - 1)
+        mapped = mask.index_select(-1, column)
+        if not self.static:
+            return mapped
+        hidden = False if mask.dtype == torch.bool else torch.finfo(mask.dtype).min
+        return mapped.masked_fill(slot >= local + q, hidden)  # past the step's tokens: the clamp's columns
+
     # -- storage ----------------------------------------------------------------------------------------------
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args, **kwargs):
         """Write a step's K and V (``[batch, kv_head, tokens, head_dim]``) of layer `layer_idx`; returns the
@@ -386,23 +489,25 @@ class TriAttentionCache(_transformers_module.Cache):
         """The first step's pools, sized by its length (the prompt); nothing is kept if an allocation fails."""
         B, H, q, D = key_states.shape
         capacity = q + self.max_generated
-        if capacity > MAX_POSITIONS:
+        local_capacity = q + self.local_budget + self.beta + 1  # the local layers' (a layer split's)
+        if max(capacity, local_capacity) > MAX_POSITIONS:
             raise ValueError(f"TriAttentionCache.update: the prompt ({q} tokens) + budget + beta + 1 must be at most "
-                             f"{MAX_POSITIONS} slots (int32 cache positions), got {capacity}")
+                             f"{MAX_POSITIONS} slots (int32 cache positions), got {max(capacity, local_capacity)}")
         device = key_states.device
-        pools = [torch.zeros(B, 2, H, capacity, D, dtype=key_states.dtype, device=device)
-                 for _ in range(self.num_layers)]
+        pools = [torch.zeros(B, 2, H, local_capacity if layer in self.local_layers else capacity, D,
+                             dtype=key_states.dtype, device=device) for layer in range(self.num_layers)]
         slot_positions = torch.arange(capacity, device=device).expand(B, self._list_rows, capacity).clone()
-        counters = [torch.zeros((), dtype=torch.long, device=device) for _ in range(2)] if self.static else None
+        counters = [torch.zeros((), dtype=torch.long, device=device) for _ in range(3)] if self.static else None
         self.pools, self.slot_positions, self.prompt, self._round_held = pools, slot_positions, q, q
+        self._local_round_held = q
         if self.static:
-            self._offset, self._logical = counters
+            self._offset, self._logical, self._local_offset = counters
             self._mark_static()
 
     def _mark_static(self) -> None:
         """What a compiled step writes in place keeps its address (cudagraphs replay on it)."""
         if not torch.compiler.is_compiling():
-            for t in (*self.pools, self._offset, self._logical, self.slot_positions):
+            for t in (*self.pools, self._offset, self._logical, self._local_offset, self.slot_positions):
                 torch._dynamo.mark_static_address(t)
 
     def _write(self, layer_idx: int, key_states: torch.Tensor, value_states: torch.Tensor):
@@ -412,6 +517,12 @@ class TriAttentionCache(_transformers_module.Cache):
                                  f"holds {self.num_layers} layer(s)")
             return self._write_static(layer_idx, key_states, value_states)
         self._check_layer(layer_idx)
+        local = layer_idx in self.local_layers
+        if local and self._masked != layer_idx:  # it would attend under the scored layers' mask
+            self._abandon()
+            raise RuntimeError(f"TriAttentionCache.update: layer {layer_idx} keeps a layer split's local count and "
+                               f"needs its own attention mask: pass the model through install_layer_masks(model) "
+                               f"(kvops.integrations.transformers) first")
         if layer_idx == 0:
             self._begin_step(key_states, value_states)
         else:
@@ -420,7 +531,8 @@ class TriAttentionCache(_transformers_module.Cache):
             if self.static:
                 out = self._write_static(layer_idx, key_states, value_states)
             else:
-                start, end = self._step.start, self._step.start + self._step.tokens
+                start = self._step.local_start if local else self._step.start
+                end = start + self._step.tokens
                 pool = self.pools[layer_idx]
                 pool[:, 0, :, start:end] = key_states
                 pool[:, 1, :, start:end] = value_states
@@ -438,13 +550,15 @@ class TriAttentionCache(_transformers_module.Cache):
         """Tensor ops on device-side offsets only: the same graph every step, no host read."""
         q, pool = key_states.shape[2], self.pools[layer_idx]
         steps = torch.arange(q, device=pool.device)
-        slots = steps + self._offset
-        _write_slots(pool, slots, key_states, value_states)
+        _write_slots(pool, steps + (self._local_offset if layer_idx in self.local_layers else self._offset),
+                     key_states, value_states)
         if layer_idx == self.num_layers - 1:
+            slots = steps + self._offset
             logical = (steps + self._logical).expand(*self.slot_positions.shape[:2], q)
             self.slot_positions.index_copy_(2, slots, logical)
             self._offset.add_(q)
             self._logical.add_(q)
+            self._local_offset.add_(q)
         return pool[:, 0], pool[:, 1]
 
     def _check_layer(self, layer_idx) -> None:
@@ -511,10 +625,14 @@ class TriAttentionCache(_transformers_module.Cache):
             raise RuntimeError(f"TriAttentionCache: rows {sorted(self._offloaded)} are offloaded; onboard them "
                                f"before generating")
         held = self.held
-        after, capacity = self._after_round(held), self.pools[0].shape[3]
-        if after + q > capacity:
-            raise ValueError(f"TriAttentionCache: {after + q} tokens do not fit the {capacity} slots (it holds "
-                             f"{after} after a due round); a step may add at most beta + 1 tokens past the prompt")
+        groups = [(self._after_round(held), self._capacity(), "")]
+        if self.local_layers:
+            groups.append((self._after_round(self.local_held, True), self._capacity(True), "local layers "))
+        for after, capacity, which in groups:
+            if after + q > capacity:
+                raise ValueError(f"TriAttentionCache: {after + q} tokens do not fit the {which}{capacity} slots (it "
+                                 f"holds {after} after a due round); a step may add at most beta + 1 tokens past "
+                                 f"the prompt")
         return held
 
     def _begin_step(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
@@ -530,7 +648,7 @@ class TriAttentionCache(_transformers_module.Cache):
             start = 0
         else:
             start = self._settle(self._check_step(q))
-        self._step = _Step(start, q, key_states.shape, first)
+        self._step = _Step(start, self._local_held if self.local_layers else start, q, key_states.shape, first)
 
     def _continue_step(self, layer_idx: int, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
         step, pool = self._step, self.pools[layer_idx]
@@ -550,6 +668,7 @@ class TriAttentionCache(_transformers_module.Cache):
             self.slot_positions[..., step.start:end] = torch.arange(logical, logical + step.tokens,
                                                                     device=self.slot_positions.device)
         self._held, self._step, self._last = end, None, step.first
+        self._local_held = step.local_start + step.tokens
 
     def _abandon(self) -> None:
         """Drop the step in progress: nothing of it stays (a first step takes its pools with it)."""
@@ -572,18 +691,42 @@ class TriAttentionCache(_transformers_module.Cache):
                                f"the cache was built from, or that forward raised; the cache holds nothing")
 
     # -- eviction ---------------------------------------------------------------------------------------------
-    def _due(self, held: int) -> bool:
-        return held - self.prompt > self.budget and held - self._round_held >= self.beta
+    def _due(self, held: int, local: bool = False) -> bool:
+        """Whether a round is due in the scored layers holding `held` (in the local ones, with `local`)."""
+        budget, since = (self.local_budget, self._local_round_held) if local else (self.budget, self._round_held)
+        return held - self.prompt > budget and held - since >= self.beta
 
-    def _after_round(self, held: int) -> int:
+    def _after_round(self, held: int, local: bool = False) -> int:
         """What each row holds once a due round has run."""
-        return self.prompt + self.budget if self._due(held) else held
+        return self.prompt + (self.local_budget if local else self.budget) if self._due(held, local) else held
 
     def _settle(self, held: int) -> int:
-        """Run a due round and return the tokens each row then holds. It runs before the next step writes (at the
-        step's first layer, or in a static cache when the next forward sizes its masks), so every layer of a step
-        sees the same held tokens."""
+        """Run the due rounds and return the tokens each row then holds in the scored layers. They run before the
+        next step writes (at the step's first layer, or in a static cache when the next forward sizes its masks),
+        so every layer of a step sees the same held tokens."""
+        if self.local_layers and self._due(self.local_held, True):
+            self._keep_newest()
         return self._compress(held) if self._due(held) else held
+
+    def _keep_newest(self) -> None:
+        """A round of the local layers: each keeps the prompt and its newest local_budget (n) generated tokens.
+        Slot order is free (attention is over a set), so the n slots after the prompt are a ring: generated token g
+        (g tokens after the prompt) lives at ``prompt + g % n`` there, and a slot s past the ring holds g = s -
+        prompt + local_evicted. A round moves only the kept tokens past the ring into it (two copies: the ring
+        wraps), each onto a token n or more older, evicted, and never onto a source."""
+        held, p, n = self.local_held, self.prompt, self.local_budget
+        source = max(p + n, held - n)
+        first = (source - p + self.local_evicted) % n  # the ring slot of the first token to move
+        wrap = min(held - source, n - first)
+        for layer in self.local_layers:
+            pool = self.pools[layer]
+            pool[:, :, :, p + first:p + first + wrap] = pool[:, :, :, source:source + wrap]
+            pool[:, :, :, p:p + held - source - wrap] = pool[:, :, :, source + wrap:held]
+        self.num_local_rounds += 1
+        self.local_evicted += held - p - n
+        self._local_held = self._local_round_held = p + n
+        if self.static:
+            self._local_offset.fill_(p + n)
 
     def _compress(self, held: int) -> int:
         """One round over the whole batch, before the next token is written: keep `budget` of the generated tokens
@@ -595,8 +738,9 @@ class TriAttentionCache(_transformers_module.Cache):
             if tracked and self._seat_positions is None:  # kept when the round rebinds (an onboard)
                 self._seat_positions = torch.zeros(B, selector.rows, selector.budget + W, dtype=torch.int32,
                                                    device=self.device)
-            self._round = TriAttentionRound(selector, self, B, 1, W, self.cuda_graphs, self.order, self.recent_layers,
-                                            self._seat_positions)
+            scored = _Layers([self.pools[layer] for layer in self.scored_layers], self.device)
+            self._round = TriAttentionRound(selector, scored, B, 1, W, self.cuda_graphs, self.order,
+                                            self.recent_layers, self._seat_positions)
         table = torch.arange(B, dtype=torch.int32)[:, None]
         protected = self.prompt + self.sink_tokens
         seats = list(range(B)) if tracked else []
@@ -746,6 +890,30 @@ for _name, _function in ((GROUPED_SDPA, grouped_sdpa), (KVOPS_ATTENTION, kvops_a
         _name, _transformers_module.masking_utils.ALL_MASK_ATTENTION_FUNCTIONS["sdpa"])  # sdpa's masks
 
 
+def install_layer_masks(model):
+    """Let a ``TriAttentionCache`` with a layer split hand each of its local layers their own attention mask.
+
+    transformers builds one mask for every full-attention layer, sized by what the scored layers hold; a local
+    layer holds fewer tokens. A forward pre-hook on each attention module passes its mask through the cache the
+    layer is called with (``TriAttentionCache.layer_mask``), which maps the mask's columns onto the layer's slots;
+    with any other cache, or none, it changes nothing. Installed once per model (a second call does nothing);
+    returns the model. The attention must take a 4-D mask or none (eager, sdpa, kvops' own; flash attention's
+    causal alignment needs none)."""
+    from ..calibrate import attention_modules
+
+    def hook(layer, module, args, kwargs):
+        cache = kwargs.get("cache", kwargs.get("past_key_values"))
+        if not isinstance(cache, TriAttentionCache) or "attention_mask" not in kwargs:
+            return None
+        return args, {**kwargs, "attention_mask": cache.layer_mask(layer, kwargs["attention_mask"])}
+
+    for layer, attention in attention_modules(model).items():
+        if not getattr(attention, "_kvops_layer_masks", False):
+            attention.register_forward_pre_hook(functools.partial(hook, layer), with_kwargs=True)
+            attention._kvops_layer_masks = True
+    return model
+
+
 def cache_keyword(model) -> str:
     """The keyword ``generate`` and ``forward`` take a cache by: ``cache`` from transformers 5.24 on (where
     ``past_key_values`` is deprecated), ``past_key_values`` before."""
@@ -757,8 +925,9 @@ def kv_bytes(cache: TriAttentionCache) -> int:
     if cache.pools is None:
         return 0
     p = cache.pools[0]
-    return cache.num_layers * p.shape[0] * 2 * p.shape[2] * cache.held * p.shape[4] * p.dtype.itemsize
+    held = len(cache.scored_layers) * cache.held + len(cache.local_layers) * cache.local_held
+    return held * p.shape[0] * 2 * p.shape[2] * p.shape[4] * p.dtype.itemsize
 
 
-__all__ = ["GROUPED_SDPA", "KVOPS_ATTENTION", "TriAttentionCache", "cache_keyword", "grouped_sdpa", "kv_bytes",
-           "kvops_attention"]
+__all__ = ["GROUPED_SDPA", "KVOPS_ATTENTION", "TriAttentionCache", "cache_keyword", "grouped_sdpa",
+           "install_layer_masks", "kv_bytes", "kvops_attention"]
