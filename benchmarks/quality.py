@@ -39,7 +39,7 @@ import torch
 
 from kvops.calibrate import calibrate, layer_masks, require_transformers
 from kvops.config import layer_split, resolve_keep_policy, split_budget
-from kvops.integrations.transformers import TriAttentionCache, cache_keyword
+from kvops.integrations.transformers import TriAttentionCache, cache_keyword, install_layer_masks
 from kvops.triattention import TriAttentionSelector, load_calibration
 
 from .common import pyplot
@@ -406,24 +406,28 @@ def evaluate_caches(model, windows: list[torch.Tensor], calibration, budgets, be
                     modes=CACHE_MODES, log=print, **options) -> list[dict]:
     """The same measures through real caches in bf16, decoding token by token: ``full_cache`` (transformers'
     DynamicCache), ``triattention_<mode>_cache`` (kvops' TriAttentionCache, with `options`: its policy
-    keywords; the mode's default keep policy without them) and ``triattention_<mode>_nvfp4`` (the same cache with one NVFP4 offload/onboard cycle halfway
-    through the window), each against the float32 full cache's predictions, with the decode's tokens/s (batch 1)."""
+    keywords; the mode's default keep policy without them), ``triattention_<mode>_nvfp4`` (the same cache with one
+    NVFP4 offload/onboard cycle halfway through the window) and, on a calibration with a layer sensitivity,
+    ``triattention_<mode>_split`` (the cache with ``layer_split=True``), each against the float32 full cache's
+    predictions, with the decode's tokens/s (batch 1)."""
     transformers = require_transformers()
-    half = copy.deepcopy(model).to(torch.bfloat16)
+    half = install_layer_masks(copy.deepcopy(model).to(torch.bfloat16))
     with torch.no_grad():
         fulls = [_full_logits(model, ids) for ids in windows]
+    kinds = ("cache", "nvfp4", "split") if calibration.layer_sensitivity is not None else ("cache", "nvfp4")
     rows = []
     for budget in budgets:
-        methods = [("full_cache", None, False)] + [(f"triattention_{m}_{kind}", m, kind == "nvfp4")
-                                                    for m in modes for kind in ("cache", "nvfp4")]
-        for method, mode, cycle in methods:
+        methods = [("full_cache", None, "")] + [(f"triattention_{m}_{kind}", m, kind) for m in modes for kind in kinds]
+        for method, mode, kind in methods:
             cells, positions, seconds = [], 0, 0.0
             for ids, full in zip(windows, fulls):
                 n = ids.numel()
                 first = next(rounds(n, prompt, budget, beta), n)
                 cache = transformers.DynamicCache(config=half.config) if mode is None else TriAttentionCache(
-                    half.config, calibration, budget=budget, beta=beta, mode=mode, **options)
-                logits, s = _decode(half, cache, ids, prompt, max(first, (prompt + n) // 2) if cycle else None)
+                    half.config, calibration, budget=budget, beta=beta, mode=mode, layer_split=kind == "split",
+                    **options)
+                cycle_at = max(first, (prompt + n) // 2) if kind == "nvfp4" else None
+                logits, s = _decode(half, cache, ids, prompt, cycle_at)
                 seconds, positions = seconds + s, positions + n - 1 - prompt
                 span = slice(first - prompt + 1, None)  # logits[i] predicts position prompt + i
                 cells.append((float(torch.nn.functional.cross_entropy(logits[span], ids[first + 1:], reduction="sum")),
@@ -451,7 +455,9 @@ def main(argv: list[str] | None = None) -> int:
                                       f"{','.join(QUICK_METHODS)})")
     ap.add_argument("--cache-windows", type=int, default=1,
                     help="windows also decoded token by token through real caches in bf16 (full, TriAttention, "
-                         "TriAttention after an NVFP4 offload/onboard cycle), with tokens/s; 0: none")
+                         "TriAttention after an NVFP4 offload/onboard cycle, TriAttention under its layer split), "
+                         "with tokens/s; 0: none")
+    ap.add_argument("--cache-modes", default=",".join(CACHE_MODES), help="the eviction modes of those caches")
     ap.add_argument("--quick", action="store_true",
                     help="under 5 minutes on two CPU cores: " + ", ".join(f"--{k.replace('_', '-')} {v}"
                                                                       for k, v in QUICK.items()))
@@ -469,6 +475,9 @@ def main(argv: list[str] | None = None) -> int:
     except ValueError as e:
         ap.error(f"--methods: {e} ({Policy.__doc__.split(chr(10))[0]})")
     budgets = [int(b) for b in a.budgets.split(",")]
+    cache_modes = a.cache_modes.split(",")
+    if not set(cache_modes) <= set(CACHE_MODES):
+        ap.error(f"--cache-modes: each one of {','.join(CACHE_MODES)}, got {a.cache_modes}")
     transformers = require_transformers()
     tokenizer = transformers.AutoTokenizer.from_pretrained(a.model, local_files_only=True)
     model = transformers.AutoModelForCausalLM.from_pretrained(a.model, local_files_only=True, dtype=torch.float32,
@@ -504,7 +513,7 @@ def main(argv: list[str] | None = None) -> int:
             print(f"  +split at budget {budget}: {layer_split(sensitivity, budget)}")
     rows = evaluate(model, windows, calibration, budgets, a.beta, a.prompt, methods)
     if a.cache_windows > 0:
-        rows += evaluate_caches(model, windows[:a.cache_windows], calibration, budgets, a.beta, a.prompt)
+        rows += evaluate_caches(model, windows[:a.cache_windows], calibration, budgets, a.beta, a.prompt, cache_modes)
     if a.csv:
         with open(a.csv, "w", newline="") as f:
             writer = csv.DictWriter(f, fieldnames=list(rows[0]))

@@ -146,12 +146,16 @@ def test_rounds_keep_what_the_reference_selects():
 
 
 @pytest.mark.parametrize("device", DEVICES)
-def test_offload_and_onboard_round_trip_through_nvfp4(device):
+@pytest.mark.parametrize("split", [None, LayerSplit((1,), 4, 28)])
+def test_offload_and_onboard_round_trip_through_nvfp4(split, device):
     model, cal = _setup(device=device)
+    install_layer_masks(model)
     ids = torch.randint(1, TINY["vocab_size"], (2, 10), device=device)
-    cache = TriAttentionCache(model.config, cal, budget=16, beta=4)
+    cache = TriAttentionCache(model.config, cal, budget=16, beta=4, layer_split=split or False)
     out = model.generate(ids, max_new_tokens=30, do_sample=False, **_with(model, cache))
-    before = [p[:, :, :, :cache.held].float().clone() for p in cache.pools]
+    held = [cache.local_held if layer in cache.local_layers else cache.held for layer in range(2)]
+    assert len(set(held)) == (2 if split else 1)
+    before = [p[:, :, :, :n].float().clone() for p, n in zip(cache.pools, held)]
     cache.offload(0)
     with pytest.raises(RuntimeError, match="offloaded"):
         model.generate(out, max_new_tokens=2, do_sample=False, **_with(model, cache))
@@ -161,8 +165,8 @@ def test_offload_and_onboard_round_trip_through_nvfp4(device):
         cache.onboard(5)
     cache.onboard(1)
     cache.onboard(0)
-    for p, b in zip(cache.pools, before):
-        got = p[:, :, :, :cache.held].float()
+    for p, b, n in zip(cache.pools, before, held):
+        got = p[:, :, :, :n].float()
         assert (got - b).norm() / b.norm() < 0.15 and not torch.equal(bytes_of(got), bytes_of(b))  # codec error only
     more = model.generate(out, max_new_tokens=8, do_sample=False, **_with(model, cache))
     assert torch.equal(more[:, :out.shape[1]], out) and more.shape[1] == out.shape[1] + 8

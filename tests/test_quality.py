@@ -9,7 +9,7 @@ import torch
 pytest.importorskip("transformers")
 
 from kvops.calibrate import calibrate  # noqa: E402
-from kvops.triattention import load_calibration  # noqa: E402
+from kvops.triattention import LayerSensitivity, load_calibration  # noqa: E402
 from conftest import BARE, TINY, tiny_model  # noqa: E402
 
 
@@ -104,7 +104,6 @@ def test_a_calibrated_split_puts_the_insensitive_layers_on_recency():
     layer 1 (a hundredth of layer 0's loss) keeps its newest half budget and layer 0 the rest of the same total;
     the default policy's own recent layer (0) gives way to the split's."""
     from benchmarks.quality import Policy, full_attention, rounds, simulate
-    from kvops.triattention import LayerSensitivity
 
     model = tiny_model("qwen3")  # 2 layers
     model.config._attn_implementation = "eager"
@@ -170,7 +169,6 @@ def test_harness_split_is_what_the_split_cache_decodes(mode):
     tokens in another slot order); a local layer holding other tokens would differ by far more."""
     from benchmarks.quality import Policy, simulate
     from kvops.integrations.transformers import TriAttentionCache, cache_keyword, install_layer_masks
-    from kvops.triattention import LayerSensitivity
 
     model = tiny_model("qwen3").to(torch.bfloat16)
     model.config._attn_implementation = "eager"
@@ -199,16 +197,22 @@ def test_harness_split_is_what_the_split_cache_decodes(mode):
 
 def test_real_caches_decode_with_and_without_an_nvfp4_cycle():
     """evaluate_caches: the bf16 caches decode the window token by token; TriAttention's cache keeps its memory
-    bound, and an NVFP4 offload/onboard cycle changes its predictions by codec error only."""
+    bound, and an NVFP4 offload/onboard cycle changes its predictions by codec error only. A calibration with a
+    layer sensitivity adds the cache under its layer split (and one without, none)."""
     from benchmarks.quality import evaluate_caches
 
     model = tiny_model("qwen3")
     model.config._attn_implementation = "eager"
     ids = torch.randint(0, TINY["vocab_size"], (80,))
-    rows = evaluate_caches(model, [ids], _calibrated(model), [16], beta=4, prompt=8, modes=("union",),
-                           log=lambda *a: None, recent_window=2)
+    cal = replace(_calibrated(model), layer_sensitivity=LayerSensitivity((64,), torch.tensor([[0.5, 0.005]]), 4))
+    rows = evaluate_caches(model, [ids], cal, [16], beta=4, prompt=8, modes=("union",), log=lambda *a: None,
+                           recent_window=2)
     by = {r["method"]: r for r in rows}
-    assert set(by) == {"full_cache", "triattention_union_cache", "triattention_union_nvfp4"}
+    assert set(by) == {"full_cache", "triattention_union_cache", "triattention_union_nvfp4", "triattention_union_split"}
+    assert by["triattention_union_split"]["loss"] != by["triattention_union_cache"]["loss"]
+    rows = evaluate_caches(model, [ids], replace(cal, layer_sensitivity=None), [16], beta=4, prompt=8,
+                           modes=("union",), log=lambda *a: None)
+    assert "triattention_union_split" not in {r["method"] for r in rows}
     assert by["full_cache"]["agreement"] > 0.9  # bf16 against the float32 full cache
     assert by["triattention_union_cache"]["kv_tokens_max"] == 8 + 16 + 4 < by["full_cache"]["kv_tokens_max"]
     assert all(r["tokens_per_s"] > 0 and r["positions"] == by["full_cache"]["positions"] > 0 for r in rows)
