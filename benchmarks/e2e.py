@@ -19,7 +19,11 @@ Caches (``--caches``):
   step (inductor, CUDA graphs): the dense baseline a user who wants speed runs, under ``--dense-attention``
   (default ``kvops``, faster for it on the H200 than ``grouped_sdpa``);
 - ``kvops``: ``TriAttentionCache``, eager;
-- ``kvops-static``: ``TriAttentionCache(static=True)``, compiled by ``generate`` as ``dense-static``.
+- ``kvops-static``: ``TriAttentionCache(static=True)``, compiled by ``generate`` as ``dense-static``;
+- ``kvops-split-static``: the same with per-layer budgets (``layer_split``): all layers but the last
+  ``--split-scored`` keep their newest half budget, the others share the rest of the same total
+  (``kvops.config.split_budget``; random weights have no sensitivity to measure). It installs
+  ``install_layer_masks`` on the model, so list it last.
 The kvops caches run ``--attention`` (default ``kvops``: ``KVOPS_ATTENTION``, kvops' decode attention op;
 ``grouped_sdpa``: ``GROUPED_SDPA``, sdpa with the grouped heads packed, no K/V repeat under a mask).
 
@@ -43,9 +47,9 @@ import time
 import torch
 
 from kvops.calibrate import require_transformers
-from kvops.config import DEFAULT_MODE
+from kvops.config import DEFAULT_MODE, LOCAL_SHARE, split_budget
 from kvops.integrations.transformers import (GROUPED_SDPA, KVOPS_ATTENTION, TriAttentionCache, cache_keyword,
-                                             kv_bytes)
+                                             install_layer_masks, kv_bytes)
 from kvops.triattention import load_calibration
 
 from .common import device_copy_gbps
@@ -80,22 +84,24 @@ class _RoundTimer:
     """CUDA events (or wall time on the CPU) around each of a TriAttentionCache's rounds."""
 
     def __init__(self, cache: TriAttentionCache):
-        self.events, self.seconds, compress = [], 0.0, cache._compress
+        self.events, self.seconds = [], 0.0
+        # the scored layers' rounds, and a layer split's local ones
+        cache._compress, cache._keep_newest = self._timed(cache, cache._compress), self._timed(cache, cache._keep_newest)
 
-        def timed(held):
+    def _timed(self, cache: TriAttentionCache, run):
+        def timed(*args):
             if cache.device.type == "cuda":
                 start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
                 start.record()
-                held = compress(held)
+                out = run(*args)
                 end.record()
                 self.events.append((start, end))
             else:
                 t = time.perf_counter()
-                held = compress(held)
+                out = run(*args)
                 self.seconds += time.perf_counter() - t
-            return held
-
-        cache._compress = timed
+            return out
+        return timed
 
     def total_seconds(self) -> float:
         if self.events:
@@ -135,10 +141,11 @@ def _step(model, cache, batch: int, device: torch.device, steps: int = 8) -> tup
     return sorted(host)[steps // 2] * 1e3, sorted(gpu)[steps // 2] * 1e3
 
 
-CACHES = ("default", "dense-static", "kvops", "kvops-static")
+CACHES = ("default", "dense-static", "kvops", "kvops-static", "kvops-split-static")
 # --attention: kvops' decode attention, or sdpa with grouped heads packed (no K/V repeat under a static cache's mask)
 ATTENTION = {"kvops": KVOPS_ATTENTION, "grouped_sdpa": GROUPED_SDPA}
-STATIC = ("dense-static", "kvops-static")  # generate compiles their decode step (inductor, CUDA graphs)
+# generate compiles their decode step (inductor, CUDA graphs)
+STATIC = ("dense-static", "kvops-static", "kvops-split-static")
 
 
 def _new_cache(name: str, model, calibration, context: int, args):
@@ -147,8 +154,13 @@ def _new_cache(name: str, model, calibration, context: int, args):
         return transformers.DynamicCache(config=model.config)
     if name == "dense-static":  # every token of the context, the warm-up decode and the timed one
         return transformers.StaticCache(config=model.config, max_cache_len=context + 2 * args.new_tokens + 1)
+    split = False
+    if name == "kvops-split-static":
+        L = model.config.num_hidden_layers
+        split = split_budget(tuple(range(L - args.split_scored)), args.budget, L, LOCAL_SHARE)
+        install_layer_masks(model)
     return TriAttentionCache(model.config, calibration, budget=args.budget, beta=args.beta, mode=args.mode,
-                             static=name == "kvops-static")
+                             static=name in STATIC, layer_split=split)
 
 
 def _held_tokens(name: str, context: int, args) -> float:
@@ -196,7 +208,7 @@ def _measure(name: str, model, calibration, ids: torch.Tensor, args, device: tor
         r["peak_gib_decode"] = torch.cuda.max_memory_allocated(device) / 2**30
     if timer:
         r["decode_rounds"], r["decode_round_s"] = cache.num_rounds - rounds, timer.total_seconds() - round_s
-        r["capacity_tokens"] = cache.pools[0].shape[3]
+        r["capacity_tokens"] = max(p.shape[3] for p in cache.pools)
     if cuda and name not in STATIC:  # a compiled step is timed by the decode alone
         r["step_host_ms"], r["step_gpu_ms"] = _step(model, cache, ids.shape[0], device)
     del r["phase"]
@@ -324,18 +336,18 @@ def _table(out: dict) -> list[str]:
     rows = [r for r in out["rows"] if not r.get("oom")]
     dense = {(r["context"], r["batch"]): r["tokens_per_s"] for r in rows if r["cache"] == "dense-static"}
     dense_peak = {r["context"]: r["tokens_per_s"] for r in rows if r["cache"] == "dense-static" and r["peak"]}
-    lines = [f"{'context':>7} {'cache':16} {'batch':>5} {'tokens/s':>9} {'vs dense-static':>15} {'vs its peak':>11} "
+    lines = [f"{'context':>7} {'cache':18} {'batch':>5} {'tokens/s':>9} {'vs dense-static':>15} {'vs its peak':>11} "
              f"{'step ms':>8} {'floor ms':>8} {'x floor':>7}"]
     for r in out["rows"]:
         if r.get("oom"):
-            lines.append(f"{r['context']:>7} {r['cache']:16} {r['batch']:>5}  out of memory in the "
+            lines.append(f"{r['context']:>7} {r['cache']:18} {r['batch']:>5}  out of memory in the "
                          f"{r.get('phase', 'benchmark')}")
             continue
         same = dense.get((r["context"], r["batch"]))
         peak = dense_peak.get(r["context"]) if r["peak"] else None
         ratio = lambda base: f"{r['tokens_per_s'] / base:.2f}x" if base else "-"  # noqa: E731
         floor = (f"{r['floor_ms']:8.2f} {r['step_over_floor']:6.2f}x" if "floor_ms" in r else f"{'-':>8} {'-':>7}")
-        lines.append(f"{r['context']:>7} {r['cache'] + (' (eager)' if r['cache'] in ('default', 'kvops') else ''):16} "
+        lines.append(f"{r['context']:>7} {r['cache'] + (' (eager)' if r['cache'] in ('default', 'kvops') else ''):18} "
                      f"{r['batch']:>5} {r['tokens_per_s']:9.1f} {ratio(same):>15} {ratio(peak):>11} "
                      f"{r['step_ms']:8.2f} {floor}")
     return lines
@@ -355,6 +367,9 @@ def main(argv=None) -> int:
                     help="the kvops caches' eviction mode, under its default keep policy")
     ap.add_argument("--caches", default=",".join(CACHES),
                     help=f"comma-separated, from {CACHES} (the static ones: generate compiles the step)")
+    ap.add_argument("--split-scored", type=int,
+                    help="kvops-split-static: the layers scored (the last ones; default 4, --tiny 1); the others "
+                         "keep half a budget")
     ap.add_argument("--attention", default="kvops", choices=sorted(ATTENTION), help="the kvops caches' attention")
     ap.add_argument("--dense-attention", default="kvops", choices=sorted(ATTENTION),
                     help="dense-static's attention (the faster one on the H200: kvops)")
@@ -366,8 +381,9 @@ def main(argv=None) -> int:
     args.caches = args.caches.split(",")
     if not set(args.caches) <= set(CACHES):
         ap.error(f"--caches: choose from {CACHES}")
-    defaults = dict(batch=2, context="160", prompt=16, new_tokens=12, budget=48, beta=8) if args.tiny else \
-        dict(batch=32, context="16384,32768", prompt=1024, new_tokens=256, budget=2048, beta=128)
+    defaults = dict(batch=2, context="160", prompt=16, new_tokens=12, budget=48, beta=8, split_scored=1) if \
+        args.tiny else dict(batch=32, context="16384,32768", prompt=1024, new_tokens=256, budget=2048, beta=128,
+                            split_scored=4)
     if args.batch is not None and args.batch < 1:
         ap.error(f"--batch: at least 1, got {args.batch}")
     if args.peak and args.batch is None:
@@ -378,6 +394,9 @@ def main(argv=None) -> int:
         args.context = [int(c) for c in str(args.context).split(",")]
     except ValueError:
         ap.error(f"--context: comma-separated token counts, got {args.context!r}")
+    layers = (TINY if args.tiny else QWEN3_8B)["num_hidden_layers"]
+    if not 1 <= args.split_scored < layers:
+        ap.error(f"--split-scored: some of the model's {layers} layers, not all, got {args.split_scored}")
     if min(args.context) <= args.prompt:
         ap.error(f"--context: each context must exceed --prompt {args.prompt}")
     if args.peak and args.tiny:

@@ -16,13 +16,17 @@ def test_tiny_run_fills_decodes_and_reports(tmp_path, capsys):
     assert "mechanics" in printed  # says a tiny random model shows no speed
     out = json.loads(path.read_text())
     rows = {r["cache"]: r for r in out["rows"]}
-    assert sorted(rows) == ["default", "dense-static", "kvops", "kvops-static"]
+    assert sorted(rows) == ["default", "dense-static", "kvops", "kvops-split-static", "kvops-static"]
     # 160 tokens held by the dense caches, at most prompt + budget + beta + 1 = 73 slots by kvops
     for name in ("kvops", "kvops-static"):
         r = rows[name]
         assert r["capacity_tokens"] == 16 + 48 + 8 + 1
         assert 0 < r["kv_bytes"] <= rows["default"]["kv_bytes"] * 73 / 160
         assert r["decode_rounds"] >= 1 and r["decode_round_s"] > 0  # 12 timed steps at beta 8
+    # layer 0 local at 24 tokens, layer 1 scored at the other 72 of 2 x 48: its pool is the larger
+    split = rows["kvops-split-static"]
+    assert split["capacity_tokens"] == 16 + 72 + 8 + 1 and split["decode_round_s"] > 0
+    assert 0 < split["kv_bytes"] <= rows["default"]["kv_bytes"] * (16 + 48 + 8 + 1) / 160
     for r in rows.values():
         assert r["tokens_per_s"] > 0 and r["step_ms"] > 0
         # the floor counts the weights and what the cache holds: kvops reads fewer bytes than the dense caches
@@ -33,7 +37,7 @@ def test_tiny_run_fills_decodes_and_reports(tmp_path, capsys):
 
 def test_arguments_are_checked(capsys):
     for argv in (["--tiny", "--peak"], ["--tiny", "--context", "8"], ["--tiny", "--context", "x"],
-                 ["--tiny", "--caches", "dense"], ["--tiny", "--batch", "0"]):
+                 ["--tiny", "--caches", "dense"], ["--tiny", "--batch", "0"], ["--tiny", "--split-scored", "2"]):
         with pytest.raises(SystemExit) as e:
             main(argv)
         assert e.value.code == 2
