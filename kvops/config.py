@@ -121,7 +121,9 @@ class TriAttentionConfig(KVCacheCompressionConfig):
     newest `recent_window` of them always, and the best-scored others, the scores leaning to recent tokens by
     `recency_prior`. Layers in `recent_layers` keep their newest tokens instead of the scored ones
     (docs/triattention.md, "Keep policy"). The keep policy's fields left at None take the measured defaults of
-    `eviction_mode` (``resolve_keep_policy``); 0, 0, () and 0.0 give bare scoring.
+    `eviction_mode` (``resolve_keep_policy``); 0, 0, () and 0.0 give bare scoring. `layer_split`: per-layer
+    budgets by the calibration's measured layer sensitivity (``layer_groups``; docs/triattention.md, "Per-layer
+    budgets"), whose local layers are the layers on recency (recent_layers stays None).
     `calibration_path`: a calibration file or a shipped name (``kvops.triattention.SHIPPED``, e.g. "qwen3-8b")."""
 
     algorithm: ClassVar[str] = "triattention"
@@ -138,6 +140,7 @@ class TriAttentionConfig(KVCacheCompressionConfig):
     recent_window: int | None = None
     recent_layers: tuple[int, ...] | None = None
     recency_prior: float | None = None
+    layer_split: bool = False
 
     def __post_init__(self):
         what = "TriAttentionConfig"
@@ -149,6 +152,10 @@ class TriAttentionConfig(KVCacheCompressionConfig):
         if self.recent_layers is not None:
             object.__setattr__(self, "recent_layers", policy.recent_layers)
         check_bool(what, "normalize_scores", self.normalize_scores)
+        check_bool(what, "layer_split", self.layer_split)
+        if self.layer_split and self.recent_layers:
+            raise ValueError(f"{what}: recent_layers {list(self.recent_layers)} and layer_split both name layers on "
+                             f"recency; the split's local layers are them (leave recent_layers None)")
         check_choice(what, "compaction_order", self.compaction_order, ORDERS)
         if self.calibration_path is None:
             raise ValueError("TriAttentionConfig.calibration_path: a calibration file is required")
@@ -168,12 +175,28 @@ class TriAttentionConfig(KVCacheCompressionConfig):
         if not isinstance(data, Mapping) or not ("stats" in data or "E_q" in data):
             raise ValueError(f"TriAttentionConfig.calibration_path: {self.calibration_path!r} holds no calibration "
                              "statistics ('stats' or 'E_q')")
+        if self.layer_split and data.get("layer_sensitivity") is None:
+            raise ValueError(f"TriAttentionConfig.layer_split: {self.calibration_path!r} holds no layer sensitivity "
+                             f"(kvops calibrate measures it)")
 
-    def keep_policy(self, num_layers: int) -> KeepPolicy:
+    def keep_policy(self, num_layers: int, split: LayerSplit | None = None) -> KeepPolicy:
         """The keep policy for a model of `num_layers` layers: the fields given, the mode's defaults for the
-        others (``resolve_keep_policy``)."""
-        return resolve_keep_policy("TriAttentionConfig", self.eviction_mode, self.budget, self.beta, num_layers,
-                                   self.sink_tokens, self.recent_window, self.recent_layers, self.recency_prior)
+        others (``resolve_keep_policy``). Under a layer split (``layer_groups``), the scored layers' policy: for
+        their budget, with no recent layers of their own."""
+        budget, layers, recent = self.budget, num_layers, self.recent_layers
+        if split is not None and split.local_layers:
+            budget, layers, recent = split.budget, num_layers - len(split.local_layers), ()
+        return resolve_keep_policy("TriAttentionConfig", self.eviction_mode, budget, self.beta, layers,
+                                   self.sink_tokens, self.recent_window, recent, self.recency_prior)
+
+    def layer_groups(self, calibration) -> LayerSplit:
+        """The model's layer groups under this config: with `layer_split`, ``layer_split(calibration's layer
+        sensitivity, budget)`` (`calibration`: this config's, loaded for the model: ``load_calibration``); else
+        every layer scored at `budget`. An engine sizes a KV cache per group from it (the local layers', the
+        scored layers') before it creates the manager."""
+        if not self.layer_split:
+            return LayerSplit((), self.budget, self.budget)
+        return layer_split(calibration.layer_sensitivity, self.budget)
 
     def supports_block_reuse(self) -> bool:
         return False  # compaction rewrites pages that a prefix cache could share

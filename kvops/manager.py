@@ -124,7 +124,14 @@ class TriAttentionManager(KVCacheCompressionManager):
     Under tensor parallelism each rank runs its own manager on its own cache (its KV heads), with the same hooks
     in the same order: `process_group` and `kv_heads` go to the selector (``TriAttentionSelector``). With
     `validate`, every step checks that the ranks hold the same lengths and every round the same page tables
-    (small all-reduces, each a host sync), raising on every rank before anything moves."""
+    (small all-reduces, each a host sync), raising on every rank before anything moves.
+
+    Under a layer split (``TriAttentionConfig.layer_split``: ``config.layer_groups``), `kv_cache` is a pair of
+    caches, the scored layers' and the local layers' (each holding its layers in model order), as an engine
+    keeps a page table per KV-cache group; every decode step writes both. The scored cache runs the rounds above
+    at the split's budget; the local one keeps each request's prompt and newest ``local_budget`` tokens, with
+    rounds of its own (the same rule at its count). ``length`` and ``logical_position`` answer for the scored
+    cache, ``local_length`` for the local one."""
 
     def __init__(self, config: TriAttentionConfig, kv_cache, model_config: Mapping[str, Any], *, process_group=None,
                  kv_heads: range | None = None, validate: bool = False):
@@ -134,7 +141,24 @@ class TriAttentionManager(KVCacheCompressionManager):
         self.validate = check_bool("TriAttentionManager", "validate", validate)
         super().__init__(config, kv_cache, model_config)
         calibration = config.load_calibration(model_config)
-        self.policy = policy = config.keep_policy(calibration.num_layers)
+        num_layers = calibration.num_layers
+        self.layer_split = split = config.layer_groups(calibration)
+        self.local_cache = None  # a layer split's local layers' cache
+        if split.local_layers:
+            if not isinstance(kv_cache, (tuple, list)) or len(kv_cache) != 2:
+                raise TypeError(f"TriAttentionManager: under a layer split kv_cache must be the pair (the scored "
+                                f"layers' cache, the local layers' cache), got {type(kv_cache).__name__}")
+            self.kv_cache, self.local_cache = kv_cache
+            scored = [layer for layer in range(num_layers) if layer not in split.local_layers]
+            for cache, layers, which in ((self.kv_cache, scored, "scored"),
+                                         (self.local_cache, split.local_layers, "local")):
+                pools = getattr(cache, "pools", None)
+                if pools is not None and len(pools) != len(layers):
+                    raise ValueError(f"TriAttentionManager: the {which} layers' cache holds {len(pools)} layers; the "
+                                     f"split {split} gives it layers {list(layers)}")
+            calibration = calibration.for_layers(scored)
+        self.budget, self.local_budget = split.budget, split.local_budget
+        self.policy = policy = config.keep_policy(num_layers, split)
         self.order = round_order(config.compaction_order, policy.recent_window, config.beta)
         # A round holds at most budget + 2*beta decode tokens (a round is due after beta more, and a step may
         # confirm several): the sinks, the scored ones, and the tail: the newest recent_window plus anything past
@@ -142,12 +166,12 @@ class TriAttentionManager(KVCacheCompressionManager):
         self.max_tail = config.beta + policy.recent_window
         # A cache that stores its keys scaled (fp8, vLLM's k_scale) says so with a `k_scale` attribute: float32
         # [L] or [L, Hkv] (TriAttentionSelector).
-        self.selector = policy_selector("TriAttentionManager", calibration, config.budget, config.eviction_mode,
-                                        config.budget + 2 * config.beta, *policy,
+        self.selector = policy_selector("TriAttentionManager", calibration, self.budget, config.eviction_mode,
+                                        self.budget + 2 * config.beta, *policy,
                                         normalize_scores=config.normalize_scores,
-                                        k_scale=getattr(kv_cache, "k_scale", None), process_group=self.process_group,
-                                        kv_heads=kv_heads)
-        heads = getattr(kv_cache, "num_kv_heads", None)
+                                        k_scale=getattr(self.kv_cache, "k_scale", None),
+                                        process_group=self.process_group, kv_heads=kv_heads)
+        heads = getattr(self.kv_cache, "num_kv_heads", None)
         if heads is not None and heads != len(self.selector.kv_heads):  # create_compression_manager checks it too
             raise ValueError(f"TriAttentionManager: the cache holds {heads} KV heads, kv_heads "
                              f"{self.selector.kv_heads} names {len(self.selector.kv_heads)}")
@@ -155,7 +179,8 @@ class TriAttentionManager(KVCacheCompressionManager):
         recent = torch.zeros(calibration.num_layers, dtype=torch.int64)
         recent[list(policy.recent_layers)] = 1
         self._settings = torch.cat((self.selector.settings, torch.tensor(
-            [config.beta, policy.sink_tokens, policy.recent_window, ORDERS.index(config.compaction_order)]), recent))
+            [config.beta, policy.sink_tokens, policy.recent_window, ORDERS.index(config.compaction_order),
+             self.local_budget, len(split.local_layers)]), recent))
         self.prompt_length: dict[Any, int] = {}
         self.since_round: dict[Any, int] = {}
         self.num_compressed_tokens: dict[Any, int] = {}
@@ -175,6 +200,15 @@ class TriAttentionManager(KVCacheCompressionManager):
         # round eagerly (e.g. under a debugger or an engine that captures its own graphs).
         self.cuda_graphs = True
         self._round: TriAttentionRound | None = None
+        # a layer split's local layers: the same accounting as the scored ones' above, in their own cache
+        self.local_accounted: dict[Any, int] = {}
+        self.local_since: dict[Any, int] = {}
+        self.local_compressed: dict[Any, int] = {}
+        self._local_round: TriAttentionRound | None = None
+
+    def _caches(self) -> list:
+        """The caches every step writes: the scored layers', and a layer split's local layers'."""
+        return [self.kv_cache] if self.local_cache is None else [self.kv_cache, self.local_cache]
 
     def _admitted(self, what: str, name: str, rid) -> None:
         check_hashable(what, name, rid)
@@ -185,14 +219,16 @@ class TriAttentionManager(KVCacheCompressionManager):
         """Decode steps start once the request's prompt is written: in the cache, and as its context steps
         accounted it (a chunked prefill in progress has written part of it)."""
         written = min(self.accounted_length[rid], self._cache_length(what, rid))
+        if self.local_cache is not None:
+            written = min(written, self.local_accounted[rid], self._cache_length(what, rid, self.local_cache))
         if written < self.prompt_length[rid]:
             raise ValueError(f"{what}: {name}: request {rid!r} has written {written} of its "
                              f"{self.prompt_length[rid]} prompt tokens; decode steps start after its last context "
                              f"step")
 
-    def _cache_length(self, what: str, rid) -> int:
+    def _cache_length(self, what: str, rid, cache=None) -> int:
         try:
-            return self.kv_cache.length(rid)
+            return (cache or self.kv_cache).length(rid)
         except (KeyError, ValueError) as e:
             raise ValueError(f"{what}: request {rid!r} is admitted here but unknown to the cache (released there "
                              f"before on_request_finish?): {e}") from e
@@ -206,6 +242,9 @@ class TriAttentionManager(KVCacheCompressionManager):
         self.since_round[request.id] = 0
         self.num_compressed_tokens[request.id] = 0
         self.accounted_length[request.id] = request.prompt_length  # what the prefill will write
+        if self.local_cache is not None:
+            self.local_accounted[request.id] = request.prompt_length
+            self.local_since[request.id] = self.local_compressed[request.id] = 0
         if self.selector.recency_prior:
             self._seats[request.id] = heapq.heappop(self._free_seats) if self._free_seats else len(self._seats)
             self._stored[request.id] = 0
@@ -222,13 +261,16 @@ class TriAttentionManager(KVCacheCompressionManager):
                 raise ValueError(f"{what}: requests[{i}] ({request.id!r}) has prompt_length {request.prompt_length}, "
                                  f"it was admitted with {self.prompt_length[request.id]}")
         _distinct(what, "requests", [r.id for r in requests])
-        lengths = [self._cache_length(what, r.id) for r in requests]
-        for request, length in zip(requests, lengths):
-            if length > request.prompt_length:
-                raise ValueError(f"{what}: request {request.id!r} holds {length} tokens after its context step, "
-                                 f"more than its prompt_length {request.prompt_length}")
-        for request, length in zip(requests, lengths):
-            self.accounted_length[request.id] = length
+        accounted = [self.accounted_length] + ([self.local_accounted] if self.local_cache is not None else [])
+        lengths = [[self._cache_length(what, r.id, cache) for r in requests] for cache in self._caches()]
+        for group in lengths:
+            for request, length in zip(requests, group):
+                if length > request.prompt_length:
+                    raise ValueError(f"{what}: request {request.id!r} holds {length} tokens after its context "
+                                     f"step, more than its prompt_length {request.prompt_length}")
+        for table, group in zip(accounted, lengths):
+            for request, length in zip(requests, group):
+                table[request.id] = length
 
     def on_generation_step_begin(self, batch: Sequence[Any]) -> None:
         """Checks the batch (admitted, distinct request ids); a round only runs after a step."""
@@ -246,7 +288,7 @@ class TriAttentionManager(KVCacheCompressionManager):
         if request.id in self._seats:
             heapq.heappush(self._free_seats, self._seats[request.id])
         for table in (self.prompt_length, self.since_round, self.num_compressed_tokens, self.accounted_length,
-                      self._seats, self._stored):
+                      self._seats, self._stored, self.local_accounted, self.local_since, self.local_compressed):
             table.pop(request.id, None)
 
     def logical_position(self, rid) -> int:
@@ -254,47 +296,95 @@ class TriAttentionManager(KVCacheCompressionManager):
         self._admitted("TriAttentionManager.logical_position", "rid", rid)
         return self.kv_cache.length(rid) + self.num_compressed_tokens[rid]
 
-    def _plan(self, batch: Sequence[tuple[Any, int]]) -> tuple[dict, dict, list]:
+    def _plan(self, batch: Sequence[tuple[Any, int]]) -> tuple[dict, dict, list, dict, dict, list]:
         """Checks a step's batch and returns, changing nothing: each request's cache length and since-round count
         after the step, and the requests due for a round (at most one round per step, however many tokens the
-        step confirmed)."""
+        step confirmed); then the same of a layer split's local cache (empty without one)."""
         what = "TriAttentionManager.on_generation_step_end"
         batch = _step_items(what, batch)  # every item first, then apply
         for i, (rid, _) in enumerate(batch):
             self._admitted(what, f"batch[{i}]", rid)
             self._prefilled(what, f"batch[{i}]", rid)
-        lengths, since, due = {}, {}, []
-        for rid, confirmed in batch:
-            length = self._cache_length(what, rid)
-            grew = length - self.accounted_length[rid]
-            if confirmed != grew:
-                raise ValueError(f"{what}: request {rid!r} confirmed {confirmed} tokens, but its cache grew by {grew} "
-                                 f"since the last hook (length {length}, {self.accounted_length[rid]} accounted for); "
-                                 f"call it once per step, after the step's KV is written")
-            lengths[rid], since[rid] = length, self.since_round[rid] + confirmed
-            if length - self.prompt_length[rid] > self.config.budget and since[rid] >= self.config.beta:
-                due.append(rid)
-        return lengths, since, due
+        groups = [(self.kv_cache, self.accounted_length, self.since_round, self.budget, "cache")]
+        if self.local_cache is not None:
+            groups.append((self.local_cache, self.local_accounted, self.local_since, self.local_budget,
+                           "local layers' cache"))
+        plan = []
+        for cache, accounted, since_round, budget, which in groups:
+            lengths, since, due = {}, {}, []
+            for rid, confirmed in batch:
+                length = self._cache_length(what, rid, cache)
+                grew = length - accounted[rid]
+                if confirmed != grew:
+                    raise ValueError(f"{what}: request {rid!r} confirmed {confirmed} tokens, but its {which} grew by "
+                                     f"{grew} since the last hook (length {length}, {accounted[rid]} accounted for); "
+                                     f"call it once per step, after the step's KV is written")
+                lengths[rid], since[rid] = length, since_round[rid] + confirmed
+                if length - self.prompt_length[rid] > budget and since[rid] >= self.config.beta:
+                    due.append(rid)
+            plan += [lengths, since, due]
+        return tuple(plan + [{}, {}, []] * (2 - len(groups)))
 
     def due(self, batch: Sequence[tuple[Any, int]]) -> list:
-        """Requests a round would cover after this step (`on_generation_step_end`'s batch); changes nothing."""
+        """Requests a round would cover after this step (`on_generation_step_end`'s batch) in the scored layers
+        (in a layer split's local layers too: ``_plan``); changes nothing."""
         return self._plan(batch)[2]
 
     def on_generation_step_end(self, batch: Sequence[tuple[Any, int]]) -> None:
-        lengths, since, rids = self._plan(batch)
+        lengths, since, rids, local_lengths, local_since, local_rids = self._plan(batch)
         if self.validate:  # the ranks must agree on which requests are due: each runs the round's collectives
             check_same_on_ranks("TriAttentionManager.on_generation_step_end", self.process_group,
                                 self.kv_cache.device, manager_settings=self._settings, step=torch.tensor(
                                     [[lengths[r], self.prompt_length[r], since[r], r in rids] for r, _ in batch],
                                     dtype=torch.int64).view(-1, 4))
-        new_lengths = self._run_round(rids) if rids else []  # refuses (raises) before anything moves
+        # both refuse (raise) before anything moves: the local round's checks first, then the scored round
+        local = self._local_round_args(local_rids) if local_rids else None
+        new_lengths = self._run_round(rids) if rids else []
+        new_local = self._run_local_round(local_rids, *local) if local_rids else []
         # committed only now: a refused step counts nothing, so the engine may call it again
         for rid, n in zip(rids, new_lengths):
             self.num_compressed_tokens[rid] += lengths[rid] - n
             lengths[rid], since[rid] = n, 0
+        for rid, n in zip(local_rids, new_local):
+            self.local_compressed[rid] += local_lengths[rid] - n
+            local_lengths[rid], local_since[rid] = n, 0
         self.accounted_length.update(lengths)
         self.since_round.update(since)
+        self.local_accounted.update(local_lengths)
+        self.local_since.update(local_since)
         self.rounds += bool(rids)
+
+    def local_length(self, rid) -> int:
+        """A request's length in a layer split's local layers' cache (its prompt and newest tokens)."""
+        self._admitted("TriAttentionManager.local_length", "rid", rid)
+        if self.local_cache is None:
+            raise ValueError("TriAttentionManager.local_length: the config has no layer split with local layers")
+        return self.local_cache.length(rid)
+
+    def _local_round_args(self, rids: list) -> tuple[list, int]:
+        """A local round's checks (raising before anything moves) and what it needs: the lengths and the page
+        table width."""
+        cache = self.local_cache
+        if not all(cache.resident(r) for r in rids):
+            raise RuntimeError(f"TriAttentionManager: requests {[r for r in rids if not cache.resident(r)]} are "
+                               f"offloaded from the local layers' cache; a round needs their pages on the GPU")
+        lengths = [cache.length(r) for r in rids]
+        return lengths, max(triton.cdiv(n, cache.page_size) for n in lengths)
+
+    def _run_local_round(self, rids: list, lengths: list, width: int) -> list[int]:
+        """One round of the local layers over the due requests: each keeps its prompt and newest local_budget
+        tokens (``TriAttentionRound`` with no selector); returns the new lengths."""
+        cache = self.local_cache
+        if self._local_round is None or not self._local_round.fits(len(rids), width):
+            self._local_round = TriAttentionRound(None, cache, len(rids), width, 0, self.cuda_graphs,
+                                                  self.config.compaction_order, window=self.local_budget)
+        prompts = [self.prompt_length[r] for r in rids]
+        positions = [n + self.local_compressed[r] for r, n in zip(rids, lengths)]
+        self._local_round.run(cache.page_table(rids, self._local_round.width, device="cpu"), lengths, prompts,
+                              [0] * len(rids), positions)
+        new_lengths = [p + self.local_budget for p in prompts]
+        cache.shrink(rids, new_lengths)
+        return new_lengths
 
     def _run_round(self, rids: list) -> list[int]:
         """One round over the due requests; returns their new lengths. Raises before anything moves when a
@@ -354,36 +444,43 @@ class TriAttentionRound:
     compaction's layer windows); `selector` scores the others (``policy_selector``). In fill order those layers
     keep them as rings (``build_compaction_params(window_offsets=)``), so a round moves only what it evicts there.
     A ring turns by the tokens each round evicts, so its offset is the request's evicted tokens modulo the budget:
-    its logical position less its cache length.
+    its logical position less its cache length. With no selector (`selector` None), every layer keeps its newest
+    `window` tokens: the round of a layer split's local layers, which scores nothing.
 
     A selector with a recency prior reads each decode token's logical position: `slot_positions` is the table
     of the stored ones, int32 ``[seats, selector rows, >= selector.budget + max_tail]``
     (``kvops.compaction.positions``), which each round reads and then updates through its compaction; ``run``
     takes each request's seat and stored slots."""
 
-    def __init__(self, selector: TriAttentionSelector, cache, requests: int, width: int, max_tail: int,
+    def __init__(self, selector: TriAttentionSelector | None, cache, requests: int, width: int, max_tail: int,
                  cuda_graphs: bool, order: str = "fill", recent_layers: Sequence[int] = (),
-                 slot_positions: torch.Tensor | None = None):
+                 slot_positions: torch.Tensor | None = None, window: int | None = None):
         what = "TriAttentionRound"
         check_int(what, "requests", requests, 1)  # capacities: at least one request, one page
         check_int(what, "width", width, 1)
         check_bool(what, "cuda_graphs", cuda_graphs)
         L = len(cache.views())
-        recent_layers = check_recent_layers(what, recent_layers, L)
+        if selector is None:
+            self.budget = check_int(what, "window", window, 1)
+            recent_layers = tuple(range(L))
+        else:
+            self.budget = selector.budget
+            recent_layers = check_recent_layers(what, recent_layers, L)
         self.selector, self.requests, self.max_tail = selector, 1 << (requests - 1).bit_length(), max_tail
         self.width = 1 << (width - 1).bit_length()
         device = cache.device
         self.page_table = torch.full((self.requests, self.width), -1, dtype=torch.int32, device=device)
         # scored, prompt, tail, position, window offset; with slot positions: seat, stored slots, in-order base
         self.lengths = torch.zeros(8, self.requests, dtype=torch.int32, device=device)
-        heads = selector.calibration.num_kv_heads
         self.scored = [layer for layer in range(L) if layer not in recent_layers]
-        rows = decision_rows(selector.mode, L, heads)  # the compaction's rows: every layer's
+        # the compaction's rows: every layer's (one unread row when no layer is scored)
+        heads = 0 if selector is None else selector.calibration.num_kv_heads
+        rows = 1 if selector is None else decision_rows(selector.mode, L, heads)
         # per_layer_perhead rows of the scored layers (row l * heads + g) when some layers keep their newest
-        self.rows_index = None if rows == selector.rows else torch.tensor(
+        self.rows_index = None if selector is None or rows == selector.rows else torch.tensor(
             [layer * heads + g for layer in self.scored for g in range(heads)], device=device)
         self.slot_positions = self.list_rows = None
-        if selector.recency_prior:
+        if selector is not None and selector.recency_prior:
             stored = selector.budget + max_tail  # a round leaves at most that many decode slots
             check_int32(what, self.page_table.device, slot_positions=(slot_positions, 3))
             if slot_positions.shape[1] != selector.rows or slot_positions.shape[2] < stored or \
@@ -393,15 +490,15 @@ class TriAttentionRound:
             self.slot_positions = slot_positions
             if self.rows_index is not None:
                 self.list_rows = self.rows_index.to(torch.int32)
-        kept = torch.zeros(self.requests, rows, selector.budget, dtype=torch.int32, device=device)
-        windows = [selector.budget if layer in recent_layers else 0 for layer in range(L)]
+        kept = torch.zeros(self.requests, rows, self.budget, dtype=torch.int32, device=device)
+        windows = [self.budget if layer in recent_layers else 0 for layer in range(L)]
         ring = order == "fill" and bool(recent_layers)
         self.params = build_compaction_params(cache.views(), self.page_table, kept, self.lengths[0], self.lengths[2],
                                               self.lengths[1], max_tail=max_tail, order=order,
                                               layer_windows=windows if recent_layers else None,
                                               window_offsets=self.lengths[4] if ring else None)
         # (a gloo group's all-reduce cannot be captured: such rounds run eagerly whatever cuda_graphs says)
-        capture = cuda_graphs and device.type == "cuda" and capturable(selector.process_group)
+        capture = cuda_graphs and device.type == "cuda" and (selector is None or capturable(selector.process_group))
         self.graphs: dict[int, torch.cuda.CUDAGraph] | None = {} if capture else None
 
     def fits(self, requests: int, width: int) -> bool:
@@ -412,12 +509,14 @@ class TriAttentionRound:
         p, positions = self.params, None
         if self.slot_positions is not None:
             positions = SlotPositions(self.slot_positions, seat, stored, base)
-        picked = self.selector.select([p.pools[layer] for layer in self.scored] if len(self.scored) < len(p.pools)
-                                      else p.pools, self.page_table[:R], scored, prompt, position, positions=positions)
-        if self.rows_index is None:
-            self.params.kept[:R].copy_(picked)
-        else:
-            self.params.kept[:R].index_copy_(1, self.rows_index, picked)
+        if self.selector is not None:
+            picked = self.selector.select([p.pools[layer] for layer in self.scored] if len(self.scored) < len(p.pools)
+                                          else p.pools, self.page_table[:R], scored, prompt, position,
+                                          positions=positions)
+            if self.rows_index is None:
+                self.params.kept[:R].copy_(picked)
+            else:
+                self.params.kept[:R].index_copy_(1, self.rows_index, picked)
         compact(p, R)
         if positions is not None:  # what landed in each slot: after the compaction, which wrote the lists
             follow_slot_positions_(positions, p.sources[:R], p.destination_bases[:R], p.new_lengths[:R],
@@ -450,7 +549,7 @@ class TriAttentionRound:
                              f"{tuple(page_table.shape)} and {len(scored)}, {len(prompts)}, {len(tails)}, "
                              f"{len(positions)}, {len(seats)}, {len(stored)}")
         if tracked:
-            S, C = self.slot_positions.shape[0], self.selector.budget + self.max_tail
+            S, C = self.slot_positions.shape[0], self.budget + self.max_tail
             for r, (seat, held) in enumerate(zip(seats, stored)):
                 if seat >= S or held > min(C, scored[r] + tails[r] - prompts[r]):
                     raise ValueError(f"{what}: request {r} needs a seat below {S} and at most {C} stored slots, "
@@ -462,7 +561,7 @@ class TriAttentionRound:
                 raise ValueError(f"{what}: request {r} needs prompt <= scored, scored + tail within int32 and a "
                                  f"position at least scored + tail (its cache length), got prompt {p}, scored {n}, "
                                  f"tail {t}, position {q}")
-        K = self.selector.budget  # the rings' offsets: the tokens evicted so far, modulo the ring's size
+        K = self.budget  # the rings' offsets: the tokens evicted so far, modulo the ring's size
         offsets = [(q - n - t) % K for n, t, q in zip(scored, tails, positions)] if self.params.window_offsets \
             is not None else [0] * R
         if R == 0:
@@ -587,35 +686,45 @@ def create_compression_manager(config: KVCacheCompressionConfig, kv_cache, model
             check_int(f"{what}: model_config", key, model_config[key], 0 if key == "qk_rope_head_dim" else 1)
     needs = ("device",) + (("length", "resident", "page_table", "shrink", "views", "page_size")
                            if isinstance(config, TriAttentionConfig) else ())
-    missing = [name for name in needs if not hasattr(kv_cache, name)]
-    if missing:
-        raise TypeError(f"{what}: kv_cache must be a paged KV cache (kvops.cache.PagedKVCache or one with its "
-                        f"interface); a {type(kv_cache).__name__} has no {', '.join(missing)}")
-    if getattr(kv_cache, "block_reuse", False) and not config.supports_block_reuse():
+    # a layer split's pair of caches (the scored layers', the local layers'): TriAttentionManager checks the pair
+    split = isinstance(config, TriAttentionConfig) and config.layer_split and isinstance(kv_cache, (list, tuple))
+    caches = list(kv_cache) if split else [kv_cache]
+    for cache in caches:
+        missing = [name for name in needs if not hasattr(cache, name)]
+        if missing:
+            raise TypeError(f"{what}: kv_cache must be a paged KV cache (kvops.cache.PagedKVCache or one with its "
+                            f"interface{'; a pair of them under a layer split' if split else ''}); a "
+                            f"{type(cache).__name__} has no {', '.join(missing)}")
+    if any(getattr(c, "block_reuse", False) for c in caches) and not config.supports_block_reuse():
         raise ValueError(f"{what}: {config.algorithm} does not support a cache with block "
                          "reuse (prefix sharing): it rewrites pages in place")
-    if getattr(kv_cache, "speculative_decoding", False) and not config.supports_speculative_decoding():
+    if any(getattr(c, "speculative_decoding", False) for c in caches) and not config.supports_speculative_decoding():
         raise ValueError(f"{what}: {config.algorithm} does not support speculative decoding")
     # the cache must hold the model's KV (and the calibration, TriAttention's, describes that model)
-    pools, heads = getattr(kv_cache, "pools", None), getattr(kv_cache, "num_kv_heads", None)
+    pools = [getattr(c, "pools", None) for c in caches]
     layers = model_config.get("num_hidden_layers")
     model_heads = model_config.get("num_key_value_heads") or model_config.get("num_attention_heads")
-    if pools is not None and layers is not None and len(pools) != layers:
-        raise ValueError(f"{what}: the cache has {len(pools)} layers, the model {layers} (num_hidden_layers)")
-    if isinstance(model_heads, int) and not isinstance(model_heads, bool) and model_heads > 0:
-        held = rank_kv_heads(what, process_group, model_heads, kv_heads)
-        if heads is not None and heads != len(held):
-            raise ValueError(f"{what}: the cache has {heads} KV heads, the model {model_heads} (num_key_value_heads)"
-                             + ("" if len(held) == model_heads else f", of which this rank holds {len(held)} ({held})"))
-    row, cache_row = _model_row_size(model_config), getattr(kv_cache, "head_dim", None)
+    if None not in pools and layers is not None and sum(map(len, pools)) != layers:
+        raise ValueError(f"{what}: the cache{'s' if split else ''} {'have' if split else 'has'} "
+                         f"{sum(map(len, pools))} layers, the model {layers} (num_hidden_layers)")
+    for cache in caches:
+        heads = getattr(cache, "num_kv_heads", None)
+        if isinstance(model_heads, int) and not isinstance(model_heads, bool) and model_heads > 0:
+            held = rank_kv_heads(what, process_group, model_heads, kv_heads)
+            if heads is not None and heads != len(held):
+                raise ValueError(f"{what}: the cache has {heads} KV heads, the model {model_heads} "
+                                 f"(num_key_value_heads)" + ("" if len(held) == model_heads else
+                                                             f", of which this rank holds {len(held)} ({held})"))
+    row = _model_row_size(model_config)
     where = "(head_dim, else hidden_size // num_attention_heads; kv_lora_rank + qk_rope_head_dim for latent attention)"
-    if cache_row is not None and row is not None and cache_row != row:
-        raise ValueError(f"{what}: the cache's head_dim is {cache_row}, the model's KV rows hold {row} elements "
-                         f"{where}")
+    for cache_row in (getattr(c, "head_dim", None) for c in caches):
+        if cache_row is not None and row is not None and cache_row != row:
+            raise ValueError(f"{what}: the cache's head_dim is {cache_row}, the model's KV rows hold {row} elements "
+                             f"{where}")
     if isinstance(config, NVFP4ColdPageConfig) and row is not None and config.row_size != row:
         raise ValueError(f"{what}: NVFP4ColdPageConfig.row_size is {config.row_size}, the model's KV rows hold {row} "
                          f"elements {where}")
-    device = torch.device(kv_cache.device)
+    device = torch.device(caches[0].device)
     if device.type == "cuda":
         arch = torch.cuda.get_device_capability(device)
         if arch not in SUPPORTED_ARCHS:

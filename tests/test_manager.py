@@ -948,3 +948,134 @@ def test_the_default_hooks_check_their_argument_types():
     manager.on_generation_step_begin(["a"])
     manager.on_generation_step_end([("a", 1)])
     manager.on_request_finish(Request("a", 3))
+
+
+# issue 34: per-layer budgets through the manager
+
+SPLIT_MODEL = dict(MODEL, num_hidden_layers=3)
+
+
+def _split_calibration(tmp_path, sensitivity=True):
+    """3 layers; layer 1 loses 1 nat on a short window, layers 0 and 2 a thousandth: at budget 12 they are local
+    at 6 tokens and layer 1 scored at 24 (kvops.config.layer_split). Also the file of layer 1 alone."""
+    q, norm = torch.randn(3, 4, 16, dtype=torch.complex64), torch.rand(3, 4, 16) + 1
+    data = {"E_q": q, "E_q_norm": norm}
+    if sensitivity:
+        data["layer_sensitivity"] = {"recent": torch.tensor([4]), "nats": torch.tensor([[0.001, 1.0, 0.002]]),
+                                     "sinks": 4}
+    torch.save(data, tmp_path / "split.pt")
+    torch.save({"E_q": q[1:2], "E_q_norm": norm[1:2]}, tmp_path / "layer1.pt")
+    return str(tmp_path / "split.pt"), str(tmp_path / "layer1.pt")
+
+
+def _rows(kv: torch.Tensor) -> list:
+    """A [tokens, H, D] K plane's rows as a sorted list (a ring holds them in another order)."""
+    return sorted(tuple(row.flatten().tolist()) for row in kv.float())
+
+
+@pytest.mark.parametrize("device", ["cpu"] + (["cuda"] if torch.cuda.is_available() else []))
+@pytest.mark.parametrize("mode,order", [("per_head", "fill"), ("union", "ordered"), ("per_layer_perhead", "fill")])
+def test_a_layer_split_runs_each_group_at_its_count(tmp_path, mode, order, device):
+    """layer_split: the scored layer's cache goes exactly as a manager without a split on that layer alone at
+    the split's budget (its calibration row, the keep policy for that budget); the local layers' cache keeps each
+    request's prompt and newest local_budget tokens, with rounds of its own (on the GPU, replayed from CUDA
+    graphs); every step writes both caches and confirms the same tokens."""
+    path, layer1 = _split_calibration(tmp_path)
+    config = TriAttentionConfig(budget=12, beta=4, eviction_mode=mode, calibration_path=path, compaction_order=order,
+                                layer_split=True)
+    cal = config.load_calibration(SPLIT_MODEL)
+    assert config.layer_groups(cal) == (( 0, 2), 6, 24)
+    scored, local = (PagedKVCache(n, 2, 32, 8, num_pages=64, device=device) for n in (1, 2))
+    manager = create_compression_manager(config, (scored, local), SPLIT_MODEL)
+    plain = PagedKVCache(1, 2, 32, 8, num_pages=64, device=device)
+    reference = create_compression_manager(
+        TriAttentionConfig(budget=24, beta=4, eviction_mode=mode, calibration_path=layer1, compaction_order=order),
+        plain, dict(MODEL, num_hidden_layers=1))
+    assert manager.policy == reference.policy and manager.local_cache is local
+    history = {}
+    for rid, prompt in (("a", 7), ("b", 12)):
+        k, v = _kv(prompt)
+        history[rid] = [k]
+        for cache, m in ((scored, manager), (local, None), (plain, reference)):
+            cache.add_request(rid)
+            cache.append(rid, k.to(device), v.to(device))
+        manager.on_request_init(Request(rid, prompt))
+        reference.on_request_init(Request(rid, prompt))
+    for m in (manager, reference):
+        m.on_context_step_end([Request("a", 7), Request("b", 12)])
+    local_rounds = 0
+    for step in range(60):
+        n = {"a": 1, "b": 5 if step % 7 == 3 else 1}
+        for m in (manager, reference):
+            m.on_generation_step_begin(["a", "b"])
+        for rid in ("a", "b"):
+            k, v = _kv(n[rid])
+            history[rid].append(k)
+            for cache in (scored, local, plain):
+                cache.append(rid, k.to(device), v.to(device))
+        before = {r: local.length(r) for r in ("a", "b")}
+        manager.on_generation_step_end([(r, n[r]) for r in ("a", "b")])
+        reference.on_generation_step_end([(r, n[r]) for r in ("a", "b")])
+        for rid, prompt in (("a", 7), ("b", 12)):
+            assert scored.length(rid) == plain.length(rid) and torch.equal(scored.read(rid), plain.read(rid))
+            assert manager.logical_position(rid) == reference.logical_position(rid)
+            seen = torch.cat(history[rid])
+            length = manager.local_length(rid)
+            local_rounds += length < before[rid]
+            assert length == (prompt + 6 if length < before[rid] else before[rid]) <= prompt + 6 + 4 + 4
+            assert length + manager.local_compressed[rid] == seen.shape[0]  # the same logical position
+            held = local.read(rid)  # [2 layers, 2 planes, length, H, D]
+            assert torch.equal(held[0], held[1])
+            want = torch.cat((seen[:prompt], seen[prompt + seen.shape[0] - length:])) if length > prompt else seen
+            assert _rows(held[0, 0].cpu()) == _rows(want[:length] if length <= prompt else want)
+        scored.check_invariants()
+        local.check_invariants()
+    assert local_rounds >= 10 and reference.rounds == manager.rounds >= 3
+
+
+def test_a_layer_split_is_checked_before_anything_runs(tmp_path):
+    """The config refuses a split on a calibration without a layer sensitivity, and a split with recent_layers;
+    the manager wants the pair of caches, each holding its group's layers; a step whose local cache did not grow
+    by the confirmed tokens, or whose local round finds a request offloaded, changes nothing."""
+    path, _ = _split_calibration(tmp_path)
+    bare, _ = _split_calibration(tmp_path / "..", sensitivity=False)
+    with pytest.raises(ValueError, match="holds no layer sensitivity"):
+        TriAttentionConfig(budget=12, beta=4, calibration_path=bare, layer_split=True)
+    with pytest.raises(ValueError, match="leave recent_layers None"):
+        TriAttentionConfig(budget=12, beta=4, calibration_path=path, layer_split=True, recent_layers=(0,))
+    config = TriAttentionConfig(budget=12, beta=4, calibration_path=path, layer_split=True)
+    assert TriAttentionConfig(budget=12, beta=4, calibration_path=path).layer_groups(None) == ((), 12, 12)
+    scored, local = PagedKVCache(1, 2, 32, 8, num_pages=64), PagedKVCache(2, 2, 32, 8, num_pages=64, host_slots=8)
+    for kv_cache, error, match in ((PagedKVCache(3, 2, 32, 8, num_pages=8), TypeError, "must be the pair"),
+                                   ((local, scored), ValueError, "the scored layers' cache holds 2 layers"),
+                                   ((scored, scored), ValueError, "the caches have 2 layers, the model 3"),
+                                   ((scored, "local"), TypeError, "a str has no")):
+        with pytest.raises(error, match=match):
+            create_compression_manager(config, kv_cache, SPLIT_MODEL)
+    manager = create_compression_manager(config, (scored, local), SPLIT_MODEL)
+    for cache in (scored, local):
+        cache.add_request("a")
+        cache.append("a", *_kv(5))
+    manager.on_request_init(Request("a", 5))
+    manager.on_context_step_end([Request("a", 5)])
+    for _ in range(6):  # the local layers' round is due after 6 + 1 tokens and 4 since the last
+        manager.on_generation_step_begin(["a"])
+        for cache in (scored, local):
+            cache.append("a", *_kv(1))
+        manager.on_generation_step_end([("a", 1)])
+    manager.on_generation_step_begin(["a"])
+    scored.append("a", *_kv(1))
+    state = (dict(manager.accounted_length), dict(manager.local_accounted), dict(manager.local_since))
+    with pytest.raises(ValueError, match="its local layers' cache grew by 0"):
+        manager.on_generation_step_end([("a", 1)])
+    assert state == (dict(manager.accounted_length), dict(manager.local_accounted), dict(manager.local_since))
+    local.append("a", *_kv(1))
+    local.offload("a")
+    with pytest.raises(RuntimeError, match="offloaded from the local layers' cache"):
+        manager.on_generation_step_end([("a", 1)])
+    assert local.length("a") == 5 + 7 and state[1] == dict(manager.local_accounted)
+    local.onboard("a")
+    manager.on_generation_step_end([("a", 1)])
+    assert manager.local_length("a") == 5 + 6 and scored.length("a") == 5 + 7
+    manager.on_request_finish(Request("a", 5))
+    assert "a" not in manager.local_accounted
