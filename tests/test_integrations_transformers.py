@@ -217,7 +217,7 @@ def test_a_step_that_overshoots_a_round_is_scored_whole():
 
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("attention", ["eager", GROUPED_SDPA])
-@pytest.mark.parametrize("split", [None, LayerSplit((0,), 8, 24)])
+@pytest.mark.parametrize("split", [None, LayerSplit((0,), 8, 24), LayerSplit((1,), 24, 8)])
 def test_static_cache_compiles_the_decode_step_once(split, attention, device):
     """static=True: generate compiles the decode step as one graph, every step reuses it (rounds between steps
     included), and every step's logits are those of attention over what the cache held. With a layer split the
@@ -247,7 +247,7 @@ def test_static_cache_compiles_the_decode_step_once(split, attention, device):
     out = _generate(model, first.sequences, cache, 41, **kw)
     assert counters["stats"]["unique_graphs"] == graphs  # 40 more steps and their rounds: nothing recompiled
     assert cache.num_rounds >= (1 if split else 5) and cache.held <= prompt + budget + beta
-    assert cache.pools[-1].shape[3] == prompt + budget + beta + 1  # what attention reads in every step
+    assert cache.pools[cache.scored_layers[0]].shape[3] == prompt + budget + beta + 1  # what attention reads
     logits = torch.cat([torch.stack(first.logits, 1), torch.stack(out.logits, 1)], 1)[0].float()
     _assert_logits_of_what_the_cache_held(model, cache, out.sequences[0], logits, prompt)
 
@@ -257,7 +257,8 @@ def test_static_cache_compiles_the_decode_step_once(split, attention, device):
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("mode", ["union", "per_head", "per_layer_perhead"])
 @pytest.mark.parametrize("local", [0, 1])
-def test_a_layer_split_holds_each_groups_count_under_its_own_mask(local, mode, device):
+@pytest.mark.parametrize("counts", [(8, 24), (12, 8)])  # (12, 8): the local layer holds the more
+def test_a_layer_split_holds_each_groups_count_under_its_own_mask(counts, local, mode, device):
     """layer_split: the local layer keeps its newest local_budget tokens in a pool of that size, with rounds of
     its own, and the scored one the split's budget under the mode's policy; every step's logits are attention over
     what each group held (the local layer's mask mapped by install_layer_masks: layer 0 maps its mask before the
@@ -266,13 +267,14 @@ def test_a_layer_split_holds_each_groups_count_under_its_own_mask(local, mode, d
     install_layer_masks(model)
     prompt, beta = 10, 4
     ids = torch.randint(1, TINY["vocab_size"], (1, prompt), device=device)
-    cache = TriAttentionCache(model.config, cal, budget=16, beta=beta, mode=mode, layer_split=LayerSplit((local,), 8, 24),
+    split = LayerSplit((local,), *counts)
+    cache = TriAttentionCache(model.config, cal, budget=16, beta=beta, mode=mode, layer_split=split,
                               round_history=None, **BARE)
     out = _generate(model, ids, cache, 44)
-    assert cache.local_layers == (local,) and cache.scored_layers == (1 - local,) and cache.budget == 24
-    assert [p.shape[3] for p in cache.pools][local] == prompt + 8 + beta + 1  # the local layer's memory
-    assert cache.pools[1 - local].shape[3] == prompt + 24 + beta + 1
-    assert cache.num_rounds >= 3 and cache.local_held <= prompt + 8 + beta < cache.held
+    assert cache.local_layers == (local,) and cache.scored_layers == (1 - local,) and cache.budget == counts[1]
+    assert cache.pools[local].shape[3] == prompt + counts[0] + beta + 1  # the local layer's memory
+    assert cache.pools[1 - local].shape[3] == prompt + counts[1] + beta + 1
+    assert cache.num_rounds >= 3 and cache.local_held <= prompt + counts[0] + beta
     assert kv_bytes(cache) == (cache.held + cache.local_held) * 2 * 2 * 16 * 2  # each layer's held, K and V
     logits = torch.stack(out.logits, 1)[0].float()
     _assert_logits_of_what_the_cache_held(model, cache, out.sequences[0], logits, prompt, mode)

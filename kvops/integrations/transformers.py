@@ -452,9 +452,11 @@ class TriAttentionCache(_transformers_module.Cache):
     def layer_mask(self, layer_idx: int, mask):
         """Layer `layer_idx`'s attention mask, from the mask transformers built for every layer
         (``install_layer_masks`` calls it before the layer's attention). A scored layer's is that mask; a layer
-        split's local layer holds fewer tokens, so its columns are the mask's columns of its slots: the held ones
-        (the prompt's, with their padding, come first in both) and the step's new tokens, which in the mask follow
-        the scored layers' held ones. A 4-D tensor mask (bool, or additive) maps; no mask stays none."""
+        split's local layer holds another count, so its columns are mask columns of the same kind: a held prompt
+        slot's own column (the prompt, with its padding, comes first in both), another held slot the column of a
+        held generated token (every query sees them all: the scored layers' last held one), and the step's new
+        tokens the mask's new-token columns, which follow the scored layers' held ones. A 4-D tensor mask (bool,
+        or additive) maps; no mask stays none."""
         if not torch.compiler.is_compiling():
             self._masked = layer_idx
         if layer_idx not in self.local_layers or mask is None:
@@ -472,7 +474,8 @@ class TriAttentionCache(_transformers_module.Cache):
             local = self._step.local_start if self._step is not None else self._after_round(self._local_held, True)
             slots = local + q
         slot = torch.arange(slots, device=mask.device)
-        column = torch.where(slot < local, slot, slot - local + scored).clamp_max(width - 1)
+        # a held generated local slot implies a held generated scored one: slot >= prompt makes scored > prompt
+        column = torch.where(slot < local, slot.clamp_max(scored - 1), slot - local + scored).clamp(0, width - 1)
         mapped = mask.index_select(-1, column)
         if not self.static:
             return mapped
