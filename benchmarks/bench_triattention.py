@@ -24,6 +24,12 @@ Rows:
               union and per_layer_perhead: 7 repeats of
               40 replays, each repeat timing every configuration of the mode in turn, each replay on the same
               pools (restored before it, outside the timed region); the medians.
+  round_steady_split  a layer split's rounds at R=32 (per_head defaults, fill) against the plain round under
+              per_head's defaults, same total: all layers but the last 4 keep half a budget (1024) with the window
+              round (no selector), the 4 others the rest (10240 each) with the scored round, each group's pools
+              holding prompt + its count + beta; the split's cost per beta tokens is both rounds (each group runs
+              one every beta tokens in steady state). Repeats as round_steady_policy. Floor: the scored layers' K
+              read once, plus what both rounds move, read and written.
   first_round  the whole round (fill, R=1 of the steady shape) in a fresh process with empty Triton, kvops and CUDA
               caches, once per mode, eager (no graph), timed from after `import kvops` and the workload's
               allocation to the round's end; baseline: the same round again in that process (warm). The note gives
@@ -50,7 +56,7 @@ import torch
 import triton
 
 from kvops.compaction import compact, decision_rows
-from kvops.config import resolve_keep_policy
+from kvops.config import LOCAL_SHARE, resolve_keep_policy, split_budget
 from kvops.manager import TriAttentionRound, policy_selector, round_order
 from kvops.triattention import Calibration, TriAttentionSelector, mean_phase
 from kvops.triattention.reduce import reduce_rows
@@ -77,6 +83,7 @@ def run(quick: bool = False) -> tuple[list[Row], list[str]]:
     notes += _round_steady(rows_out, copy_gbps, quick)
     notes += _round_tp(rows_out, copy_gbps, quick)
     notes += _round_policy(rows_out, copy_gbps, quick)
+    notes += _round_split(rows_out, copy_gbps, quick)
     if not quick:
         notes += _round_kernels()
     return rows_out, notes
@@ -379,6 +386,53 @@ def _round_policy(rows_out: list[Row], copy_gbps: float, quick: bool) -> list[st
         rounds = None
         torch.cuda.empty_cache()
     return notes
+
+
+SPLIT_SCORED = 4  # round_steady_split's scored layers
+
+
+def _round_split(rows_out: list[Row], copy_gbps: float, quick: bool) -> list[str]:
+    """A layer split's two rounds against the plain round on the same total (the module's docstring)."""
+    R = 8 if quick else 32
+    plain = steady_workload(R)
+    split = split_budget(tuple(range(plain.L - SPLIT_SCORED)), plain.budget, plain.L, LOCAL_SHARE)
+    scored = steady_workload(R, layers=SPLIT_SCORED, budget=split.budget)
+    local = steady_workload(R, layers=plain.L - SPLIT_SCORED, budget=split.local_budget)
+    restores = [restorer(w.pools) for w in (plain, scored, local)]
+
+    def restore():
+        for r in restores:
+            r()
+    rounds = {name: steady_round(w, "per_head", "fill", cuda_graphs=True, **resolve_keep_policy(
+        "_round_split", "per_head", w.budget, w.beta, w.L, recent_layers=layers)._asdict())[1]
+        for name, w, layers in (("plain", plain, None), ("scored", scored, ()))}  # the split's: no recent layer
+    cache = SimpleNamespace(device=local.device, views=lambda: local.pools)
+    rounds["local"] = window = TriAttentionRound(None, cache, R, local.table.shape[1], 0, True, "fill",
+                                                 window=split.local_budget)
+    window.run(local.table, [local.n] * R, [local.prompt] * R, [0] * R, [local.n] * R)
+    for rnd in rounds.values():  # warm replays first
+        for _ in range(50):
+            rnd.graphs[R].replay()
+    torch.cuda.synchronize()
+    times = {name: [] for name in rounds}
+    for _ in range(POLICY_REPEATS):
+        for name, rnd in rounds.items():
+            times[name].append(time_us(rnd.graphs[R].replay, iters=POLICY_ITERS, before=restore))
+    base = statistics.median(times["plain"])
+    both = [a + b for a, b in zip(times["scored"], times["local"])]
+    us = statistics.median(both)
+    # the ring moves each request's beta newest tokens into the slots of evicted ones, in every local layer
+    local_moved = R * local.L * local.beta * 2 * local.Hkv * local.D * 2
+    floor_bytes = (SPLIT_SCORED * R * (scored.budget + scored.beta) * scored.Hkv * scored.D * 2 +
+                   2 * fill_moved_bytes(scored, rounds["scored"]) + 2 * local_moved)
+    shape = (f"R={R} {plain.prompt}+{plain.budget + plain.beta} L={plain.L} Hkv={plain.Hkv} per_head fill, "
+             f"{local.L} layers at {split.local_budget} + {SPLIT_SCORED} at {split.budget}")
+    rows_out.append(Row.make(FAMILY, "round_steady_split", shape, "bfloat16", us, floor_bytes, copy_gbps,
+                             "plain round", base))
+    ratios = [t / b - 1 for t, b in zip(both, times["plain"])]
+    return [f"round_steady_split {shape}: {us:.0f} us (scored {statistics.median(times['scored']):.0f} us + local "
+            f"{statistics.median(times['local']):.0f} us) against {base:.0f} us plain ({us / base - 1:+.1%}; each "
+            f"repeat {min(ratios):+.1%} to {max(ratios):+.1%}); floor {floor_bytes / copy_gbps / 1e3:.0f} us."]
 
 
 def _round_kernels() -> list[str]:
