@@ -196,7 +196,11 @@ class TriAttentionConfig(KVCacheCompressionConfig):
         scored layers') before it creates the manager."""
         if not self.layer_split:
             return LayerSplit((), self.budget, self.budget)
-        return layer_split(calibration.layer_sensitivity, self.budget)
+        sensitivity = getattr(calibration, "layer_sensitivity", None)
+        if sensitivity is None:
+            raise TypeError(f"TriAttentionConfig.layer_groups: calibration must be this config's Calibration, "
+                            f"loaded with its layer sensitivity (load_calibration), got {type(calibration).__name__}")
+        return layer_split(sensitivity, self.budget)
 
     def supports_block_reuse(self) -> bool:
         return False  # compaction rewrites pages that a prefix cache could share

@@ -329,6 +329,10 @@ def test_a_layer_split_is_refused_by_name():
     with pytest.raises(RuntimeError, match="install_layer_masks"):
         _run(model, cache, torch.randint(1, TINY["vocab_size"], (1, 10)))
     assert cache.pools is None and cache.held == 0
+    with pytest.raises(TypeError, match="model must be a transformers model"):
+        install_layer_masks(model.config)
+    with pytest.raises(ValueError, match="layer_idx must be in"):
+        cache.layer_mask(2, None)
     install_layer_masks(install_layer_masks(model))  # once per model
     assert sum(len(m._forward_pre_hooks) for m in model.modules()) == 2
     _run(model, cache, torch.randint(1, TINY["vocab_size"], (1, 10)))

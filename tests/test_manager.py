@@ -1045,6 +1045,8 @@ def test_a_layer_split_is_checked_before_anything_runs(tmp_path):
         TriAttentionConfig(budget=12, beta=4, calibration_path=path, layer_split=True, recent_layers=(0,))
     config = TriAttentionConfig(budget=12, beta=4, calibration_path=path, layer_split=True)
     assert TriAttentionConfig(budget=12, beta=4, calibration_path=path).layer_groups(None) == ((), 12, 12)
+    with pytest.raises(TypeError, match="loaded with its layer sensitivity"):
+        config.layer_groups(None)
     scored, local = PagedKVCache(1, 2, 32, 8, num_pages=64), PagedKVCache(2, 2, 32, 8, num_pages=64, host_slots=8)
     for kv_cache, error, match in ((PagedKVCache(3, 2, 32, 8, num_pages=8), TypeError, "must be the pair"),
                                    ((local, scored), ValueError, "the scored layers' cache holds 2 layers"),

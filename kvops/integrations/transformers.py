@@ -289,14 +289,13 @@ class TriAttentionCache(_transformers_module.Cache):
         elif not isinstance(split, LayerSplit):
             raise TypeError(f"{what}: layer_split must be a bool or a kvops.config.LayerSplit, got "
                             f"{type(split).__name__} {split!r}")
-        check_recent_layers(f"{what}: layer_split", split.local_layers, self.num_layers)
+        local = check_recent_layers(f"{what}: layer_split", split.local_layers, self.num_layers)
         for name in ("local_budget", "budget"):
             check_int(f"{what}: layer_split", name, getattr(split, name), 1, MAX_POSITIONS)
-        if split.local_layers and recent_layers:
+        if local and recent_layers:
             raise ValueError(f"{what}: recent_layers {list(recent_layers)} and a layer split both name layers on "
-                             f"recency; the split's local layers {list(split.local_layers)} are them (leave "
-                             f"recent_layers None)")
-        return split
+                             f"recency; the split's local layers {list(local)} are them (leave recent_layers None)")
+        return split._replace(local_layers=local)
 
     def _reset(self) -> None:
         """The state of a cache that holds nothing (no pools, no rounds)."""
@@ -458,6 +457,7 @@ class TriAttentionCache(_transformers_module.Cache):
         tokens the mask's new-token columns, which follow the scored layers' held ones. A 4-D tensor mask (bool,
         or additive) maps; no mask stays none."""
         if not torch.compiler.is_compiling():
+            check_int("TriAttentionCache.layer_mask", "layer_idx", layer_idx, 0, self.num_layers - 1)
             self._masked = layer_idx
         if layer_idx not in self.local_layers or mask is None:
             return mask
@@ -903,6 +903,9 @@ def install_layer_masks(model):
     returns the model. The attention must take a 4-D mask or none (eager, sdpa, kvops' own; flash attention's
     causal alignment needs none)."""
     from ..calibrate import attention_modules
+
+    if not isinstance(model, torch.nn.Module) or not hasattr(model, "config"):
+        raise TypeError(f"install_layer_masks: model must be a transformers model, got {type(model).__name__}")
 
     def hook(layer, module, args, kwargs):
         cache = kwargs.get("cache", kwargs.get("past_key_values"))
