@@ -270,6 +270,7 @@ class TriAttentionCache(_transformers_module.Cache):
         self._list_rows = decision_rows(mode, calibration.num_layers, self.num_kv_heads) + bool(self.recent_layers)
         self.budget, self.beta, self.cuda_graphs = budget, beta, cuda_graphs
         self.order = round_order(compaction_order, self.recent_window, beta)
+        self.local_order = compaction_order  # the local layers' rounds: rings in fill order
         self.round_history = round_history
         self.static = static
         self._host: torch.Tensor | None = None
@@ -320,6 +321,7 @@ class TriAttentionCache(_transformers_module.Cache):
         self.rounds: collections.deque[tuple[int, torch.Tensor]] = collections.deque(maxlen=self.round_history)
         self.num_rounds = 0
         self._round: TriAttentionRound | None = None
+        self._local_round: TriAttentionRound | None = None  # a layer split's local layers'
         # with a recency prior: the round's table of slot positions, a seat per row (TriAttentionRound)
         self._seat_positions: torch.Tensor | None = None
         self._step: _Step | None = None  # an eager step between its first and last layer
@@ -712,24 +714,22 @@ class TriAttentionCache(_transformers_module.Cache):
         return self._compress(held) if self._due(held) else held
 
     def _keep_newest(self) -> None:
-        """A round of the local layers: each keeps the prompt and its newest local_budget (n) generated tokens.
-        Slot order is free (attention is over a set), so the n slots after the prompt are a ring: generated token g
-        (g tokens after the prompt) lives at ``prompt + g % n`` there, and a slot s past the ring holds g = s -
-        prompt + local_evicted. A round moves only the kept tokens past the ring into it (two copies: the ring
-        wraps), each onto a token n or more older, evicted, and never onto a source."""
-        held, p, n = self.local_held, self.prompt, self.local_budget
-        source = max(p + n, held - n)
-        first = (source - p + self.local_evicted) % n  # the ring slot of the first token to move
-        wrap = min(held - source, n - first)
-        for layer in self.local_layers:
-            pool = self.pools[layer]
-            pool[:, :, :, p + first:p + first + wrap] = pool[:, :, :, source:source + wrap]
-            pool[:, :, :, p:p + held - source - wrap] = pool[:, :, :, source + wrap:held]
+        """A round of the local layers over the whole batch: each keeps the prompt and its newest local_budget
+        generated tokens, through the compaction with every layer a window (``TriAttentionRound`` with no
+        selector, as the manager's local round; in fill order the window is a ring, so a round moves only the
+        tokens since the last one)."""
+        B, held, end = self.pools[0].shape[0], self.local_held, self.prompt + self.local_budget
+        if self._local_round is None:
+            local = _Layers([self.pools[layer] for layer in self.local_layers], self.device)
+            self._local_round = TriAttentionRound(None, local, B, 1, 0, self.cuda_graphs, self.local_order,
+                                                  window=self.local_budget)
+        table = torch.arange(B, dtype=torch.int32)[:, None]
+        self._local_round.run(table, [held] * B, [self.prompt] * B, [0] * B, [held + self.local_evicted] * B)
         self.num_local_rounds += 1
-        self.local_evicted += held - p - n
-        self._local_held = self._local_round_held = p + n
+        self.local_evicted += held - end
+        self._local_held = self._local_round_held = end
         if self.static:
-            self._local_offset.fill_(p + n)
+            self._local_offset.fill_(end)
 
     def _compress(self, held: int) -> int:
         """One round over the whole batch, before the next token is written: keep `budget` of the generated tokens
@@ -812,7 +812,7 @@ class TriAttentionCache(_transformers_module.Cache):
             raise ValueError(f"{what}: row {row}'s host copy cannot be decoded: {e}") from e
         if self.pools is None:
             self.pools = pools
-            self._round = None  # its buffers were bound to the released pools
+            self._round = self._local_round = None  # their buffers were bound to the released pools
             if self.static:
                 self._mark_static()
         self._offloaded.discard(row)
