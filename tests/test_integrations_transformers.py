@@ -477,7 +477,8 @@ def _state(cache, held_only=False) -> dict:
     return dict(held=cache.held, evicted=cache.evicted, prompt=cache.prompt, logical=int(cache.get_seq_length()),
                 rounds=cache.num_rounds, round_held=cache._round_held, offloaded=sorted(cache._offloaded),
                 step=cache._step, pools=None if cache.pools is None else [clone(p[:, :, :, :end]) for p in cache.pools],
-                slots=clone(cache.slot_positions[..., :end]), host=clone(cache._host))
+                slots=clone(cache.slot_positions[..., :end]), host=clone(cache._host), local=(
+                    cache.local_held, cache.local_evicted, cache.num_local_rounds, cache._local_round_held))
 
 
 def _assert_same(before: dict, after: dict) -> None:
@@ -628,6 +629,20 @@ def test_a_long_step_into_a_used_cache_is_refused_before_the_due_round():
                  ValueError, "do not fit")
         _run(model, cache, seq[:, :1])
         assert cache.num_rounds == 1 and cache.held == 10 + 16 + 1
+    install_layer_masks(model)
+    for static in (False, True):  # both groups due: the local layers at 8 tokens, the scored layer at 24
+        cache = TriAttentionCache(model.config, cal, budget=16, beta=4, static=static,
+                                  layer_split=LayerSplit((1,), 8, 24))
+        seq = torch.randint(1, TINY["vocab_size"], (1, 35))
+        _run(model, cache, seq[:, :10])
+        for t in range(10, 35):
+            _run(model, cache, seq[:, t:t + 1])
+        assert not cache.rounds and cache.num_local_rounds == 4 and cache.local_held == 10 + 8 + 4
+        _refused(cache, lambda: _run(model, cache, torch.randint(1, TINY["vocab_size"], (1, 20))),
+                 ValueError, "do not fit")
+        _run(model, cache, seq[:, :1])
+        assert cache.num_rounds == 1 and cache.held == 10 + 24 + 1
+        assert cache.num_local_rounds == 5 and cache.local_held == 10 + 8 + 1
 
 
 @pytest.mark.parametrize("all_rows", [False, True])
