@@ -326,8 +326,8 @@ class TriAttentionManager(KVCacheCompressionManager):
         return tuple(plan + [{}, {}, []] * (2 - len(groups)))
 
     def due(self, batch: Sequence[tuple[Any, int]]) -> list:
-        """Requests a round would cover after this step (`on_generation_step_end`'s batch) in the scored layers
-        (in a layer split's local layers too: ``_plan``); changes nothing."""
+        """Requests a round would cover after this step (`on_generation_step_end`'s batch); changes nothing. Under
+        a layer split, the scored layers' round (the local layers' runs on its own schedule)."""
         return self._plan(batch)[2]
 
     def on_generation_step_end(self, batch: Sequence[tuple[Any, int]]) -> None:
