@@ -10,7 +10,7 @@ import triton
 
 from conftest import BARE
 from kvops.cache import PagedKVCache
-from kvops.config import NVFP4ColdPageConfig, TriAttentionConfig
+from kvops.config import NVFP4ColdPageConfig, TriAttentionConfig, config_from_json
 from kvops.manager import (KVCacheCompressionManager, NVFP4ColdPageManager, Request, TriAttentionManager,
                            TriAttentionRound, create_compression_manager, round_order)
 from kvops.compaction import MODES
@@ -1043,7 +1043,10 @@ def test_a_layer_split_is_checked_before_anything_runs(tmp_path):
         TriAttentionConfig(budget=12, beta=4, calibration_path=bare, layer_split=True)
     with pytest.raises(ValueError, match="leave recent_layers None"):
         TriAttentionConfig(budget=12, beta=4, calibration_path=path, layer_split=True, recent_layers=(0,))
+    with pytest.raises(TypeError, match="layer_split must be a bool"):
+        TriAttentionConfig(budget=12, beta=4, calibration_path=path, layer_split=1)
     config = TriAttentionConfig(budget=12, beta=4, calibration_path=path, layer_split=True)
+    assert config_from_json(config.to_json()) == config
     assert TriAttentionConfig(budget=12, beta=4, calibration_path=path).layer_groups(None) == ((), 12, 12)
     with pytest.raises(TypeError, match="loaded with its layer sensitivity"):
         config.layer_groups(None)
