@@ -157,6 +157,9 @@ class TriAttentionManager(KVCacheCompressionManager):
                     raise ValueError(f"TriAttentionManager: the {which} layers' cache holds {len(pools)} layers; the "
                                      f"split {split} gives it layers {list(layers)}")
             calibration = calibration.for_layers(scored)
+        elif isinstance(kv_cache, (tuple, list)):
+            raise TypeError(f"TriAttentionManager: kv_cache must be one paged cache: the config's layer groups "
+                            f"{split} put every layer in one (a pair serves a split with local layers)")
         self.budget, self.local_budget = split.budget, split.local_budget
         self.policy = policy = config.keep_policy(num_layers, split)
         self.order = round_order(config.compaction_order, policy.recent_window, config.beta)

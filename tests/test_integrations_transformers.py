@@ -337,6 +337,12 @@ def test_a_layer_split_is_refused_by_name():
     assert sum(len(m._forward_pre_hooks) for m in model.modules()) == 2
     _run(model, cache, torch.randint(1, TINY["vocab_size"], (1, 10)))
     assert cache.held == cache.local_held == 10
+    other = tiny_model("qwen3").to(torch.bfloat16)  # the same cache through a model without the hooks
+    other.config._attn_implementation = "eager"
+    before = _state(cache, held_only=True)  # refused at layer 1: layer 0 wrote past what is held, as any layer's
+    with pytest.raises(RuntimeError, match="install_layer_masks"):  # refusal mid-step does
+        _run(other, cache, torch.randint(1, TINY["vocab_size"], (1, 1)))
+    _assert_same(before, _state(cache, held_only=True))
 
 
 @pytest.mark.parametrize("device", DEVICES)

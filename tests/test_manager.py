@@ -1057,6 +1057,12 @@ def test_a_layer_split_is_checked_before_anything_runs(tmp_path):
                                    ((scored, "local"), TypeError, "a str has no")):
         with pytest.raises(error, match=match):
             create_compression_manager(config, kv_cache, SPLIT_MODEL)
+    flat = tmp_path / "flat.pt"  # every layer as sensitive: no local layer, so one cache
+    torch.save({**torch.load(path), "layer_sensitivity": {"recent": torch.tensor([4]),
+                                                          "nats": torch.ones(1, 3), "sinks": 4}}, flat)
+    with pytest.raises(TypeError, match="must be one paged cache"):
+        create_compression_manager(TriAttentionConfig(budget=12, beta=4, calibration_path=str(flat), layer_split=True),
+                                   (scored, local), SPLIT_MODEL)
     manager = create_compression_manager(config, (scored, local), SPLIT_MODEL)
     for cache in (scored, local):
         cache.add_request("a")

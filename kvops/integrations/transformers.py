@@ -261,6 +261,7 @@ class TriAttentionCache(_transformers_module.Cache):
         # the generated tokens a row can hold (a step may overshoot a due round by one): all of them are scored,
         # so no token past max_decode is ever dropped unscored
         self.max_generated = budget + beta + 1
+        self.max_local_generated = self.local_budget + beta + 1  # the same of a layer split's local layers
         # the keep policy for the scored layers (checked before anything is allocated)
         policy = resolve_keep_policy(what, mode, budget, beta, calibration.num_layers, sink_tokens, recent_window,
                                      () if self.local_layers else recent_layers, recency_prior)
@@ -468,7 +469,7 @@ class TriAttentionCache(_transformers_module.Cache):
                             f"(eager, sdpa or kvops attention), got {type(mask).__name__}")
         q, width = mask.shape[-2], mask.shape[-1]
         if self.static and self.pools is None:  # the first step (the prompt) sizes the pools
-            scored, local, slots = 0, 0, q + self.local_budget + self.beta + 1
+            scored, local, slots = 0, 0, q + self.max_local_generated
         elif self.static:  # every slot, the offsets on the device: the step's new tokens at [offset, offset + q)
             scored, local, slots = self._offset, self._local_offset, self._capacity(True)
         else:  # the held tokens after a due round (the step's first layer runs it: maybe after this one)
@@ -494,7 +495,7 @@ class TriAttentionCache(_transformers_module.Cache):
         """The first step's pools, sized by its length (the prompt); nothing is kept if an allocation fails."""
         B, H, q, D = key_states.shape
         capacity = q + self.max_generated
-        local_capacity = q + self.local_budget + self.beta + 1  # the local layers' (a layer split's)
+        local_capacity = q + self.max_local_generated
         if max(capacity, local_capacity) > MAX_POSITIONS:
             raise ValueError(f"TriAttentionCache.update: the prompt ({q} tokens) + budget + beta + 1 must be at most "
                              f"{MAX_POSITIONS} slots (int32 cache positions), got {max(capacity, local_capacity)}")
@@ -502,7 +503,9 @@ class TriAttentionCache(_transformers_module.Cache):
         pools = [torch.zeros(B, 2, H, local_capacity if layer in self.local_layers else capacity, D,
                              dtype=key_states.dtype, device=device) for layer in range(self.num_layers)]
         slot_positions = torch.arange(capacity, device=device).expand(B, self._list_rows, capacity).clone()
-        counters = [torch.zeros((), dtype=torch.long, device=device) for _ in range(3)] if self.static else None
+        # static: the write offset, the logical length, and a layer split's local layers' write offset
+        counters = [torch.zeros((), dtype=torch.long, device=device) if i < 2 or self.local_layers else None
+                    for i in range(3)] if self.static else None
         self.pools, self.slot_positions, self.prompt, self._round_held = pools, slot_positions, q, q
         self._local_round_held = q
         if self.static:
@@ -513,7 +516,8 @@ class TriAttentionCache(_transformers_module.Cache):
         """What a compiled step writes in place keeps its address (cudagraphs replay on it)."""
         if not torch.compiler.is_compiling():
             for t in (*self.pools, self._offset, self._logical, self._local_offset, self.slot_positions):
-                torch._dynamo.mark_static_address(t)
+                if t is not None:
+                    torch._dynamo.mark_static_address(t)
 
     def _write(self, layer_idx: int, key_states: torch.Tensor, value_states: torch.Tensor):
         if self.static and torch.compiler.is_compiling():  # the host checked the step (get_mask_sizes)
@@ -523,11 +527,13 @@ class TriAttentionCache(_transformers_module.Cache):
             return self._write_static(layer_idx, key_states, value_states)
         self._check_layer(layer_idx)
         local = layer_idx in self.local_layers
-        if local and self._masked != layer_idx:  # it would attend under the scored layers' mask
-            self._abandon()
-            raise RuntimeError(f"TriAttentionCache.update: layer {layer_idx} keeps a layer split's local count and "
-                               f"needs its own attention mask: pass the model through install_layer_masks(model) "
-                               f"(kvops.integrations.transformers) first")
+        if local:
+            masked, self._masked = self._masked, -1  # consumed: each step's hook marks the layer again
+            if masked != layer_idx:  # it would attend under the scored layers' mask
+                self._abandon()
+                raise RuntimeError(f"TriAttentionCache.update: layer {layer_idx} keeps a layer split's local count "
+                                   f"and needs its own attention mask: pass the model through "
+                                   f"install_layer_masks(model) (kvops.integrations.transformers) first")
         if layer_idx == 0:
             self._begin_step(key_states, value_states)
         else:
@@ -563,7 +569,8 @@ class TriAttentionCache(_transformers_module.Cache):
             self.slot_positions.index_copy_(2, slots, logical)
             self._offset.add_(q)
             self._logical.add_(q)
-            self._local_offset.add_(q)
+            if self.local_layers:
+                self._local_offset.add_(q)
         return pool[:, 0], pool[:, 1]
 
     def _check_layer(self, layer_idx) -> None:
