@@ -409,7 +409,8 @@ def _round_split(rows_out: list[Row], copy_gbps: float, quick: bool) -> list[str
     cache = SimpleNamespace(device=local.device, views=lambda: local.pools)
     rounds["local"] = window = TriAttentionRound(None, cache, R, local.table.shape[1], 0, True, "fill",
                                                  window=split.local_budget)
-    window.run(local.table, [local.n] * R, [local.prompt] * R, [0] * R, [local.n] * R)
+    table = torch.nn.functional.pad(local.table, (0, window.width - local.table.shape[1]), value=-1)
+    window.run(table, [local.n] * R, [local.prompt] * R, [0] * R, [local.n] * R)
     for rnd in rounds.values():  # warm replays first
         for _ in range(50):
             rnd.graphs[R].replay()
