@@ -421,7 +421,7 @@ def test_kvops_attention_leaves_what_its_kernels_do_not_serve_to_grouped_sdpa(de
 @pytest.mark.parametrize("device", DEVICES)
 def test_what_the_packed_paths_cannot_take_goes_to_sdpa(device):
     """A mask per head (or of another shape), a V head_dim unlike K's, or a soft cap: each attention function gives
-    what transformers' sdpa gives (a soft cap: its refusal), never a result that ignores it."""
+    what transformers' sdpa gives (a soft cap or attention sinks: a refusal), never a result that ignores it."""
     from transformers.integrations.sdpa_attention import repeat_kv
 
     module = torch.nn.Module()
@@ -437,8 +437,9 @@ def test_what_the_packed_paths_cannot_take_goes_to_sdpa(device):
             got, _ = attention(module, query, k, value, mask)
             torch.testing.assert_close(got.float(), want, atol=2e-2, rtol=2e-2)
     for attention in (grouped_sdpa, kvops_attention):
-        with pytest.raises(ValueError, match="softcap"):
-            attention(module, query, k, v, per_head[:, :1], softcap=1.0)
+        for name in ("softcap", "s_aux"):
+            with pytest.raises(ValueError, match=name):
+                attention(module, query, k, v, per_head[:, :1], **{name: torch.ones(4, device=device)})
 
 
 @pytest.mark.parametrize("device", DEVICES)

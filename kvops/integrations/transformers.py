@@ -840,10 +840,16 @@ def grouped_sdpa(module, query, key, value, attention_mask, **kwargs):
     nor the mask is copied. Select it with ``model.set_attn_implementation(GROUPED_SDPA)``; every other case is
     ``sdpa``'s own.
     """
+    for name, what in (("softcap", "a soft cap"), ("s_aux", "attention sinks")):
+        # a result that ignored either would be wrong; some transformers releases' sdpa ignore a soft cap (the GPU
+        # machine's did) and none applies sinks, so both are refused here
+        if kwargs.get(name) is not None:
+            raise ValueError(f"grouped_sdpa: sdpa attention does not apply {what} ({name}); use eager or "
+                             f"flex_attention")
     groups = getattr(module, "num_key_value_groups", 1)
     B, Hq, q, D = query.shape
     if attention_mask is None or attention_mask.dim() != 4 or attention_mask.shape[1] != 1 or groups == 1 or \
-            Hq != key.shape[1] * groups or kwargs.get("position_bias") is not None or kwargs.get("softcap"):
+            Hq != key.shape[1] * groups or kwargs.get("position_bias") is not None:
         return _sdpa(module, query, key, value, attention_mask, **kwargs)  # a mask per head would need packing too
     sdpa = functools.partial(torch.nn.functional.scaled_dot_product_attention, attn_mask=attention_mask,
                              dropout_p=kwargs.get("dropout", 0.0), scale=kwargs.get("scaling"))
@@ -873,7 +879,7 @@ def kvops_attention(module, query, key, value, attention_mask, **kwargs):
     B, Hq, q, D = query.shape
     N = key.shape[2]
     if q != 1 or kwargs.get("dropout", 0.0) or kwargs.get("position_bias") is not None or \
-            kwargs.get("s_aux") is not None or kwargs.get("softcap") or kwargs.get("sliding_window") or \
+            kwargs.get("s_aux") is not None or kwargs.get("softcap") is not None or kwargs.get("sliding_window") or \
             D not in HEAD_DIMS or value.shape[-1] != D or query.dtype not in QUERY_DTYPES or \
             (attention_mask is not None and (attention_mask.dtype != torch.bool or attention_mask.dim() != 4 or
                                              attention_mask.shape[0] not in (1, B) or
