@@ -6,7 +6,7 @@ q-norm) and E|q_f|. The file is the official format (kvops.triattention.calibrat
 reads back::
 
     python -m kvops calibrate MODEL_DIR --text FILE [--max-tokens N] [--window W] [--sensitivity-windows N] \
-        --out FILE.pt
+        [--budgets B,...] --out FILE.pt
 
 transformers (>= 5.0) is an optional extra of kvops: this module imports it only when it runs. Models load from
 local directories only. The query is taken where the model computes it (the output of ``q_norm`` when the
@@ -25,6 +25,8 @@ import torch
 
 from ._checks import check_int
 from ._files import read_json_object, writable_target, write_whole
+from .config import LayerSplit, TriAttentionConfig, layer_split
+from .triattention.calibration import LayerSensitivity
 from .triattention.rope import head_dim_of, rope_parameters
 
 MIN_TRANSFORMERS = (5, 0)
@@ -333,6 +335,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--window", type=int, default=2048, help="tokens per forward pass (default 2048)")
     ap.add_argument("--sensitivity-windows", type=int, default=SENSITIVITY_WINDOWS,
                     help=f"windows the layer sensitivity is measured on (default {SENSITIVITY_WINDOWS}; 0: none)")
+    ap.add_argument("--budgets", default=str(TriAttentionConfig.budget),
+                    help="budgets to print the per-layer split for (layer_split=True), comma-separated (default "
+                         f"{TriAttentionConfig.budget})")
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu", help="cpu, cuda or cuda:N")
     ap.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], default=None,
                     help="model dtype (default: bfloat16 on a GPU, float32 on the CPU)")
@@ -349,6 +354,12 @@ def main(argv: list[str] | None = None) -> int:
         ap.error(f"--window must be >= 1, got {a.window}")
     if a.sensitivity_windows < 0 or a.sensitivity_windows and a.window < 2:
         ap.error(f"--sensitivity-windows must be >= 0 (and needs --window >= 2), got {a.sensitivity_windows}")
+    try:
+        budgets = [int(b) for b in a.budgets.split(",")]
+    except ValueError:
+        budgets = []
+    if not budgets or min(budgets) < 1:
+        ap.error(f"--budgets must be positive integers separated by commas, got {a.budgets!r}")
     device = _device(ap, a.device)
     if writable_target(a.out):
         ap.error(f"--out {a.out}: {writable_target(a.out)}")
@@ -407,4 +418,18 @@ def main(argv: list[str] | None = None) -> int:
                      sensitivity_windows=a.sensitivity_windows)
     write_whole(a.out, lambda f: torch.save(data, f))  # --out is the whole calibration or as it was
     print(f"kvops calibrate: {data['metadata']['tokens']} tokens, {len(data['stats'])} heads -> {a.out}")
+    entry = data.get("layer_sensitivity")
+    if entry is not None:
+        sensitivity = LayerSensitivity(tuple(entry["recent"].tolist()), entry["nats"], entry["sinks"])
+        for budget in budgets:
+            print(_split_line(budget, layer_split(sensitivity, budget)))
     return 0
+
+
+def _split_line(budget: int, split: LayerSplit) -> str:
+    """What ``TriAttentionConfig(layer_split=True)`` keeps per layer at `budget`, in one line."""
+    if not split.local_layers:
+        return f"layer_split at budget {budget}: no layer is local (every layer scored at {budget})"
+    local = ", ".join(map(str, split.local_layers))
+    return (f"layer_split at budget {budget}: layers {local} keep their newest {split.local_budget} "
+            f"tokens, every other layer {split.budget}")

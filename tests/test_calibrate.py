@@ -13,7 +13,9 @@ from conftest import TINY, TINY_MODELS, run_python, tiny_model
 
 transformers = pytest.importorskip("transformers")
 
-from kvops.calibrate import QueryStatistics, calibrate, check_model_config, layer_sensitivity, main  # noqa: E402
+from kvops.calibrate import (QueryStatistics, _split_line, calibrate, check_model_config,  # noqa: E402
+                             layer_sensitivity, main)
+from kvops.config import LayerSplit, TriAttentionConfig  # noqa: E402
 from kvops.triattention import TriAttentionSelector, load_calibration  # noqa: E402
 
 
@@ -193,10 +195,18 @@ def test_command_writes_a_file_the_selector_runs_on(tmp_path, capsys):
     _tokenizer(text, model_dir)
     out = tmp_path / "cal.pt"
     assert main([str(model_dir), "--text", str(tmp_path / "text.txt"), "--max-tokens", "200", "--window", "64",
-                 "--out", str(out), "--device", "cpu"]) == 0
-    assert "200 tokens" in capsys.readouterr().out
+                 "--out", str(out), "--device", "cpu", "--budgets", "8,32"]) == 0
+    printed = capsys.readouterr().out
+    assert "200 tokens" in printed
     config = json.loads((model_dir / "config.json").read_text())
     cal = load_calibration(str(out), config)
+    for budget in (8, 32):  # the split it prints is the one the config makes from the file
+        split = TriAttentionConfig(budget=budget, beta=4, calibration_path=str(out), layer_split=True).layer_groups(cal)
+        assert _split_line(budget, split) in printed.splitlines()
+    assert _split_line(512, LayerSplit((0, 1, 3), 256, 896)) == \
+        "layer_split at budget 512: layers 0, 1, 3 keep their newest 256 tokens, every other layer 896"
+    assert _split_line(64, LayerSplit((), 64, 64)) == \
+        "layer_split at budget 64: no layer is local (every layer scored at 64)"
     assert torch.load(out, weights_only=True)["metadata"]["tokens"] == 200
     assert torch.isfinite(cal.q_abs_mean).all() and (cal.q_abs_mean > 0).all()
     L, Hkv, T, D = 2, 2, 8, 16
@@ -325,6 +335,9 @@ def _bad_cases(tmp, model):
         (ok() + ["--window", "0"], "--window must be >= 1, got 0"),
         (ok() + ["--sensitivity-windows", "-1"], "--sensitivity-windows must be >= 0"),
         (ok() + ["--window", "1"], "needs --window >= 2"),
+        (ok() + ["--budgets", "0"], "--budgets must be positive integers"),
+        (ok() + ["--budgets", "128,x"], "--budgets must be positive integers"),
+        (ok() + ["--budgets", ""], "--budgets must be positive integers"),
         (ok(out=tmp / "missing" / "c.pt"), "does not exist"),
         (ok(out=tmp), "is a directory"),
         (ok(out=text), "is the --text file"),
