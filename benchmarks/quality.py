@@ -57,7 +57,7 @@ class Policy:
     first S decode tokens always stay; ``+lA.B``: layers A and B keep their newest tokens instead of the method's
     choice; ``+pP``: kvops' scores lean to recent tokens by the recency prior P. W and S count inside the budget. ``sinks`` is ``recent+s4``. ``triattention_<mode>+default`` is what
     kvops does by default in that mode: the keep policy ``kvops.config.resolve_keep_policy`` gives for each
-    budget. ``+fF`` (harness only: no cache keeps a length per layer yet) splits the same total unevenly: each
+    budget. ``+fF`` splits the same total unevenly (in a cache: ``layer_split=LayerSplit(...)`` by hand): each
     layer on recency keeps its newest F x budget tokens and the other layers share the rest equally, under the
     policy their share gives (``+default`` resolves it for that share). ``+split`` takes the layers on recency
     and their share from the calibration's layer sensitivity (``kvops.config.layer_split``) instead."""
