@@ -838,11 +838,11 @@ def grouped_sdpa(module, query, key, value, attention_mask, **kwargs):
     packs the G query heads of a KV head as G query rows of it under the row's mask; several tokens take one call
     per group member g (query head h * G + g of each KV head h), each under the mask as it is, so neither K and V
     nor the mask is copied. Select it with ``model.set_attn_implementation(GROUPED_SDPA)``; every other case is
-    ``sdpa``'s own.
+    ``sdpa``'s own, but attention sinks (``s_aux``) and a soft cap (``softcap``) raise ``ValueError``.
     """
     for name, what in (("softcap", "a soft cap"), ("s_aux", "attention sinks")):
-        # a result that ignored either would be wrong; some transformers releases' sdpa ignore a soft cap (the GPU
-        # machine's did) and none applies sinks, so both are refused here
+        # a result that ignored either would be wrong: some transformers releases' sdpa ignore a soft cap, and
+        # none applies sinks
         if kwargs.get(name) is not None:
             raise ValueError(f"grouped_sdpa: sdpa attention does not apply {what} ({name}); use eager or "
                              f"flex_attention")
@@ -872,8 +872,8 @@ def kvops_attention(module, query, key, value, attention_mask, **kwargs):
 
     Each row's mask (transformers' padding and causal mask at a decode step) must admit one contiguous range of
     slots: its first and last admitted slots bound what the row reads, on the device, so a compiled step keeps one
-    graph. Every other case (prefill, a float mask, dropout, attention sinks or a soft cap, a head_dim or dtype the
-    kernels do not serve) is ``grouped_sdpa``'s.
+    graph. Every other case (prefill, a float mask, dropout, a head_dim or dtype the kernels do not serve) is
+    ``grouped_sdpa``'s, which refuses attention sinks and a soft cap.
     Select it with ``model.set_attn_implementation(KVOPS_ATTENTION)``.
     """
     B, Hq, q, D = query.shape
