@@ -157,11 +157,11 @@ class Shadow:
 
     def slots(self, cache, b, layer, h):
         """The logical position each held slot of a layer holds."""
-        g = self.local if layer in self.local.layers else self.scored
         if layer in self.local.layers:
             return self.local_slots[b, layer, h]
-        i = g.layers.index(layer)
-        return cache.slot_positions[b, decision_row(cache.selector.rows, len(g.layers), HKV, i, h), :g.held]
+        g = self.scored
+        row = decision_row(cache.selector.rows, len(g.layers), HKV, g.layers.index(layer), h)
+        return cache.slot_positions[b, row, :g.held]
 
     def onboarded(self, cache, b):
         """Row b came back through NVFP4: close to what it held, and from now on what it holds."""
