@@ -710,10 +710,9 @@ def create_compression_manager(config: KVCacheCompressionConfig, kv_cache, model
     if None not in pools and layers is not None and sum(map(len, pools)) != layers:
         raise ValueError(f"{what}: the cache{'s' if split else ''} {'have' if split else 'has'} "
                          f"{sum(map(len, pools))} layers, the model {layers} (num_hidden_layers)")
-    for cache in caches:
-        heads = getattr(cache, "num_kv_heads", None)
-        if isinstance(model_heads, int) and not isinstance(model_heads, bool) and model_heads > 0:
-            held = rank_kv_heads(what, process_group, model_heads, kv_heads)
+    if isinstance(model_heads, int) and not isinstance(model_heads, bool) and model_heads > 0:
+        held = rank_kv_heads(what, process_group, model_heads, kv_heads)
+        for heads in (getattr(c, "num_kv_heads", None) for c in caches):
             if heads is not None and heads != len(held):
                 raise ValueError(f"{what}: the cache has {heads} KV heads, the model {model_heads} "
                                  f"(num_key_value_heads)" + ("" if len(held) == model_heads else
