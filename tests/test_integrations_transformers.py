@@ -333,6 +333,14 @@ def test_a_layer_split_is_refused_by_name():
         install_layer_masks(model.config)
     with pytest.raises(ValueError, match="layer_idx must be in"):
         cache.layer_mask(2, None)
+    with pytest.raises(TypeError, match="layer_idx must be an int"):
+        cache.layer_mask("1", None)
+    for mask in (torch.ones(1, 10, dtype=torch.bool), [[True] * 10]):  # a local layer maps 4-D mask tensors only
+        with pytest.raises(TypeError, match="need a 4-D mask tensor"):
+            cache.layer_mask(1, mask)
+        with pytest.raises(RuntimeError, match="install_layer_masks"):  # the refused call marked no layer
+            _run(model, cache, torch.randint(1, TINY["vocab_size"], (1, 10)))
+    assert cache.layer_mask(0, "any") == "any"  # a scored layer's mask is transformers' own
     install_layer_masks(install_layer_masks(model))  # once per model
     assert sum(len(m._forward_pre_hooks) for m in model.modules()) == 2
     _run(model, cache, torch.randint(1, TINY["vocab_size"], (1, 10)))

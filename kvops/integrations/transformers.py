@@ -459,14 +459,15 @@ class TriAttentionCache(_transformers_module.Cache):
         held generated token (every query sees them all: the scored layers' last held one), and the step's new
         tokens the mask's new-token columns, which follow the scored layers' held ones. A 4-D tensor mask (bool,
         or additive) maps; no mask stays none."""
+        local = layer_idx in self.local_layers
         if not torch.compiler.is_compiling():
             check_int("TriAttentionCache.layer_mask", "layer_idx", layer_idx, 0, self.num_layers - 1)
-            self._masked = layer_idx
-        if layer_idx not in self.local_layers or mask is None:
+            if local and mask is not None and not (isinstance(mask, torch.Tensor) and mask.dim() == 4):
+                raise TypeError(f"TriAttentionCache.layer_mask: a layer split's local layers need a 4-D mask "
+                                f"tensor (eager, sdpa or kvops attention), got {type(mask).__name__}")
+            self._masked = layer_idx  # only once the mask is taken: a refused call marks nothing
+        if not local or mask is None:
             return mask
-        if not isinstance(mask, torch.Tensor) or mask.dim() != 4:
-            raise TypeError(f"TriAttentionCache.layer_mask: a layer split's local layers need a 4-D mask tensor "
-                            f"(eager, sdpa or kvops attention), got {type(mask).__name__}")
         q, width = mask.shape[-2], mask.shape[-1]
         if self.static and self.pools is None:  # the first step (the prompt) sizes the pools
             scored, local, slots = 0, 0, q + self.max_local_generated
