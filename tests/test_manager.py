@@ -1090,3 +1090,12 @@ def test_a_layer_split_is_checked_before_anything_runs(tmp_path):
     assert manager.local_length("a") == 5 + 6 and scored.length("a") == 5 + 7
     manager.on_request_finish(Request("a", 5))
     assert "a" not in manager.local_accounted
+    with pytest.raises(ValueError, match="was never admitted"):
+        manager.local_length("a")
+    whole = PagedKVCache(3, 2, 32, 8, num_pages=8)
+    whole.add_request("b")
+    plain = create_compression_manager(TriAttentionConfig(budget=12, beta=4, calibration_path=path), whole,
+                                       SPLIT_MODEL)
+    plain.on_request_init(Request("b", 5))
+    with pytest.raises(ValueError, match="no layer split with local layers"):
+        plain.local_length("b")
