@@ -23,7 +23,7 @@ from typing import Any, Mapping, Sequence
 import torch
 import triton
 
-from ._checks import INT32_MAX, check_bool, check_choice, check_hashable, check_int, check_int32
+from ._checks import INT32_MAX, check_bool, check_choice, check_hashable, check_int, check_int32, overlap
 from ._targets import CAPABILITIES as SUPPORTED_ARCHS  # noqa: F401  (the archs kvops builds kernels for)
 from .compaction import ORDERS, build_compaction_params, compact, decision_rows
 from .compaction.positions import SlotPositions, follow_slot_positions_
@@ -149,6 +149,7 @@ class TriAttentionManager(KVCacheCompressionManager):
                 raise TypeError(f"TriAttentionManager: under a layer split kv_cache must be the pair (the scored "
                                 f"layers' cache, the local layers' cache), got {type(kv_cache).__name__}")
             self.kv_cache, self.local_cache = kv_cache
+            _check_distinct_groups(self.kv_cache, self.local_cache)
             scored = [layer for layer in range(num_layers) if layer not in split.local_layers]
             for cache, layers, which in ((self.kv_cache, scored, "scored"),
                                          (self.local_cache, split.local_layers, "local")):
@@ -606,6 +607,23 @@ class NVFP4ColdPageManager(KVCacheCompressionManager):
                                      f"the config as {want}: build the cache with "
                                      f"codec_specs=[config.row_spec()] * num_layers")
         super().__init__(config, kv_cache, model_config)
+
+
+def _check_distinct_groups(scored, local) -> None:
+    """A layer split's two caches hold different layers: one cache passed as both, or two over the same pools,
+    would let one group's round compact the other group's layers (tokens lost, positions behind the writes)."""
+    what = "TriAttentionManager"
+    if scored is local:
+        raise ValueError(f"{what}: under a layer split the scored and the local layers need a cache each; one "
+                         f"{type(scored).__name__} was passed as both")
+    if not (callable(getattr(scored, "views", None)) and callable(getattr(local, "views", None))):
+        return  # create_compression_manager checks the interface; TriAttentionManager alone leaves it to the steps
+    local_views = local.views()
+    for i, p in enumerate(scored.views()):
+        for j, q in enumerate(local_views):
+            if overlap(p, q):
+                raise ValueError(f"{what}: the scored layers' cache (layer {i} of its pools) and the local layers' "
+                                 f"cache (layer {j}) share memory; each layer group needs pools of its own")
 
 
 def _model_head_dim(model_config: Mapping[str, Any]) -> int | None:

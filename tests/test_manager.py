@@ -1099,3 +1099,23 @@ def test_a_layer_split_is_checked_before_anything_runs(tmp_path):
     plain.on_request_init(Request("b", 5))
     with pytest.raises(ValueError, match="no layer split with local layers"):
         plain.local_length("b")
+
+
+def test_a_layer_split_refuses_one_cache_as_both_groups(tmp_path):
+    """A layer split's pair must be two caches over pools of their own: one cache passed as both groups, or two
+    cache objects over the same pools, would let the local round compact the scored layers (tokens lost, the
+    logical position behind the writes). Refused at creation."""
+    q, norm = torch.randn(2, 4, 16, dtype=torch.complex64), torch.rand(2, 4, 16) + 1
+    torch.save({"E_q": q, "E_q_norm": norm, "layer_sensitivity": {"recent": torch.tensor([4]),
+                                                                  "nats": torch.tensor([[0.001, 1.0]]), "sinks": 4}},
+               tmp_path / "two.pt")
+    config = TriAttentionConfig(budget=12, beta=4, calibration_path=str(tmp_path / "two.pt"), layer_split=True)
+    assert config.layer_groups(config.load_calibration(MODEL)).local_layers == (0,)
+    cache = PagedKVCache(1, 2, 32, 8, num_pages=64)
+    with pytest.raises(ValueError, match="was passed as both"):
+        create_compression_manager(config, (cache, cache), MODEL)
+    twin = PagedKVCache(1, 2, 32, 8, num_pages=64)
+    twin.pools = [cache.pools[0][:]]  # another cache object over the same memory
+    with pytest.raises(ValueError, match="share memory; each layer group needs pools of its own"):
+        create_compression_manager(config, (cache, twin), MODEL)
+    create_compression_manager(config, (cache, PagedKVCache(1, 2, 32, 8, num_pages=64)), MODEL)
