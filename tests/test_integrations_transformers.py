@@ -817,3 +817,72 @@ def test_round_history_bounds_what_the_cache_keeps_of_its_rounds(history, kept):
     for bad, error in ((-1, ValueError), (1.5, TypeError), (True, TypeError)):
         with pytest.raises(error, match="round_history"):
             TriAttentionCache(model.config, cal, round_history=bad)
+
+
+def test_a_cache_for_fewer_layers_is_emptied_under_the_layer_mask_hook():
+    """With install_layer_masks the hook meets the layer past the cache first: refused as update refuses it, the
+    cache emptied, so a retry is refused the same way and holds nothing (not the prompt twice)."""
+    from dataclasses import replace
+
+    model, cal = _setup()
+    install_layer_masks(model)
+    config = transformers.Qwen3Config(**{**model.config.to_dict(), "num_hidden_layers": 1, "layer_types": None})
+    one = replace(cal, q_mean=cal.q_mean[:1], q_abs_mean=cal.q_abs_mean[:1], layer_sensitivity=None)
+    cache = TriAttentionCache(config, one, budget=16, beta=4)
+    for _ in range(2):
+        with pytest.raises(ValueError, match=r"layer_idx must be in \[0, 0\], got 1: the cache holds 1 layer"):
+            model.generate(torch.randint(1, TINY["vocab_size"], (2, 10)), max_new_tokens=4, do_sample=False,
+                           **_with(model, cache))
+        assert cache.pools is None and cache.held == 0 and cache.get_seq_length() == 0
+
+
+def test_reorder_cache_reorders_each_rounds_history():
+    """Beam search's reorder moves each row's round history with its pools and slot positions."""
+    model, cal = _setup()
+    cache = TriAttentionCache(model.config, cal, budget=8, beta=4)
+    model.generate(torch.randint(1, TINY["vocab_size"], (3, 6)), max_new_tokens=20, do_sample=False,
+                   **_with(model, cache))
+    assert cache.rounds
+    before = [(end, kept.clone()) for end, kept in cache.rounds]
+    assert not torch.equal(before[-1][1][0], before[-1][1][1])  # rows kept different tokens
+    idx = torch.tensor([2, 0, 0])
+    cache.reorder_cache(idx)
+    assert [end for end, _ in cache.rounds] == [end for end, _ in before]
+    for (_, kept), (_, old) in zip(cache.rounds, before):
+        assert torch.equal(kept, old[idx])
+
+
+def test_a_used_cache_refuses_a_shorter_prompt_by_saying_so():
+    """generate slices off the tokens a cache holds: a new, shorter prompt reaches the cache as a step of no
+    tokens. The error says the cache holds a sequence already and how to start again; reset() does."""
+    model, cal = _setup()
+    cache = TriAttentionCache(model.config, cal, budget=16, beta=4)
+    model.generate(torch.randint(1, TINY["vocab_size"], (1, 12)), max_new_tokens=4, do_sample=False,
+                   **_with(model, cache))
+    short = torch.randint(1, TINY["vocab_size"], (1, 5))
+    with pytest.raises(ValueError, match=r"already holds a sequence of \d+ tokens.*reset\(\)"):
+        model.generate(short, max_new_tokens=4, do_sample=False, **_with(model, cache))
+    cache.reset()
+    model.generate(short, max_new_tokens=4, do_sample=False, **_with(model, cache))
+    assert cache.get_seq_length() == 5 + 3
+
+
+def test_a_step_too_long_is_told_how_many_tokens_fit():
+    """The refusal of a long step states the rule at this phase: the step of 'at most M' tokens it names fits,
+    M + 1 does not (with beta 4 that is 3 to 5 tokens, by phase)."""
+    import re
+
+    model, cal = _setup()
+    cache = TriAttentionCache(model.config, cal, budget=8, beta=4)
+    seq = torch.randint(1, TINY["vocab_size"], (1, 60))
+    _run(model, cache, seq[:, :6])
+    seen = set()
+    for t in range(6, 46):
+        with pytest.raises(ValueError, match="may add at most") as e:
+            cache.get_mask_sizes(100)
+        most = int(re.search(r"at most (\d+) tokens", str(e.value)).group(1))
+        seen.add(most)
+        cache.get_mask_sizes(most)
+        _refused(cache, lambda: cache.get_mask_sizes(most + 1), ValueError, f"at most {most} tokens, not {most + 1}")
+        _run(model, cache, seq[:, t:t + 1])
+    assert min(seen) >= 1 and len(seen) > 1

@@ -373,7 +373,12 @@ class TriAttentionCache(_transformers_module.Cache):
         that no row is offloaded. A static cache runs a due round here, where the host last sees the cache before a
         compiled step writes (generate builds the mask outside the graph); an eager one at the step's first
         layer, after checking its K/V."""
-        q = check_int("TriAttentionCache.get_mask_sizes", "query_length", _tokens(query_length), 1)
+        q = _tokens(query_length)
+        if q == 0 and self.pools is not None:  # generate slices off the tokens the cache already holds
+            raise ValueError(f"TriAttentionCache.get_mask_sizes: a step of no new tokens: the cache already holds "
+                             f"a sequence of {self.get_seq_length()} tokens, as long as this input or longer; call "
+                             f"reset() (or build a new cache) to start a new prompt")
+        q = check_int("TriAttentionCache.get_mask_sizes", "query_length", q, 1)
         self._entry()
         if self.pools is not None or self._offloaded:
             held = self._check_step(q)
@@ -432,6 +437,8 @@ class TriAttentionCache(_transformers_module.Cache):
         for t in (*self.pools, self.slot_positions, self._seat_positions):
             if t is not None:
                 t.copy_(t.index_select(0, idx))
+        self.rounds = collections.deque(((end, kept.index_select(0, idx)) for end, kept in self.rounds),
+                                        maxlen=self.round_history)  # each round's history is per row too
 
     def _unsupported(self, name: str):
         raise NotImplementedError(f"TriAttentionCache.{name}: not supported; the cache holds one batch that advances "
@@ -461,6 +468,12 @@ class TriAttentionCache(_transformers_module.Cache):
         or additive) maps; no mask stays none."""
         local = layer_idx in self.local_layers
         if not torch.compiler.is_compiling():
+            if isinstance(layer_idx, int) and not isinstance(layer_idx, bool) and layer_idx >= self.num_layers:
+                if self._last and layer_idx == self.num_layers:
+                    self._reset()  # past the first step's last layer: a cache for fewer layers, emptied as update does
+                raise ValueError(f"TriAttentionCache.layer_mask: layer_idx must be in [0, {self.num_layers - 1}], got "
+                                 f"{layer_idx}: the cache holds {self.num_layers} layer(s) (its config's "
+                                 f"num_hidden_layers); build it from the model's config")
             check_int("TriAttentionCache.layer_mask", "layer_idx", layer_idx, 0, self.num_layers - 1)
             if local and mask is not None and not (isinstance(mask, torch.Tensor) and mask.dim() == 4):
                 raise TypeError(f"TriAttentionCache.layer_mask: a layer split's local layers need a 4-D mask "
@@ -643,9 +656,10 @@ class TriAttentionCache(_transformers_module.Cache):
             groups.append((self._after_round(self.local_held, True), self._capacity(True), "local layers "))
         for after, capacity, which in groups:
             if after + q > capacity:
-                raise ValueError(f"TriAttentionCache: {after + q} tokens do not fit the {which}{capacity} slots (it "
-                                 f"holds {after} after a due round); a step may add at most beta + 1 tokens past "
-                                 f"the prompt")
+                raise ValueError(f"TriAttentionCache: {after + q} tokens do not fit the {which}{capacity} slots "
+                                 f"(prompt + budget + beta + 1): a row holds {after} after any due round, so this "
+                                 f"step may add at most {capacity - after} tokens, not {q}; split it into shorter "
+                                 f"steps (a round runs before a step once beta tokens came since the last)")
         return held
 
     def _begin_step(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
