@@ -6,6 +6,8 @@ token's logical RoPE position. A wrong position or mask would show as a differen
 exact).
 """
 
+import unittest.mock
+
 import pytest
 import torch
 
@@ -410,6 +412,33 @@ def test_kvops_attention_generates_what_sdpa_does(cache_kind, device):
     steps = new if len(differ) == 0 else int(differ[0]) - ids.shape[1] + 1
     torch.testing.assert_close(torch.stack(got.logits[:steps]), torch.stack(want.logits[:steps]), atol=3e-2,
                                rtol=3e-2)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_kvops_attention_sends_a_mask_with_holes_to_sdpa(device):
+    """A decode step's mask whose row admits slots that are no one range (right padding, zeros inside
+    attention_mask) is not read as a range: the result is sdpa's, a contiguous mask still takes the kernel, and a
+    mask changed in place is checked again."""
+    module = torch.nn.Module()
+    module.num_key_value_groups, module.is_causal = 2, True
+    query = torch.randn(3, 4, 1, 64, device=device, dtype=torch.bfloat16)
+    k, v = (torch.randn(3, 2, 40, 64, device=device, dtype=torch.bfloat16) * 4 for _ in range(2))
+    mask = torch.ones(3, 1, 1, 40, dtype=torch.bool, device=device)
+    mask[0, ..., :5] = False     # left padding: a range
+    mask[1, ..., 10:30] = False  # a hole: right padding of the prompt, then the generated tokens
+    got, _ = kvops_attention(module, query, k, v, mask)
+    want, _ = grouped_sdpa(module, query, k, v, mask)
+    assert torch.equal(got, want)
+    ranged = mask.clone()
+    ranged[1] = True
+    with unittest.mock.patch(f"{kvops_attention.__module__}.grouped_sdpa", side_effect=AssertionError):
+        got, _ = kvops_attention(module, query, k, v, ranged)  # the kernel's
+        mask[1] = True  # in place: checked again
+        kvops_attention(module, query, k, v, mask)
+    torch.testing.assert_close(got.float(), grouped_sdpa(module, query, k, v, ranged)[0].float(), atol=2e-2, rtol=2e-2)
+    ranged[2, ..., 20] = False  # in place, a hole now
+    got, _ = kvops_attention(module, query, k, v, ranged)
+    assert torch.equal(got, grouped_sdpa(module, query, k, v, ranged)[0])
 
 
 @pytest.mark.parametrize("device", DEVICES)

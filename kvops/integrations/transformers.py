@@ -33,6 +33,7 @@ import functools
 import inspect
 import os
 import sys
+import weakref
 from dataclasses import dataclass
 from typing import Mapping, NamedTuple
 
@@ -885,9 +886,11 @@ def kvops_attention(module, query, key, value, attention_mask, **kwargs):
     the SMs, and each row reads only the slots its mask admits. Any cache's layers serve as a dense paged cache
     of one page per row (``TriAttentionCache``'s pools, ``StaticCache``, ``DynamicCache``).
 
-    Each row's mask (transformers' padding and causal mask at a decode step) must admit one contiguous range of
+    Each row's mask (transformers' padding and causal mask at a decode step) is read as one contiguous range of
     slots: its first and last admitted slots bound what the row reads, on the device, so a compiled step keeps one
-    graph. Every other case (prefill, a float mask, dropout, a head_dim or dtype the kernels do not serve) is
+    graph. An eager step whose mask has a hole in a row (right padding, zeros inside ``attention_mask``) goes to
+    ``grouped_sdpa`` (one host read per forward finds out); a compiled step cannot look, so a compiled caller
+    passes masks without holes (left padding, as ``generate`` wants for decoder-only models). Every other case (prefill, a float mask, dropout, a head_dim or dtype the kernels do not serve) is
     ``grouped_sdpa``'s, which refuses attention sinks and a soft cap.
     Select it with ``model.set_attn_implementation(KVOPS_ATTENTION)``.
     """
@@ -910,8 +913,26 @@ def kvops_attention(module, query, key, value, attention_mask, **kwargs):
         slot = torch.arange(N, device=query.device)
         lengths = torch.where(admitted, slot + 1, 0).amax(-1).to(torch.int32)
         starts = torch.where(admitted, slot, N).amin(-1).to(torch.int32)
+        if not torch.compiler.is_compiling() and _has_holes(attention_mask, admitted, starts, lengths):
+            return grouped_sdpa(module, query, key, value, attention_mask, **kwargs)
     out = decode_attention(query, key, value, table, lengths, starts=starts, scale=kwargs.get("scaling"))
     return out, None
+
+
+_checked_mask: tuple = (None, -1, False)  # (a weak reference to the last mask checked, its version, its answer)
+
+
+def _has_holes(mask: torch.Tensor, admitted: torch.Tensor, starts: torch.Tensor, lengths: torch.Tensor) -> bool:
+    """Whether a row of an eager decode step's mask admits slots that are not one range (right padding, zeros of
+    `attention_mask` inside a row): kvops' decode attention reads a range per row. Read back once per mask:
+    transformers hands every layer of a forward the same mask tensor, so an eager step pays one host read."""
+    global _checked_mask
+    ref, version, answer = _checked_mask
+    if ref is not None and ref() is mask and version == mask._version:
+        return answer
+    answer = bool((admitted.sum(-1) != (lengths - starts).clamp_min(0)).any())
+    _checked_mask = (weakref.ref(mask), mask._version, answer)
+    return answer
 
 
 _sdpa = _transformers_module.modeling_utils.ALL_ATTENTION_FUNCTIONS["sdpa"]
