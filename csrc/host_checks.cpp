@@ -32,6 +32,35 @@ void check_own_memory(const at::Tensor& t, const char* what, const std::string& 
 }
 
 namespace {
+bool share_memory(const at::Tensor& a, const at::Tensor& b) {
+  if (a.numel() == 0 || b.numel() == 0 || !a.has_storage() || !b.has_storage() ||
+      !a.storage().is_alias_of(b.storage()))
+    return false;
+  switch (at::get_overlap_status(a, b)) {
+    case at::MemOverlapStatus::Full:
+    case at::MemOverlapStatus::Partial:
+      return true;
+    case at::MemOverlapStatus::No:
+      return false;
+    default:  // too hard to tell (padded strides): the same first element is the same tensor passed twice
+      return a.data_ptr() == b.data_ptr();
+  }
+}
+}  // namespace
+
+void check_disjoint(at::TensorList tensors, const char* what, const char* name,
+                    std::initializer_list<std::pair<const at::Tensor*, const char*>> others) {
+  for (size_t i = 0; i < tensors.size(); ++i) {
+    for (size_t j = i + 1; j < tensors.size(); ++j)
+      TORCH_CHECK_VALUE(!share_memory(tensors[i], tensors[j]), what, ": ", name, "[", i, "] and ", name, "[", j,
+                        "] share memory; each must be its own tensor (the same pool passed twice would be changed "
+                        "twice)");
+    for (const auto& [t, other] : others)
+      TORCH_CHECK_VALUE(!share_memory(tensors[i], *t), what, ": ", other, " shares memory with ", name, "[", i, "]");
+  }
+}
+
+namespace {
 // kvops::_same_layout_addresses: the per-layer pools of a round, checked in one call (a Python loop over 36
 // layers' shapes and strides costs more than the round's other host work): every tensor has tensors[0]'s sizes,
 // strides, dtype and device (a ValueError names `name`[i] otherwise); returns their addresses.

@@ -7,6 +7,7 @@ import math
 from typing import Iterable, Sequence
 
 import torch
+from torch._subclasses.fake_tensor import is_fake
 
 INT32_MAX = 2**31 - 1  # every kernel indexes positions, lengths and list entries in int32
 
@@ -115,16 +116,22 @@ def _offsets_meet(delta: int, dims: Sequence[tuple[int, int]]) -> bool:
     return any(_offsets_meet(delta - j * stride, rest) for j in range(lo, hi + 1))
 
 
+def _storage(t: torch.Tensor) -> int:
+    """What identifies a tensor's memory: its address, or for a fake tensor (torch.compile's, which has none) its
+    storage, which the fakes of views of one traced input share."""
+    storage = t.untyped_storage()
+    return storage._cdata if is_fake(t) else storage.data_ptr()
+
+
 def overlap(a: torch.Tensor, b: torch.Tensor) -> bool:
-    """Whether two tensors share at least one byte of memory (same storage, intersecting elements). False while
-    torch.compile traces: traced tensors have no addresses (the checks that use this run in eager calls)."""
-    if torch.compiler.is_compiling():
+    """Whether two tensors share at least one byte of memory (same storage, intersecting elements). Works on the
+    fake tensors torch.compile traces with, which keep their inputs' storages and offsets: the ops' fakes run the
+    same checks, so a compiled call refuses what an eager one does. False in code Dynamo traces (there the op's
+    fake checks)."""
+    if torch.compiler.is_dynamo_compiling() or a.numel() == 0 or b.numel() == 0 or a.device != b.device or _storage(a) != _storage(b):
         return False
-    if a.numel() == 0 or b.numel() == 0 or a.device != b.device or \
-            a.untyped_storage().data_ptr() != b.untyped_storage().data_ptr():
-        return False
-    span = lambda t: (t.data_ptr(), t.data_ptr() + t.itemsize * (1 + sum((n - 1) * s  # noqa: E731
-                                                                         for n, s in zip(t.shape, t.stride()))))
+    span = lambda t: (t.storage_offset() * t.itemsize,  # noqa: E731  (bytes into the shared storage)
+                      (t.storage_offset() + 1 + sum((n - 1) * s for n, s in zip(t.shape, t.stride()))) * t.itemsize)
     (a0, a1), (b0, b1) = span(a), span(b)
     if a1 <= b0 or b1 <= a0:
         return False
@@ -137,13 +144,14 @@ def overlap(a: torch.Tensor, b: torch.Tensor) -> bool:
 def check_disjoint(what: str, name: str, tensors: Sequence[torch.Tensor],
                    others: Iterable[tuple[str, torch.Tensor]] = ()) -> None:
     """No two of `tensors` (and none of them with a named tensor of `others`) share memory: the same pool passed
-    twice would be moved or encoded twice. Eager only: traced (fake) tensors have no addresses."""
-    if torch.compiler.is_compiling():
+    twice would be moved or encoded twice. Fake tensors too (``overlap``): the ops' fakes call it while
+    torch.compile traces (in code Dynamo traces it checks nothing: the fake does)."""
+    if torch.compiler.is_dynamo_compiling():
         return
     others = list(others)
-    storages = [t.untyped_storage().data_ptr() for t in tensors]
+    storages = [_storage(t) for t in tensors]
     shared = set(storages)
-    if len(shared) == len(storages) and not any(t.untyped_storage().data_ptr() in shared for _, t in others):
+    if len(shared) == len(storages) and not any(_storage(t) in shared for _, t in others):
         return  # the usual case: every pool its own allocation
     for i in range(len(tensors)):
         for j in range(i + 1, len(tensors)):

@@ -35,7 +35,7 @@ def _first_tensor(args) -> torch.Tensor:
     raise TypeError("a kvops op needs a tensor argument")
 
 
-def python_op(name: str, mutates_args: set[str], cuda: Callable | None = None):
+def python_op(name: str, mutates_args: set[str], cuda: Callable | None = None, check: Callable | None = None):
     """Register a function that writes its outputs in place (launching its kernels on the current stream) as the
     op ``kvops::<name>``, and return the op's entry point.
 
@@ -48,12 +48,16 @@ def python_op(name: str, mutates_args: set[str], cuda: Callable | None = None):
     cuda : callable, optional
         The op's CUDA implementation, registered for the CUDA key; without it the decorated function serves
         every device.
+    check : callable, optional
+        The op's own argument checks (its arguments; raises): run by the fake, so a compiled call refuses at its
+        trace what an eager one refuses (fake tensors keep their inputs' storages: ``kvops._checks.overlap``).
+        The implementations call it themselves.
 
     Returns
     -------
     A decorator. It registers the decorated function (annotated: its annotations give the schema) for every device,
-    `cuda` for CUDA tensors, and a fake that does nothing (the op returns nothing, so ``torch.compile`` traces it
-    and calls it opaquely). It returns a plain function with the op's arguments: for CUDA tensors outside
+    `cuda` for CUDA tensors, and a fake that runs `check` or nothing (the op returns nothing, so ``torch.compile``
+    traces it and calls it opaquely). It returns a plain function with the op's arguments: for CUDA tensors outside
     ``torch.compile`` it calls the CUDA implementation directly (``eager_bypass``), else the registered op; its
     ``op`` attribute is the registered op. A plain function rather than a callable object, which torch.compile
     could not trace with ``fullgraph=True``; a plain custom op rather than ``torch.library.triton_op``: that one
@@ -64,7 +68,7 @@ def python_op(name: str, mutates_args: set[str], cuda: Callable | None = None):
         op = torch.library.custom_op(f"kvops::{name}", mutates_args=mutates_args)(fn)
         if cuda is not None:
             op.register_kernel("cuda")(cuda)
-        op.register_fake(lambda *args, **kwargs: None)
+        op.register_fake(check if check is not None else lambda *args, **kwargs: None)
         direct = fn if cuda is None else cuda
 
         def entry(*args, **kwargs) -> None:

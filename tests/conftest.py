@@ -1,4 +1,6 @@
+import contextlib
 import os
+import re
 import subprocess
 import sys
 
@@ -52,6 +54,18 @@ def opcheck(op, args):
             continue
         after = [bytes_of(t) for t in (a if isinstance(a, (list, tuple)) else [a]) if isinstance(t, torch.Tensor)]
         assert all(torch.equal(x, y) for x, y in zip(before[i], after)), f"argument {i} mutated but not declared"
+
+
+@contextlib.contextmanager
+def refused(error: type, match: str):
+    """The call raises `error` matching `match`: itself (eager), or under torch.compile in the cause chain of
+    dynamo's wrapper (docs/DESIGN.md, "What a compiled caller sees")."""
+    with pytest.raises(Exception) as info:
+        yield
+    e = info.value
+    while e is not None and not (isinstance(e, error) and re.search(match, str(e))):
+        e = e.__cause__ or e.__context__
+    assert e is not None, f"no {error.__name__} matching {match!r} in the chain of {info.value!r}"
 
 
 def run_python(code: str, **env: str) -> None:

@@ -6,7 +6,7 @@ import math
 import pytest
 import torch
 
-from conftest import DEVICES, opcheck, requires_cuda
+from conftest import DEVICES, opcheck, refused, requires_cuda
 from kvops.attention import decode_attention
 from kvops.attention.reference import decode_attention as reference
 
@@ -134,6 +134,12 @@ def test_compile_fullgraph(device):
         return decode_attention(query * 1, k, v, table, lengths + 0, starts=starts)
 
     torch.testing.assert_close(step(query, lengths), decode_attention(query, k, v, table, lengths, starts=starts))
+    # a 3-D query: the fake raises the op's ValueError, eager and compiled alike
+    flat = torch.compile(lambda q: decode_attention(q, k, v, table, lengths, starts=starts, scale=0.1),
+                         fullgraph=True, backend="aot_eager")
+    for call in (lambda q: decode_attention(q, k, v, table, lengths, starts=starts, scale=0.1), flat):
+        with refused(ValueError, "query must be 4-D"):
+            call(query[:, 0])
 
 
 @requires_cuda

@@ -1,11 +1,13 @@
 """Compaction: pack + compact_layers_ against the gather/scatter reference, bit for bit."""
 
+import dataclasses
+import functools
 import os
 
 import pytest
 import torch
 
-from conftest import DEVICES, bytes_of, opcheck, poison_, requires_cuda, run_python
+from conftest import DEVICES, bytes_of, opcheck, poison_, refused, requires_cuda, run_python
 from kvops.compaction import (SlotPositions, build_compaction_params, compact, compact_layers_, decision_row,
                               decision_rows, follow_slot_positions_, pack_move_sources, stream_rows)
 from kvops.compaction.reference import pack_move_sources_torch, slot_positions_torch
@@ -766,6 +768,29 @@ def test_aliased_or_meta_pools_are_refused(device):
     assert _unchanged(pools, before)
 
 
+@pytest.mark.parametrize("device", DEVICES)
+def test_a_compiled_call_refuses_the_aliasing_an_eager_one_does(device):
+    """The aliasing checks run in the op: a compiled compact_layers_ or compact (traced tensors have no
+    addresses) refuses the same pool twice, two pools over the same memory, and a params whose pools were replaced
+    after build_compaction_params, as the eager call does; nothing moves."""
+    pools, table, kept, scored, tail, base = _small(device)
+    params = build_compaction_params(pools, table, kept, scored, tail, base, max_tail=5)
+    before = [bytes_of(p).clone() for p in pools]
+    compiled = functools.partial(torch.compile, fullgraph=True, backend="aot_eager" if device == "cpu" else "inductor")
+    for bad, match in (([pools[0], pools[1], pools[0]], r"pools\[0\] and pools\[2\] share memory"),
+                       ([pools[0], pools[1], pools[1][:]], r"pools\[1\] and pools\[2\] share memory")):
+        for fn in (compact_layers_, torch.ops.kvops.compaction_compact_layers_):
+            for call in (fn, compiled(fn)):  # a fresh compile per case: each traces its own aliasing
+                with refused(ValueError, match):
+                    call(bad, table, params.sources, params.new_lengths, base, [0] * 3, [0] * 3)
+        swapped = dataclasses.replace(params, pools=bad)
+        for call in (compact, compiled(lambda p: compact(p, 3))):
+            with refused(ValueError, match):
+                call(swapped)
+    assert _unchanged(pools, before)
+    compiled(lambda p: compact(p, 3))(params)  # the bound pools still move
+
+
 def test_interleaved_layer_views_of_one_pool_are_not_aliases():
     """Layers as views of one [page, layer, plane, head, token, dim] allocation (TensorRT-LLM's pool) share a
     storage but no element: accepted, and compacted like separate pools."""
@@ -1013,7 +1038,14 @@ def test_slot_position_kernel_matches_torch_in_the_interpreter():
         "                               p.new_lengths, p.moves, rows)\n"
         "        follow_slot_positions_torch(b, seats, stored, bases, p.sources, rows, p.destination_bases,\n"
         "                                    p.new_lengths)\n"
-        "        assert torch.equal(a, b), (order, rows)\n")
+        "        assert torch.equal(a, b), (order, rows)\n"
+        "        # a seat outside the table's 4 (device seats go unchecked to the kernel): that row writes nothing\n"
+        "        from kvops.compaction.positions import _follow_launch\n"
+        "        a, b, out = t.clone(), t.clone(), i(-1, 0, 4)\n"
+        "        _follow_launch(a, out, stored, bases, p.sources, p.moves, rows, p.destination_bases, p.new_lengths)\n"
+        "        follow_slot_positions_torch(b, out, stored, bases, p.sources, rows, p.destination_bases,\n"
+        "                                    p.new_lengths)\n"
+        "        assert torch.equal(a, b) and torch.equal(a[1:], t[1:]), (order, rows)\n")
     run_python(code, TRITON_INTERPRET="1")
 
 
@@ -1050,7 +1082,11 @@ def test_slot_positions_compile_and_refuse_bad_arguments(device):
             (lambda: follow_slot_positions_(slots, sources, dest, new, None, i32(0, 1).long()), ValueError,
              "list_rows must be int32"),
             (lambda: follow_slot_positions_(slots._replace(stored=table[0, 0, :2]), sources, dest, new),
-             ValueError, "share")):
+             ValueError, "share"),
+            *(((lambda: follow_slot_positions_(slots._replace(seats=i32(-1, 0)), sources, dest, new), ValueError,
+                r"positions.seats\[0\] = -1 is outside the table's 3 seats"),
+               (lambda: follow_slot_positions_(slots._replace(seats=i32(0, 3)), sources, dest, new), ValueError,
+                r"positions.seats\[1\] = 3 is outside")) if device == "cpu" else ())):  # a device one: skipped
         with pytest.raises(error, match=words):
             call()
         assert torch.equal(table, before)

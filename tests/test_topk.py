@@ -5,7 +5,7 @@ import os
 import pytest
 import torch
 
-from conftest import DEVICES, opcheck, poison_, requires_cuda
+from conftest import DEVICES, opcheck, poison_, refused, requires_cuda
 from kvops.topk import sort_keys, topk, topk_reference
 
 
@@ -200,10 +200,19 @@ def test_opcheck_and_compile(device):
     compiled = torch.compile(lambda s, n, o: topk(s, n, 16, offsets=o) + 1, fullgraph=True,
                              backend="aot_eager" if device == "cpu" else "inductor")
     assert torch.equal(compiled(scores, lengths, offsets), topk(scores, lengths, 16, offsets=offsets) + 1)
-    into = torch.compile(lambda s, n, o: topk(s, n, 16, out=o), fullgraph=True,  # out=: its aliasing check is eager's
+    into = torch.compile(lambda s, n, o: topk(s, n, 16, out=o), fullgraph=True,
                          backend="aot_eager" if device == "cpu" else "inductor")
     into(scores, lengths, out.fill_(-7))
     assert torch.equal(out, topk(scores, lengths, 16))
+    # the aliasing check runs in the op and its fake: a compiled call refuses an out over lengths as eager does
+    buf = torch.zeros(3 * 16, dtype=torch.int32, device=device)  # out over lengths: a dtype aot can take
+    inside, held = buf.view(3, 16), buf[45:].copy_(lengths)
+    fresh = torch.compile(lambda s, n, o: topk(s, n, 16, out=o), fullgraph=True,
+                          backend="aot_eager" if device == "cpu" else "inductor")
+    for call in (lambda: topk(scores, held, 16, out=inside), lambda: fresh(scores, held, inside)):
+        with refused(ValueError, "topk: out shares memory"):
+            call()
+        assert torch.equal(held, lengths)
 
 
 @requires_cuda

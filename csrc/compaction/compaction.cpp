@@ -151,6 +151,11 @@ MovePlan check_compact_args(at::TensorList pools, const at::Tensor& page_table, 
     TORCH_CHECK_VALUE(first >= 0 && head_row_stride[l] >= 0 && last < list_rows, kOp, ": layer ", l,
                       " reads list rows ", first, "..", last, " but sources has ", list_rows, " rows per request");
   }
+  // the indices too: a move that wrote over its page table or lists would steer the later moves
+  check_disjoint(pools, kOp, "pools",
+                 {{&page_table, "page_table"}, {&sources, "sources"}, {&new_lengths, "new_lengths"},
+                  {&destination_bases, "destination_bases"}});
+  if (moves.has_value()) check_disjoint(pools, kOp, "pools", {{&*moves, "moves"}});
   MovePlan plan{};
   plan.pool = PoolGeometry{p0.stride(0) * esize, p0.stride(1) * esize, p0.stride(2) * esize, p0.stride(3) * esize,
                            int32_t(p0.size(0)),  int32_t(H),           int32_t(p0.size(3)),   int32_t(row_bytes),

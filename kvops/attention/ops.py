@@ -70,6 +70,8 @@ def decode_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.
 def _decode_fake(query, k_cache, v_cache, page_table, lengths, starts, scale, k_scale=1.0, v_scale=1.0,
                  num_splits=0):
     check_no_meta_mix("attention_decode", query, k_cache, v_cache, page_table, lengths, starts)
-    torch._check(query.dim() == 4, lambda: f"attention_decode: query must be 4-D, got {query.dim()}-D")
+    if query.dim() != 4:  # the op's own error (csrc/attention/attention.cpp), raised where the trace needs a shape
+        raise ValueError(f"attention_decode: query must be 4-D [requests, q_heads, q_tokens, head_dim], got shape "
+                         f"{list(query.shape)}")
     R, Hq, q, D = query.shape
     return query.new_empty((R, q, Hq, D))

@@ -60,8 +60,13 @@ def _check_pools(what: str, pools: Sequence[torch.Tensor]) -> None:
 @torch.library.register_fake("kvops::compaction_compact_layers_")
 def _compact_layers_fake(pools, page_table, sources, new_lengths, destination_bases, layer_row_base,
                          head_row_stride, moves=None):
-    check_no_meta_mix("compaction_compact_layers_", pools, page_table, sources, new_lengths, destination_bases,
+    what = "compaction_compact_layers_"
+    check_no_meta_mix(what, pools, page_table, sources, new_lengths, destination_bases,
                       *([] if moves is None else [moves]))
+    # the op's aliasing checks, at the trace: what a compiled call's functionalization may hide from the op
+    check_disjoint(what, "pools", list(pools), [("page_table", page_table), ("sources", sources),
+                                                ("new_lengths", new_lengths), ("destination_bases", destination_bases)]
+                   + ([] if moves is None else [("moves", moves)]))
 
 
 @dataclass

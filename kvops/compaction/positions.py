@@ -39,7 +39,8 @@ _BLOCK = 256
 class SlotPositions(NamedTuple):
     """The logical positions of R requests' decode slots (module docstring): int32 ``table`` [S, rows, C] (last
     dim contiguous), and int32 ``seats``, ``stored``, ``bases`` [R]. Seats in [0, S), distinct, and stored counts
-    in [0, C] are the caller's to keep (the kernels read them on the device unchecked)."""
+    in [0, C] are the caller's to keep: host seats are checked on every call; device ones are read on the device,
+    where a seat outside [0, S) writes nothing (no sync to check them), and distinct seats are trusted."""
 
     table: torch.Tensor
     seats: torch.Tensor
@@ -73,15 +74,17 @@ def check_slot_positions(what: str, positions: SlotPositions, R: int, rows: int 
 
 @triton.jit
 def _follow_kernel(table, t_stride_s, t_stride_row, seats, stored, bases, sources, s_stride_r, s_stride_row, moves,
-                   list_rows, destination_bases, new_lengths, capacity, MAPPED: tl.constexpr, FILL: tl.constexpr,
-                   BLOCK: tl.constexpr):
+                   list_rows, destination_bases, new_lengths, capacity, seat_count, MAPPED: tl.constexpr,
+                   FILL: tl.constexpr, BLOCK: tl.constexpr):
     r = tl.program_id(0)
     row = tl.program_id(1)
-    at = table + tl.load(seats + r).to(tl.int64) * t_stride_s + row.to(tl.int64) * t_stride_row
-    held = tl.load(stored + r)
+    seat = tl.load(seats + r)
+    seated = (seat >= 0) & (seat < seat_count)  # a seat outside the table writes nothing (n = -1 runs no loop)
+    at = table + tl.where(seated, seat, 0).to(tl.int64) * t_stride_s + row.to(tl.int64) * t_stride_row
+    held = tl.maximum(tl.load(stored + r), 0)
     first = tl.load(bases + r)
     base = tl.load(destination_bases + r)
-    n = tl.minimum(tl.load(new_lengths + r) - base, capacity)
+    n = tl.where(seated, tl.minimum(tl.load(new_lengths + r) - base, capacity), -1)
     lrow = tl.load(list_rows + row) if MAPPED else row
     lists = r.to(tl.int64) * s_stride_r + lrow.to(tl.int64) * s_stride_row
     i = tl.arange(0, BLOCK)
@@ -120,7 +123,7 @@ def _follow_kernel(table, t_stride_s, t_stride_row, seats, stored, bases, source
 _FOLLOW = _triton.Kernel("compaction_follow_slot_positions", _follow_kernel, {
     "table": "*i32", "t_stride_s": "i64", "t_stride_row": "i64", "seats": "*i32", "stored": "*i32", "bases": "*i32",
     "sources": "*i32", "s_stride_r": "i64", "s_stride_row": "i64", "moves": "*i32", "list_rows": "*i32",
-    "destination_bases": "*i32", "new_lengths": "*i32", "capacity": "i32"},
+    "destination_bases": "*i32", "new_lengths": "*i32", "capacity": "i32", "seat_count": "i32"},
     variants=[{"MAPPED": mapped, "FILL": fill, "BLOCK": _BLOCK} for mapped in (False, True) for fill in (False, True)])
 
 
@@ -135,7 +138,7 @@ def _follow_launch(table: torch.Tensor, seats: torch.Tensor, stored: torch.Tenso
         launch[(R, rows)](table, table.stride(0), table.stride(1), seats, stored, bases, sources, sources.stride(0),
                           sources.stride(1), sources if moves is None else moves, seats if list_rows is None
                           else list_rows, destination_bases, new_lengths, min(table.shape[2], sources.shape[2]),
-                          MAPPED=list_rows is not None, FILL=moves is not None, BLOCK=_BLOCK)
+                          table.shape[0], MAPPED=list_rows is not None, FILL=moves is not None, BLOCK=_BLOCK)
 
 
 _follow_op = python_op("compaction_follow_slot_positions_", mutates_args={"table"})(_follow_launch)
@@ -180,6 +183,12 @@ def follow_slot_positions_(positions: SlotPositions, sources: torch.Tensor, dest
             not 0 <= int(list_rows.min()) <= int(list_rows.max()) < sources.shape[1]:
         raise ValueError(f"{what}: list_rows must lie in [0, {sources.shape[1]}), got {list_rows.tolist()}")
     table, seats, stored, bases = positions
+    if seats.device.type == "cpu" and seats.numel() and not torch.compiler.is_compiling():
+        bad = (seats < 0) | (seats >= table.shape[0])
+        if bool(bad.any()):
+            r = int(bad.nonzero()[0])
+            raise ValueError(f"{what}: positions.seats[{r}] = {int(seats[r])} is outside the table's "
+                             f"{table.shape[0]} seats [0, {table.shape[0]})")
     check_disjoint(what, "tensors", [table], [("seats", seats), ("stored", stored), ("bases", bases),
                                              ("sources", sources), ("destination_bases", destination_bases),
                                              ("new_lengths", new_lengths)]

@@ -137,7 +137,7 @@ def slot_positions_torch(table: torch.Tensor, seats: torch.Tensor, stored: torch
     """int32 [R, rows, width]: every decode slot's logical position (positions.py states it): slot j of request r
     holds table[seats[r], row, j] below stored[r], else bases[r] + j."""
     j = torch.arange(width, device=table.device)
-    rows = table[seats.long()]
+    rows = table[seats.long().clamp(0, max(table.shape[0] - 1, 0))]  # a seat outside the table: read, not used
     if rows.shape[2] < width:
         rows = torch.nn.functional.pad(rows, (0, width - rows.shape[2]))
     return torch.where(j < stored[:, None, None], rows[..., :width], bases[:, None, None] + j).int()
@@ -155,6 +155,8 @@ def follow_slot_positions_torch(table: torch.Tensor, seats: torch.Tensor, stored
     before = slot_positions_torch(table, seats, stored, bases, width)
     lists = sources if list_rows is None else sources[:, list_rows.long()]
     for r in range(R):
+        if not 0 <= int(seats[r]) < table.shape[0]:
+            continue  # a seat outside the table writes nothing (the kernel's rule)
         base = int(destination_bases[r])
         n = max(0, min(int(new_lengths[r]) - base, capacity))
         src = lists[r, :rows, :n].long() - base

@@ -93,7 +93,15 @@ def cute_rows(scores: torch.Tensor, lengths: torch.Tensor, offsets: torch.Tensor
                                                                 int(offsets is not None), out, k)
 
 
+def _check_out(scores, lengths, offsets, out) -> None:
+    """out shares no memory with the inputs: checked in the op itself, so a compiled call (whose traced tensors
+    have no addresses) refuses what an eager one does."""
+    if out.numel() and any(overlap(out, t) for t in (scores, lengths, offsets) if t is not None):
+        raise ValueError("topk: out shares memory with scores, lengths or offsets")
+
+
 def _topk_cuda(scores, lengths, offsets, k, out):
+    _check_out(scores, lengths, offsets, out)
     device = scores.device
     rows, N = scores.shape
     if k < 1 or rows == 0:  # nothing to write (kvops.topk never calls with these)
@@ -107,9 +115,10 @@ def _topk_cuda(scores, lengths, offsets, k, out):
         cute_rows(scores, lengths, offsets, k, out)
 
 
-@python_op("topk_", mutates_args={"out"}, cuda=_topk_cuda)
+@python_op("topk_", mutates_args={"out"}, cuda=_topk_cuda, check=lambda s, n, o, k, out: _check_out(s, n, o, out))
 def _topk_op(scores: torch.Tensor, lengths: torch.Tensor, offsets: torch.Tensor | None, k: int,
              out: torch.Tensor) -> None:
+    _check_out(scores, lengths, offsets, out)
     topk_torch(scores, lengths, offsets, k, out)
 
 
@@ -168,8 +177,6 @@ def topk(scores: torch.Tensor, lengths: torch.Tensor, k: int, out: torch.Tensor 
         check_int32(what, device, out=(out, 2))
         if tuple(out.shape) != shape or not out.is_contiguous():
             raise ValueError(f"{what}: out must be a contiguous int32 {list(shape)} tensor, got {tuple(out.shape)}")
-        if out.shape[0] and any(overlap(out, t) for t in (scores, lengths, offsets) if t is not None):
-            raise ValueError(f"{what}: out shares memory with scores, lengths or offsets")
     if k and scores.shape[0]:
         _topk_op(scores, lengths, offsets, k, out)
     return out
