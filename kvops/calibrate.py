@@ -392,8 +392,8 @@ def main(argv: list[str] | None = None) -> int:
         ap.error(_first_line(e).removeprefix("kvops calibrate: "))
     try:
         tokenizer = transformers.AutoTokenizer.from_pretrained(a.model_dir, local_files_only=True)
-    except (TypeError, ValueError, KeyError, OSError) as e:
-        ap.error(f"{a.model_dir}: cannot load its tokenizer ({_first_line(e)})")
+    except Exception as e:  # tokenizers and transformers raise their own classes too
+        ap.error(f"{a.model_dir}: cannot load its tokenizer ({type(e).__name__}: {_first_line(e)})")
     ids = torch.tensor(tokenizer(text)["input_ids"], dtype=torch.int64)[:a.max_tokens]
     if ids.numel() == 0:
         ap.error(f"--text {a.text}: the tokenizer of {a.model_dir} makes no tokens of it (an empty text, or no "
@@ -405,8 +405,10 @@ def main(argv: list[str] | None = None) -> int:
     try:
         model = transformers.AutoModelForCausalLM.from_pretrained(a.model_dir, local_files_only=True, dtype=dtype,
                                                                   attn_implementation="sdpa")
-    except (TypeError, ValueError, KeyError, OSError) as e:
-        ap.error(f"{a.model_dir}: cannot load the model's weights ({_first_line(e)})")
+    except Exception as e:  # a truncated file raises safetensors' own SafetensorError, torch.load its own
+        weights = sorted(f for f in os.listdir(a.model_dir) if f.endswith((".safetensors", ".bin", ".pt", ".pth")))
+        ap.error(f"{os.path.join(a.model_dir, weights[0]) if len(weights) == 1 else a.model_dir}: cannot load the "
+                 f"model's weights ({type(e).__name__}: {_first_line(e)})")
     try:  # an attention this tool cannot hook, refused before the model moves or runs
         QueryStatistics(model).remove()
     except ValueError as e:

@@ -223,8 +223,8 @@ def test_onboard_refuses_a_corrupt_slot_with_nothing_changed(nvfp4):
     cache.offload("a")
     cache.finish("b")  # b's KV stays in the freed pages a would get
     slot = cache._requests["a"].slots[1]
-    cache.host[slot, :16] = torch.randint(0, 256, (16,), dtype=torch.uint8)
-    cache.host[slot, :4] = torch.tensor([-1.5]).view(torch.uint8)  # pools[0] plane 0's global scale: negative
+    cache.host[slot, 4:16] = torch.randint(0, 256, (12,), dtype=torch.uint8)  # past the layout tag
+    cache.host[slot, 4:8] = torch.tensor([-1.5]).view(torch.uint8)  # pools[0] plane 0's global scale: negative
     before = _state(cache)
     with pytest.raises(ValueError, match=f"onboard: request 'a': .*slot {slot} holds global scale"):
         cache.onboard("a")

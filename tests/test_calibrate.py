@@ -305,9 +305,13 @@ def _bad_cases(tmp, model):
         (tmp / "big_vocab" / f.name).write_bytes(f.read_bytes())
     (tmp / "big_vocab" / "config.json").write_text(json.dumps({**config, "vocab_size": 100}))
     (tmp / "no_weights").mkdir()
+    (tmp / "truncated").mkdir()  # safetensors raises its own SafetensorError on it
     for f in model.iterdir():
         if not f.name.endswith(".safetensors"):
             (tmp / "no_weights" / f.name).write_bytes(f.read_bytes())
+        data = f.read_bytes()
+        (tmp / "truncated" / f.name).write_bytes(data[:len(data) // 2] if f.name.endswith(".safetensors") else data)
+    weights = [f.name for f in model.iterdir() if f.name.endswith(".safetensors")]
 
     def ok(directory=model, t=text, out=tmp / "c.pt"):
         return [str(directory), "--text", str(t), "--out", str(out)]
@@ -326,6 +330,8 @@ def _bad_cases(tmp, model):
         (ok(directory=tmp / "no_tokenizer"), "makes no tokens of it"),
         (ok(directory=tmp / "big_vocab"), "the model's vocab_size is 100"),
         (ok(directory=tmp / "no_weights"), "cannot load the model's weights"),
+        (ok(directory=tmp / "truncated"), f"{tmp / 'truncated' / weights[0] if len(weights) == 1 else tmp / 'truncated'}: "
+                                          f"cannot load the model's weights"),
         (ok(t=tmp / "binary.txt"), "not UTF-8 text"),
         (ok(t=tmp / "empty.txt"), "the file is empty"),
         (ok(t=tmp / "absent.txt"), "cannot read it (No such file or directory)"),

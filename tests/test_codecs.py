@@ -124,7 +124,7 @@ def test_decode_can_validate_the_slots():
     codec.encode(0, blob, torch.tensor([[0, 3]], dtype=torch.int32))
     before = [p.clone() for p in groups[0].pools]
     pairs = torch.tensor([[4, 0], [5, 1]], dtype=torch.int32)  # slot 1 was never encoded
-    with pytest.raises(ValueError, match="slot 1 holds global scale 0"):
+    with pytest.raises(ValueError, match=r"slot 1's section of pools\[0\] carries layout tag 0"):
         codec.decode(0, blob, pairs, validate=True)
     assert all(torch.equal(a, b) for a, b in zip(groups[0].pools, before))
     codec.decode(0, blob, pairs)  # unvalidated: slot 1's planes left as they were, and counted

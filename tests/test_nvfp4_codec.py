@@ -401,13 +401,15 @@ def test_decode_refuses_scales_encode_never_writes(device, bad):
     cold = codec.allocate(3, device=device)
     codec.encode(pools, cold, torch.tensor([[0, 1], [2, 3]], dtype=torch.int32, device=device))
     cold[1].zero_()   # slot 1: never encoded
-    g_table = cold[2, :16].view(torch.float32)  # slot 2, pool 0's two planes: the V plane is corrupt
-    g_table[1] = bad
+    g_table = cold[2, :16].view(torch.float32)  # slot 2, pool 0: the layout tag, then K's and V's global scales
+    g_table[2] = bad  # the V plane is corrupt
     outs = [poison_(p.clone()) for p in pools]
     saved = [o.clone() for o in outs]
     pairs = torch.tensor([[4, 0], [5, 1], [6, 2]], dtype=torch.int32, device=device)  # (page, slot)
-    with pytest.raises(ValueError, match="slot 1 holds global scale 0"):
+    with pytest.raises(ValueError, match=r"slot 1's section of pools\[0\] carries layout tag 0"):
         codec.decode(cold, outs, pairs, validate=True)
+    with pytest.raises(ValueError, match="slot 2 holds global scale .* for pools\\[0\\] plane 1"):
+        codec.decode(cold, outs, pairs[2:], validate=True)
     assert all(torch.equal(bytes_of(a), bytes_of(b)) for a, b in zip(outs, saved))
     counter = codec.refused(device)
     counter.zero_()
@@ -433,7 +435,7 @@ def test_validate_reads_each_listed_slots_scales_from_wider_rows(device):
     cold[3].zero_()  # never read below: slot 3 is not listed
     outs = [p.clone() for p in pools]
     codec.decode(cold, outs, torch.tensor([[0, 2], [1, 1]], dtype=torch.int32, device=device), validate=True)
-    scale = cold[1, codec.layouts[1].section_offset:][:4].view(torch.float32)  # the side pool's only plane
+    scale = cold[1, codec.layouts[1].section_offset + 4:][:4].view(torch.float32)  # the side pool's only plane
     scale[0] = -1.0
     saved = [o.clone() for o in outs]
     with pytest.raises(ValueError, match=r"page_pairs\[1\] slot 1 holds global scale -1 for pools\[1\] plane 0"):
@@ -791,3 +793,31 @@ def test_staged_refusals_touch_nothing(device):
                                                 pools[0].view(torch.uint8).view(-1)[:4 * codec.cold_page_bytes]
                                                 .view(4, -1))
     assert torch.equal(host, before)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_a_blob_of_another_layout_is_refused(device):
+    """Two codecs whose blobs have the same size but another layout (the RoPE dims lossless at the start of the row,
+    or quantized at its end): each section carries its layout's tag, so a blob decodes only under the layout that
+    wrote it: with validate a ValueError naming the slot, without it the pages left untouched and counted."""
+    pools = [torch.randn(4, 2, 2, 16, 64, device=device).bfloat16() for _ in range(2)]
+    writer = PageBlobCodec(pools, [RowSpec.for_rope(64, (0, 32), skip_rope_quantization=True, plane_dim=1)] * 2)
+    reader = PageBlobCodec(pools, [RowSpec.for_rope(64, (32, 32), skip_rope_quantization=True, plane_dim=1)] * 2)
+    assert writer.cold_page_bytes == reader.cold_page_bytes
+    assert [lay.tag for lay in writer.layouts] != [lay.tag for lay in reader.layouts]
+    cold = writer.allocate(3, device=device)
+    writer.encode(pools, cold, torch.tensor([[0, 1], [2, 3]], dtype=torch.int32, device=device))
+    outs = [poison_(p.clone()) for p in pools]
+    before = [bytes_of(o).clone() for o in outs]
+    pairs = torch.tensor([[0, 2]], dtype=torch.int32, device=device)
+    with pytest.raises(ValueError, match=r"page_pairs\[0\] slot 2's section of pools\[0\] carries layout tag"):
+        reader.decode(cold, outs, pairs, validate=True)
+    reader.decode(cold, outs, pairs)
+    assert all(torch.equal(bytes_of(o), b) for o, b in zip(outs, before))
+    assert int(reader.refused(pools[0].device)) == 2 * 2  # each pool's two planes
+    writer.decode(cold, outs, pairs, validate=True)  # the writer's own layout decodes
+    assert torch.equal(outs[0][0, :, :, :, :32], pools[0][3, :, :, :, :32])  # the lossless RoPE dims
+    kept = [p.clone() for p in outs]
+    ref.decode_pages(cold, kept, [RowSpec.for_rope(64, (32, 32), skip_rope_quantization=True, plane_dim=1)] * 2,
+                     pairs)
+    assert all(torch.equal(bytes_of(a), bytes_of(b)) for a, b in zip(kept, outs))  # the reference refuses it too

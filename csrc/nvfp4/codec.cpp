@@ -172,6 +172,8 @@ std::vector<PoolDesc> make_pool_descs(const std::vector<at::Tensor>& pools, at::
     d.off_scales = int32_t(f[kOffScales]);
     d.off_rscales = int32_t(f[kOffRScales]);
     d.off_lossless = int32_t(f[kOffLossless]);
+    d.tag = uint32_t(f[kLayoutTag]);
+    TORCH_CHECK_VALUE(d.tag != 0, what, ": pools[", p, "] plan has no layout tag");
     // Regions come in a fixed order; each must fit before the next, the last inside the plane.
     const int64_t ends[5][2] = {
         {d.off_codes, rows * d.q_len / 2},      {d.off_rcodes, rows * d.r_len / 2},
@@ -182,7 +184,7 @@ std::vector<PoolDesc> make_pool_descs(const std::vector<at::Tensor>& pools, at::
       TORCH_CHECK_VALUE(r[0] >= prev && r[0] % 16 == 0, what, ": pools[", p, "] plan regions overlap or are unaligned");
       prev = r[0] + r[1];
     }
-    TORCH_CHECK_VALUE(prev <= d.plane_bytes && d.plane_bytes % 16 == 0 && d.plane_offset >= 4 * d.planes &&
+    TORCH_CHECK_VALUE(prev <= d.plane_bytes && d.plane_bytes % 16 == 0 && d.plane_offset >= PoolDesc::g_offset(d.planes) &&
                           d.plane_offset % 16 == 0 && d.section_offset % 16 == 0 && d.section_offset >= 0 &&
                           d.section_offset + d.plane_offset + d.planes * d.plane_bytes <= cold_page_bytes,
                       what, ": pools[", p, "] plan does not fit a cold page of ", cold_page_bytes, " bytes");
@@ -214,18 +216,20 @@ void check_page_pairs(const at::Tensor& page_pairs, int64_t dst_limit, int64_t s
 }
 
 namespace {
-// Decode with validate: every pair's blob must carry positive, finite global scales (encode writes nothing else).
+// Decode with validate: every pair's blob must carry each section's layout tag and positive, finite global scales
+// (encode writes nothing else).
 void check_global_scales(const std::vector<PoolDesc>& descs, const at::Tensor& cold_pages, const at::Tensor& page_pairs,
                          const char* what) {
   if (page_pairs.size(0) == 0) return;
   const at::Tensor host_pairs = page_pairs.cpu();  // validate: syncs by design
   const int32_t* pairs = host_pairs.data_ptr<int32_t>();
-  // Only the 4-byte global scales of each listed slot reach the host, never whole blobs: one gather of
-  // slot * row stride + scale offset over the rows' bytes (contiguous rows, check_cold_pages).
+  // Only each section's g table (its tag, then the 4-byte global scales) of each listed slot reaches the host,
+  // never whole blobs: one gather of slot * row stride + offset over the rows' bytes (contiguous rows,
+  // check_cold_pages).
   std::vector<int64_t> offsets;
   for (const PoolDesc& d : descs)
-    for (int plane = 0; plane < d.planes; ++plane)
-      for (int b = 0; b < 4; ++b) offsets.push_back(d.section_offset + 4 * plane + b);
+    for (int word = 0; word <= d.planes; ++word)
+      for (int b = 0; b < 4; ++b) offsets.push_back(d.section_offset + 4 * word + b);
   const int64_t n = page_pairs.size(0), per_slot = int64_t(offsets.size());
   std::vector<int64_t> index(n * per_slot);
   const int64_t row = cold_pages.stride(0);
@@ -237,7 +241,13 @@ void check_global_scales(const std::vector<PoolDesc>& descs, const at::Tensor& c
   const uint8_t* b = bytes.data_ptr<uint8_t>();
   for (int64_t i = 0; i < n; ++i) {
     int64_t j = 0;
-    for (size_t p = 0; p < descs.size(); ++p)
+    for (size_t p = 0; p < descs.size(); ++p) {
+      uint32_t tag;
+      std::memcpy(&tag, b + i * per_slot + j, 4);
+      j += 4;
+      TORCH_CHECK_VALUE(tag == descs[p].tag, what, ": page_pairs[", i, "] slot ", pairs[2 * i + 1], "'s section of pools[",
+                        p, "] carries layout tag ", tag, ", this codec's is ", descs[p].tag, ": the slot was written "
+                        "under another layout (other row specs, shapes or dtypes), never encoded, or is corrupt");
       for (int plane = 0; plane < descs[p].planes; ++plane, j += 4) {
         float g;
         std::memcpy(&g, b + i * per_slot + j, 4);
@@ -245,6 +255,7 @@ void check_global_scales(const std::vector<PoolDesc>& descs, const at::Tensor& c
                           " holds global scale ", g, " for pools[", p, "] plane ", plane,
                           "; encode writes only positive finite scales, so the slot was never encoded or is corrupt");
       }
+    }
   }
 }
 }  // namespace

@@ -8,6 +8,7 @@
 #include <ATen/ATen.h>
 
 #include <cstdint>
+#include <cstring>
 #include <vector>
 
 #include "nvfp4_math.h"
@@ -23,6 +24,7 @@ enum PlanField : int {
   kSectionOffset,                  // byte offset of this pool's section in a blob (g table first)
   kPlaneOffset, kPlaneBytes,       // first plane's byte offset within the section, bytes per plane
   kOffCodes, kOffRCodes, kOffScales, kOffRScales, kOffLossless,  // region offsets in a plane
+  kLayoutTag,                      // u32 the section's g table starts with (layout.py: PoolLayout.tag)
   kPlanFields
 };
 
@@ -42,11 +44,14 @@ struct PoolDesc {
   float fixed_scale;
   int64_t section_offset, plane_offset, plane_bytes;
   int32_t off_codes, off_rcodes, off_scales, off_rscales, off_lossless;
+  uint32_t tag;                     // the layout tag: the g table's first word
   int64_t row_stride;               // bytes between rows of a plane when they are evenly spaced
   bool uniform_rows;                // (HND, MLA: one multiply instead of the mixed-radix walk)
   FastDiv qvecs, lvecs;             // 16-byte vectors per row in the quantized run / lossless part
 
   KVOPS_HD int32_t lossless_bytes() const { return row_bytes - q_len * esize; }
+  // Byte offset of a plane's global scale in the section (after the tag).
+  KVOPS_HD static constexpr int64_t g_offset(int plane) { return 4 + 4 * int64_t(plane); }
   KVOPS_HD int64_t row_offset(int64_t page, int plane, uint32_t row) const {
     int64_t off = page * page_stride + plane * plane_stride;
     if (uniform_rows) return off + int64_t(row) * row_stride;
@@ -84,6 +89,13 @@ std::vector<PoolDesc> check_codec_call(at::TensorList pools, const at::Tensor& c
 
 // What encode writes as a plane's global scale, and decode accepts.
 KVOPS_HD bool valid_global_scale(float g) { return g > 0.f && g <= 3.402823466e+38f; }
+
+// Whether a plane of a section decodes: the section carries this layout's tag and the plane a scale encode writes.
+KVOPS_HD bool decodable(const PoolDesc& d, const uint8_t* section, float g) {
+  uint32_t tag;
+  memcpy(&tag, section, 4);
+  return tag == d.tag && valid_global_scale(g);
+}
 
 // True for dtypes whose values can be quantized (the hot dtypes).
 bool is_hot_dtype(at::ScalarType t);

@@ -136,9 +136,10 @@ float plane_scale(const PoolDesc& d, at::ScalarType t, int64_t page, int plane) 
 void encode_page(const PoolDesc& d, at::ScalarType t, int64_t page, uint8_t* blob) {
   uint8_t* section = blob + d.section_offset;
   std::memset(section, 0, d.plane_offset);  // the g table and its padding
+  std::memcpy(section, &d.tag, 4);
   for (int plane = 0; plane < d.planes; ++plane) {
     const float g = plane_scale(d, t, page, plane);
-    std::memcpy(section + 4 * plane, &g, 4);
+    std::memcpy(section + PoolDesc::g_offset(plane), &g, 4);
     uint8_t* pb = section + d.plane_offset + plane * d.plane_bytes;
     std::memset(pb, 0, d.plane_bytes);  // padding is zero so blobs are deterministic
     const int32_t qb = d.q_len / kBlock, rb = d.r_len / kBlock, lb = d.lossless_bytes();
@@ -160,14 +161,14 @@ void encode_page(const PoolDesc& d, at::ScalarType t, int64_t page, uint8_t* blo
   }
 }
 
-// Returns the planes left untouched because their global scale is not one encode writes.
+// Returns the planes left untouched because their section's tag or their global scale is not one encode writes.
 int decode_page(const PoolDesc& d, at::ScalarType t, const uint8_t* blob, int64_t page) {
   const uint8_t* section = blob + d.section_offset;
   int refused = 0;
   for (int plane = 0; plane < d.planes; ++plane) {
     float g;
-    std::memcpy(&g, section + 4 * plane, 4);
-    if (!valid_global_scale(g)) {
+    std::memcpy(&g, section + PoolDesc::g_offset(plane), 4);
+    if (!decodable(d, section, g)) {
       ++refused;
       continue;
     }

@@ -377,9 +377,12 @@ __global__ void __launch_bounds__(kEncodeThreads, 2) encode_pages_kernel(const _
   }
   copy_lossless(d, u.page, u.plane, pb + d.off_lossless, true);
   if (threadIdx.x == 0) {
-    *reinterpret_cast<float*>(section + 4 * u.plane) = g;
-    if (u.plane == 0)  // zero the g table's padding
-      for (int64_t i = 4 * d.planes; i < d.plane_offset; i += 4) *reinterpret_cast<uint32_t*>(section + i) = 0;
+    *reinterpret_cast<float*>(section + PoolDesc::g_offset(u.plane)) = g;
+    if (u.plane == 0) {  // the layout tag, and zeros in the g table's padding
+      *reinterpret_cast<uint32_t*>(section) = d.tag;
+      for (int64_t i = PoolDesc::g_offset(d.planes); i < d.plane_offset; i += 4)
+        *reinterpret_cast<uint32_t*>(section + i) = 0;
+    }
   }
 }
 
@@ -398,10 +401,10 @@ __global__ void __launch_bounds__(kDecodeThreads, 4) decode_pages_kernel(const _
   const int32_t cr = P.chunk_rows[u.pool];
   const ChunkStaging st(d, cr);
   const int32_t qb = d.q_len / kBlock, rb = d.r_len / kBlock;
-  const float* g_at = reinterpret_cast<const float*>(section + 4 * u.plane);
+  const float* g_at = reinterpret_cast<const float*>(section + PoolDesc::g_offset(u.plane));
   // A global scale encode never writes (a slot never encoded: 0) leaves the plane untouched. Every thread reads
   // the same g, so all leave together, before anything is written.
-  bool refused = d.q_len == 0 && !valid_global_scale(*g_at);
+  bool refused = d.q_len == 0 && !decodable(d, section, *g_at);
   for (int32_t r0 = 0; r0 < d.plane_rows && d.q_len; r0 += cr) {
     const int32_t rows = min(cr, d.plane_rows - r0);
     load_to_smem(smem + st.codes, pb + d.off_codes + int64_t(r0) * d.q_len / 2, int64_t(rows) * d.q_len / 2);
@@ -411,7 +414,7 @@ __global__ void __launch_bounds__(kDecodeThreads, 4) decode_pages_kernel(const _
       load_to_smem(smem + st.rscales, pb + d.off_rscales + int64_t(r0) * rb, int64_t(rows) * rb);
     }
     const float g = *g_at;  // after the loads are in flight
-    refused = !valid_global_scale(g);
+    refused = !decodable(d, section, g);
     if (refused) break;
     const bool fast = is_fast_scale(g);
     const float g_inv = fast ? __frcp_rn(g) : 0.f;

@@ -4,7 +4,7 @@ A cold page is one fixed-size blob holding the rows of one page index across eve
 pool. Blob layout, all offsets 16-byte aligned, all padding zero::
 
     blob     = section(pool 0) | section(pool 1) | ... | zero padding to 16
-    section  = g table: fp32 global scale per plane, padded to 16
+    section  = g table: u32 layout tag, then fp32 global scale per plane, padded to 16
              | plane 0 | plane 1 | ...                         (planes: the K/V plane dim, else 1)
     plane    = codes     rows x q_len/2      packed E2M1, element 2i in the low nibble   (pad 16)
              | rcodes    rows x r_len/2      2FP4 residual component codes               (pad 16)
@@ -12,13 +12,17 @@ pool. Blob layout, all offsets 16-byte aligned, all padding zero::
              | rscales   rows x r_len/16     residual block scales                       (pad 16)
              | lossless  rows x (row - q_len) elements, bit-exact, hot dtype (prefix then suffix)
 
-Rows of a plane are the pool's middle dims other than the plane dim, in row-major order.
+Rows of a plane are the pool's middle dims other than the plane dim, in row-major order. The layout tag (a hash
+of the section's plan, never 0) says which layout wrote the section: decode refuses a section whose tag is not its
+own, as it refuses a global scale encode never writes (a blob of another codec of the same size, or a slot never
+encoded).
 """
 
 from __future__ import annotations
 
 import operator
 import struct
+import zlib
 from dataclasses import dataclass
 
 import torch
@@ -29,7 +33,7 @@ DEFAULT_SCALE = "per_page_pow2"
 MAX_MIDDLE_DIMS = 4  # plane dim + 3 others (csrc/nvfp4/codec.h: kMaxOtherDims)
 
 # csrc/nvfp4/codec.h: PlanField
-PLAN_FIELDS = 15
+PLAN_FIELDS = 16
 _SCALE_KIND = {"identity": 0, "per_page": 1, "per_page_pow2": 2}
 
 
@@ -121,9 +125,21 @@ class PoolLayout:
         q0, ql = self.spec.quantized_range
         r0, rl = self.spec.residual_range or (0, 0)
         kind = _SCALE_KIND.get(self.spec.global_scale, 0) if isinstance(self.spec.global_scale, str) else 0
-        return [q0, ql, r0, rl, self.spec.plane_dim or 0, kind, self.scale_bits, self.section_offset,
-                self.plane_offset, self.plane_bytes, self.off_codes, self.off_rcodes, self.off_scales,
-                self.off_rscales, self.off_lossless]
+        fields = [q0, ql, r0, rl, self.spec.plane_dim or 0, kind, self.scale_bits, self.section_offset,
+                  self.plane_offset, self.plane_bytes, self.off_codes, self.off_rcodes, self.off_scales,
+                  self.off_rscales, self.off_lossless]
+        return fields + [self._tag(fields)]
+
+    def _tag(self, fields: list[int]) -> int:
+        """The section's layout tag: a CRC-32 of its plan, shape and dtype, as an int32 (never 0)."""
+        text = repr((fields, self.shape, str(self.dtype))).encode()
+        tag = zlib.crc32(text) or 1
+        return tag - 2**32 if tag >= 2**31 else tag
+
+    @property
+    def tag(self) -> int:
+        """The layout tag as the blob holds it (uint32)."""
+        return self.plan()[-1] & 0xFFFFFFFF
 
 
 def _check_spec(i: int, shape: tuple[int, ...], dtype: torch.dtype, spec: RowSpec) -> None:
@@ -231,7 +247,7 @@ def plan_layout(pools: list[tuple[tuple[int, ...], torch.dtype]], specs: list[Ro
         bits = 0 if isinstance(g, str) else struct.unpack("<i", struct.pack("<f", float(g)))[0]
         if g == "identity":
             bits = struct.unpack("<i", struct.pack("<f", 1.0))[0]
-        lay = PoolLayout(shape, dtype, spec, planes, rows, offset, _pad16(4 * planes), plane_bytes, off_codes,
+        lay = PoolLayout(shape, dtype, spec, planes, rows, offset, _pad16(4 + 4 * planes), plane_bytes, off_codes,
                          off_rcodes, off_scales, off_rscales, off_lossless, bits)
         layouts.append(lay)
         offset += lay.section_bytes

@@ -136,13 +136,14 @@ def _bytes(t: torch.Tensor) -> torch.Tensor:
 def encode_page(pool_page: torch.Tensor, lay: PoolLayout) -> torch.Tensor:
     """One pool's section of a blob for one page."""
     sec = torch.zeros(lay.section_bytes, dtype=torch.uint8)
+    sec[:4] = torch.tensor([lay.tag], dtype=torch.int64).view(torch.uint8)[:4]  # the layout tag, little-endian
     q0, ql = lay.spec.quantized_range
     r0, rl = lay.spec.residual_range or (0, 0)
     for p, rows in enumerate(_plane_rows(pool_page, lay)):
         x64 = rows[:, q0:q0 + ql].to(torch.float64)
         amax = x64.abs().max().item() if ql else 0.0
         g = page_global_scale(amax, lay.spec.global_scale)
-        sec[4 * p:4 * p + 4] = torch.tensor([g], dtype=torch.float32).view(torch.uint8)
+        sec[4 + 4 * p:8 + 4 * p] = torch.tensor([g], dtype=torch.float32).view(torch.uint8)
         base = lay.plane_offset + p * lay.plane_bytes
         codes, scale = quantize_blocks(_blocks(x64), g)
         sec[base + lay.off_codes:][:rows.shape[0] * ql // 2] = pack_nibbles(codes).reshape(-1)
@@ -167,7 +168,7 @@ def decode_page(section: torch.Tensor, lay: PoolLayout) -> torch.Tensor:
     r0, rl = lay.spec.residual_range or (0, 0)
     planes = []
     for p in range(lay.planes):
-        g = section[4 * p:4 * p + 4].view(torch.float32).item()
+        g = section[4 + 4 * p:8 + 4 * p].view(torch.float32).item()
         base = lay.plane_offset + p * lay.plane_bytes
         esize = dtype.itemsize
         ll = (row - ql) * esize * lay.rows
@@ -211,4 +212,6 @@ def decode_pages(cold_pages: torch.Tensor, pools, specs, page_pairs: torch.Tenso
     for page, slot in page_pairs.tolist():
         blob = cold_pages[slot].cpu()
         for pool, lay in zip(pools, layouts):
+            if int(blob[lay.section_offset:lay.section_offset + 4].view(torch.int32).item()) & 0xFFFFFFFF != lay.tag:
+                continue  # written under another layout: left untouched, as the kernels leave it
             pool[page] = decode_page(blob[lay.section_offset:lay.section_offset + lay.section_bytes], lay).to(pool.device)
