@@ -5,8 +5,8 @@ E[q_f] of the pre-RoPE query at frequency f (dims f and f + F paired, as rotate-
 q-norm) and E|q_f|. The file is the official format (kvops.triattention.calibration), which ``load_calibration``
 reads back::
 
-    python -m kvops calibrate MODEL_DIR --text FILE [--max-tokens N] [--window W] [--sensitivity-windows N] \
-        [--budgets B,...] --out FILE.pt
+    python -m kvops calibrate MODEL_DIR --text FILE --out FILE.pt [--max-tokens N] [--window W]
+        [--sensitivity-windows N] [--budgets B,...] [--device DEVICE] [--dtype DTYPE]
 
 transformers (>= 5.0) is an optional extra of kvops: this module imports it only when it runs. Models load from
 local directories only. The query is taken where the model computes it (the output of ``q_norm`` when the

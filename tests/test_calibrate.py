@@ -366,3 +366,17 @@ def test_python_m_kvops_calibrate_misuse_is_one_line(tmp_path):
                           "--device", "gpu7"], capture_output=True, text=True, timeout=300)
     assert out.returncode == 2 and "Traceback" not in out.stderr, out.stderr
     assert out.stderr.strip().splitlines()[-1].startswith("kvops calibrate: error:")
+
+
+def test_the_help_names_every_option_in_its_usage_line():
+    """--help's description shows the command with every option, without a run of stray spaces (a line
+    continuation inside the docstring once joined two lines)."""
+    import re
+
+    from kvops import calibrate as module
+
+    usage = module.__doc__.split("::", 1)[1].strip().split("\n\n", 1)[0]
+    for option in ("--text", "--out", "--max-tokens", "--window", "--sensitivity-windows", "--budgets", "--device",
+                   "--dtype"):
+        assert option in usage, option
+    assert not re.search(r"\S {3,}\S", usage), usage
