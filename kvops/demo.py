@@ -67,14 +67,15 @@ def run(preset: str = "tiny", device: str | None = None, dtype: torch.dtype = to
         for rid in rids:
             cache.append(rid, *_kv(1, device, dtype))
         generated += len(rids)
-        rounds = manager.rounds
+        rounds, held = manager.rounds, [cache.length(r) for r in rids]
         sync()
         t0 = time.perf_counter()
         manager.on_generation_step_end([(rid, 1) for rid in rids])
         sync()
         if manager.rounds > rounds:
             round_seconds.append(time.perf_counter() - t0)
-            log(f"  step {step + 1}: eviction round {manager.rounds}, lengths {[cache.length(r) for r in rids]}")
+            log(f"  step {step + 1}: eviction round {manager.rounds}: tokens held per request {held} before, "
+                f"{[cache.length(r) for r in rids]} after (the prompt's {p['prompt']} are always kept)")
     kv_without = sum(p["prompt"] for _ in rids) * token_bytes + generated * token_bytes
     kv_with = sum(cache.length(r) for r in rids) * token_bytes
     snapshot = {r: cache.read(r) for r in rids}  # in the pool dtype: float64 copies of 8 x 2k tokens need 10 GB
