@@ -306,7 +306,7 @@ def run(args) -> dict:
                             r["peak_gib_at_oom"] = torch.cuda.max_memory_allocated(device) / 2**30
                     # released outside the handler: while it runs, the exception's traceback holds the failed
                     # attempt's cache
-                    print(json.dumps(dict(cache=name, **r)), flush=True)
+                    print(json.dumps(dict(cache=name, **r)), file=sys.stderr, flush=True)
                     ids = None
                     _release(device)
                     batch = batch * 7 // 8
@@ -314,7 +314,7 @@ def run(args) -> dict:
                 if not r.get("oom"):
                     _with_floor(r, name, args, per_token, weight_bytes, copy_gbps)
                 out["rows"].append(r)
-                print(json.dumps(r), flush=True)
+                print(json.dumps(r), file=sys.stderr, flush=True)  # progress: the table goes to stdout
                 del ids
                 _release(device)
     return out
@@ -356,13 +356,13 @@ def _table(out: dict) -> list[str]:
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(prog="python -m benchmarks.e2e", description=__doc__.split("\n\n")[0])
     ap.add_argument("--tiny", action="store_true", help="CPU, a tiny random Qwen3 (mechanics only)")
-    ap.add_argument("--batch", type=int)
+    ap.add_argument("--batch", type=int, help="requests per batch (default 32, --tiny 2)")
     ap.add_argument("--context", help="tokens each request holds before the timed decode; comma-separated for "
                                       "several (default 16384,32768)")
-    ap.add_argument("--prompt", type=int)
-    ap.add_argument("--new-tokens", type=int)
-    ap.add_argument("--budget", type=int)
-    ap.add_argument("--beta", type=int)
+    ap.add_argument("--prompt", type=int, help="of each context, the tokens never evicted (default 1024, --tiny 16)")
+    ap.add_argument("--new-tokens", type=int, help="decoded tokens per row, timed (default 256, --tiny 12)")
+    ap.add_argument("--budget", type=int, help="the kvops caches' budget (default 2048, --tiny 48)")
+    ap.add_argument("--beta", type=int, help="tokens between rounds (default 128, --tiny 8)")
     ap.add_argument("--mode", default=DEFAULT_MODE, choices=["union", "per_head", "per_layer_perhead"],
                     help="the kvops caches' eviction mode, under its default keep policy")
     ap.add_argument("--caches", default=",".join(CACHES),

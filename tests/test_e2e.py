@@ -12,8 +12,11 @@ from benchmarks.e2e import main  # noqa: E402
 def test_tiny_run_fills_decodes_and_reports(tmp_path, capsys):
     path = tmp_path / "e2e.json"
     assert main(["--tiny", "--json", str(path)]) == 0
-    printed = capsys.readouterr().out
+    captured = capsys.readouterr()
+    printed = captured.out
     assert "mechanics" in printed  # says a tiny random model shows no speed
+    assert "{" not in printed  # the table alone on stdout; each row's JSON is progress, on stderr
+    assert len([line for line in captured.err.splitlines() if line.startswith("{")]) == 5
     out = json.loads(path.read_text())
     rows = {r["cache"]: r for r in out["rows"]}
     assert sorted(rows) == ["default", "dense-static", "kvops", "kvops-split-static", "kvops-static"]
@@ -69,5 +72,5 @@ def test_peak_steps_down_while_the_benchmark_runs_out_of_memory(monkeypatch, cap
     out = e2e.run(args)
     assert measured == [5, 4, 3]
     assert [(r["batch"], r["peak"], r.get("oom", False)) for r in out["rows"]] == [(3, True, False)]
-    printed = capsys.readouterr().out
+    printed = capsys.readouterr().err  # progress
     assert printed.count('"oom": true') == 2 and printed.count('"phase": "fill"') == 2  # each failed batch, where
