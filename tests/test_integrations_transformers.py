@@ -333,7 +333,7 @@ def test_a_layer_split_is_refused_by_name():
     assert cache.pools is None and cache.held == 0
     with pytest.raises(TypeError, match="model must be a transformers model"):
         install_layer_masks(model.config)
-    with pytest.raises(ValueError, match="layer_idx must be in"):
+    with pytest.raises(ValueError, match="layer_mask: layer_idx 2 is out of range"):
         cache.layer_mask(2, None)
     with pytest.raises(TypeError, match="layer_idx must be an int"):
         cache.layer_mask("1", None)
@@ -859,7 +859,7 @@ def test_a_cache_for_fewer_layers_is_emptied_under_the_layer_mask_hook():
     one = replace(cal, q_mean=cal.q_mean[:1], q_abs_mean=cal.q_abs_mean[:1], layer_sensitivity=None)
     cache = TriAttentionCache(config, one, budget=16, beta=4)
     for _ in range(2):
-        with pytest.raises(ValueError, match=r"layer_idx must be in \[0, 0\], got 1: the cache holds 1 layer"):
+        with pytest.raises(ValueError, match=r"layer_mask: layer_idx 1 is out of range: the cache holds 1 layer"):
             model.generate(torch.randint(1, TINY["vocab_size"], (2, 10)), max_new_tokens=4, do_sample=False,
                            **_with(model, cache))
         assert cache.pools is None and cache.held == 0 and cache.get_seq_length() == 0

@@ -470,11 +470,7 @@ class TriAttentionCache(_transformers_module.Cache):
         local = layer_idx in self.local_layers
         if not torch.compiler.is_compiling():
             if isinstance(layer_idx, int) and not isinstance(layer_idx, bool) and layer_idx >= self.num_layers:
-                if self._last and layer_idx == self.num_layers:
-                    self._reset()  # past the first step's last layer: a cache for fewer layers, emptied as update does
-                raise ValueError(f"TriAttentionCache.layer_mask: layer_idx must be in [0, {self.num_layers - 1}], got "
-                                 f"{layer_idx}: the cache holds {self.num_layers} layer(s) (its config's "
-                                 f"num_hidden_layers); build it from the model's config")
+                self._check_layer(layer_idx, "TriAttentionCache.layer_mask")  # raises, as update would
             check_int("TriAttentionCache.layer_mask", "layer_idx", layer_idx, 0, self.num_layers - 1)
             if local and mask is not None and not (isinstance(mask, torch.Tensor) and mask.dim() == 4):
                 raise TypeError(f"TriAttentionCache.layer_mask: a layer split's local layers need a 4-D mask "
@@ -588,8 +584,8 @@ class TriAttentionCache(_transformers_module.Cache):
                 self._local_offset.add_(q)
         return pool[:, 0], pool[:, 1]
 
-    def _check_layer(self, layer_idx) -> None:
-        what = "TriAttentionCache.update"
+    def _check_layer(self, layer_idx, what: str = "TriAttentionCache.update") -> None:
+        """A write's layer_idx, or the refusal of its step (past a first step's last layer: the cache emptied)."""
         if isinstance(layer_idx, bool) or not isinstance(layer_idx, int):
             self._abandon()
             raise TypeError(f"{what}: layer_idx must be an int, got {type(layer_idx).__name__} {layer_idx!r}")
@@ -889,9 +885,10 @@ def kvops_attention(module, query, key, value, attention_mask, **kwargs):
     Each row's mask (transformers' padding and causal mask at a decode step) is read as one contiguous range of
     slots: its first and last admitted slots bound what the row reads, on the device, so a compiled step keeps one
     graph. An eager step whose mask has a hole in a row (right padding, zeros inside ``attention_mask``) goes to
-    ``grouped_sdpa`` (one host read per forward finds out); a compiled step cannot look, so a compiled caller
-    passes masks without holes (left padding, as ``generate`` wants for decoder-only models). Every other case (prefill, a float mask, dropout, a head_dim or dtype the kernels do not serve) is
-    ``grouped_sdpa``'s, which refuses attention sinks and a soft cap.
+    ``grouped_sdpa`` (a host read per mask finds out); a compiled step cannot look, so a compiled caller passes
+    masks without holes (left padding, as ``generate`` wants for decoder-only models). Every other case (prefill,
+    a float mask, dropout, a head_dim or dtype the kernels do not serve) is ``grouped_sdpa``'s, which refuses
+    attention sinks and a soft cap.
     Select it with ``model.set_attn_implementation(KVOPS_ATTENTION)``.
     """
     B, Hq, q, D = query.shape
@@ -925,7 +922,8 @@ _checked_mask: tuple = (None, -1, False)  # (a weak reference to the last mask c
 def _has_holes(mask: torch.Tensor, admitted: torch.Tensor, starts: torch.Tensor, lengths: torch.Tensor) -> bool:
     """Whether a row of an eager decode step's mask admits slots that are not one range (right padding, zeros of
     `attention_mask` inside a row): kvops' decode attention reads a range per row. Read back once per mask:
-    transformers hands every layer of a forward the same mask tensor, so an eager step pays one host read."""
+    transformers hands every layer of a forward the same mask tensor, so an eager step pays one host read (and
+    one per local layer under a layer split, whose masks are mapped per layer)."""
     global _checked_mask
     ref, version, answer = _checked_mask
     if ref is not None and ref() is mask and version == mask._version:
