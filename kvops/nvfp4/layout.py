@@ -128,18 +128,13 @@ class PoolLayout:
         fields = [q0, ql, r0, rl, self.spec.plane_dim or 0, kind, self.scale_bits, self.section_offset,
                   self.plane_offset, self.plane_bytes, self.off_codes, self.off_rcodes, self.off_scales,
                   self.off_rscales, self.off_lossless]
-        return fields + [self._tag(fields)]
-
-    def _tag(self, fields: list[int]) -> int:
-        """The section's layout tag: a CRC-32 of its plan, shape and dtype, as an int32 (never 0)."""
-        text = repr((fields, self.shape, str(self.dtype))).encode()
-        tag = zlib.crc32(text) or 1
-        return tag - 2**32 if tag >= 2**31 else tag
+        # the layout tag (uint32, as the blob holds it): a CRC-32 of the other fields, the shape and the dtype
+        return fields + [zlib.crc32(repr((fields, self.shape, str(self.dtype))).encode()) or 1]
 
     @property
     def tag(self) -> int:
-        """The layout tag as the blob holds it (uint32)."""
-        return self.plan()[-1] & 0xFFFFFFFF
+        """The section's layout tag (the plan's last field), never 0."""
+        return self.plan()[-1]
 
 
 def _check_spec(i: int, shape: tuple[int, ...], dtype: torch.dtype, spec: RowSpec) -> None:

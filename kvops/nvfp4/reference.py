@@ -136,7 +136,7 @@ def _bytes(t: torch.Tensor) -> torch.Tensor:
 def encode_page(pool_page: torch.Tensor, lay: PoolLayout) -> torch.Tensor:
     """One pool's section of a blob for one page."""
     sec = torch.zeros(lay.section_bytes, dtype=torch.uint8)
-    sec[:4] = torch.tensor([lay.tag], dtype=torch.int64).view(torch.uint8)[:4]  # the layout tag, little-endian
+    sec[:4] = torch.tensor(list(lay.tag.to_bytes(4, "little")), dtype=torch.uint8)  # the layout tag
     q0, ql = lay.spec.quantized_range
     r0, rl = lay.spec.residual_range or (0, 0)
     for p, rows in enumerate(_plane_rows(pool_page, lay)):
@@ -212,6 +212,6 @@ def decode_pages(cold_pages: torch.Tensor, pools, specs, page_pairs: torch.Tenso
     for page, slot in page_pairs.tolist():
         blob = cold_pages[slot].cpu()
         for pool, lay in zip(pools, layouts):
-            if int(blob[lay.section_offset:lay.section_offset + 4].view(torch.int32).item()) & 0xFFFFFFFF != lay.tag:
+            if int.from_bytes(bytes(blob[lay.section_offset:lay.section_offset + 4].tolist()), "little") != lay.tag:
                 continue  # written under another layout: left untouched, as the kernels leave it
             pool[page] = decode_page(blob[lay.section_offset:lay.section_offset + lay.section_bytes], lay).to(pool.device)
