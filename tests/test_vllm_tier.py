@@ -1,6 +1,6 @@
 """kvops.integrations.vllm's block layouts and host tier, without vLLM: pages packed here from the index formulas
 of vLLM's kernels (csrc/cpu/cpu_attn*.hpp reshape_and_cache; the GPU backends' K|V split), checked against the
-codec run on the same rows directly. tests/vllm/ checks the layouts against the caches vLLM's own kernels write."""
+codec run on the same rows directly. tests/with_vllm/ checks the layouts against the caches vLLM's own kernels write."""
 
 import pytest
 import torch

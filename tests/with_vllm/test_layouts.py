@@ -4,6 +4,7 @@ reshape_and_cache for each ISA this CPU runs, and the GPU backends' K|V split on
 import pytest
 import torch
 
+import vllm_env  # noqa: F401  (skips without vLLM)
 from kvops.integrations.vllm.layouts import BlockLayout
 
 

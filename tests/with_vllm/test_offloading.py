@@ -6,7 +6,7 @@ import math
 import pytest
 import torch
 
-from conftest import free_llm
+from vllm_env import free_llm, model_dir, prompt_ids  # noqa: F401  (fixtures)
 
 BLOCK = 128  # vLLM's CPU block size (tokens)
 
