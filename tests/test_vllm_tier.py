@@ -175,3 +175,23 @@ def test_layout_refuses_pages_of_another_shape():
         lay.planes(torch.zeros(4, 1000, dtype=torch.int8))
     with pytest.raises(ValueError, match="int8"):
         lay.planes(torch.zeros(4, lay.page_bytes // 2, dtype=torch.bfloat16))
+
+
+@pytest.mark.skipif("cuda" not in DEVICES, reason="needs a CUDA GPU")
+@pytest.mark.parametrize("staged", [False, True])
+def test_gpu_transfers_follow_the_current_streams_work(staged):
+    """A store enqueued right after the current stream writes the blocks (behind a long kernel) encodes what was
+    written; a load's blocks are what a later read on the current stream sees once the transfer is done."""
+    B = 8
+    k, v = torch.randn(B, H, N, D, dtype=torch.bfloat16), torch.randn(B, H, N, D, dtype=torch.bfloat16)
+    pages = pack("gpu", None, k, v).cuda()
+    lay = BlockLayout("gpu", H, N, D, torch.bfloat16)
+    tier = BlobTier([pages], [lay], LosslessColdPageCodec(), num_slots=B, staged=staged)
+    fresh = torch.randn(B, H, N, 2 * D, dtype=torch.bfloat16, device="cuda")
+    torch.cuda._sleep(50_000_000)  # the write below waits behind this on the current stream
+    pages.copy_(fresh.view(B, -1).view(torch.int8))
+    t = tier.store(range(B), range(B))
+    t.wait()
+    poison_(pages)
+    tier.load(range(B), range(B)).wait()
+    assert torch.equal(pages, fresh.view(B, -1).view(torch.int8))
