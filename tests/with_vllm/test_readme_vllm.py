@@ -1,0 +1,26 @@
+"""README.md's vLLM snippet runs as pasted (the model id swapped for the test model), in a fresh interpreter with
+vLLM's default multiprocessing: the engine core and the worker in processes of their own, each loading the plugin
+from its entry point."""
+
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+from vllm_env import model_dir  # noqa: F401  (fixture)
+
+README = Path(__file__).resolve().parents[2] / "README.md"
+
+
+def test_readme_vllm_snippet_runs(model_dir, tmp_path):
+    (snippet,) = re.findall(r"^```python vllm\n(.*?)^```", README.read_text(), flags=re.S | re.M)
+    code, n = re.subn(r'^MODEL_DIR = ".*?"', f"MODEL_DIR = {model_dir!r}", snippet, flags=re.M)
+    assert n == 1
+    (tmp_path / "snippet.py").write_text(code)
+    env = {k: v for k, v in os.environ.items() if k != "VLLM_ENABLE_V1_MULTIPROCESSING"}
+    out = subprocess.run([sys.executable, "snippet.py"], cwd=tmp_path, env=env | {"VLLM_CPU_KVCACHE_SPACE": "1"},
+                         capture_output=True, text=True, timeout=600)
+    assert out.returncode == 0, out.stderr[-4000:]
+    runs = [line for line in out.stdout.splitlines() if line.startswith("[")]
+    assert len(runs) == 2 and all(len(eval(r)) == 16 for r in runs), out.stdout[-2000:]
