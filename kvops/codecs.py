@@ -102,6 +102,11 @@ class ColdPageCodec:
     def cold_page_bytes(self, layer_group: int) -> int:
         return self._codec(layer_group).cold_page_bytes
 
+    def layout_tag(self, layer_group: int) -> int:
+        """The uint32 every cold page of the group begins with (its first section's layout tag, kvops.nvfp4.layout):
+        a host-side check that a slot holds one of this group's pages, before decoding it."""
+        return self._codec(layer_group).layouts[0].tag
+
     def batching_layer_group_id(self, layer_group: int) -> int:
         """Groups with the same id have provably identical layouts (shapes, strides, dtypes, row specs)."""
         self._codec(layer_group)

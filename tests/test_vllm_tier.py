@@ -153,11 +153,15 @@ def test_tier_refuses_bad_calls_before_writing():
             tier.store(blocks, slots)
     with pytest.raises(ValueError, match="each block may be written once"):
         tier.load([0, 1], [2, 2])
-    with pytest.raises(ValueError, match="slot"):  # a slot never stored: refused before anything is written
-        tier.load([5], [0])
+    tier.store([3, 4], [0, 1])
+    slots_before = tier.slots.clone()
+    with pytest.raises(ValueError, match=r"slots \[5\] hold no cold page"):  # never stored: nothing written
+        tier.load([0, 1, 5], [0, 1, 2])
+    with pytest.raises(TypeError, match="blocks must be integers"):
+        tier.store([0.5], [2])
     assert torch.equal(tier.slots, slots_before)
     assert all(torch.equal(p, q) for p, q in zip(pages, pages_before))
-    assert tier.stats["stored_blocks"] == 0
+    assert tier.stats["stored_blocks"] == 2 and tier.stats["loaded_blocks"] == 0
 
 
 @pytest.mark.parametrize("kw,match", [

@@ -112,7 +112,8 @@ def test_nvfp4_tier_loads_blocks_and_the_loss_stays_close(model_dir, prompt_ids,
     loaded from the tier is measured against the same prefix computed exactly (printed; bounded loosely)."""
     split = 4 * BLOCK
     ids = prompt_ids[:split + 256]
-    exact = offload_llm(model_dir, dtype=dtype, kvops_codec="lossless", **extra)
+    vllm_keys = {k: v for k, v in extra.items() if not k.startswith("kvops_")}
+    exact = offload_llm(model_dir, dtype=dtype, kvops_codec="lossless", **vllm_keys)
     try:
         generate(exact, ids[:split])
         generate(exact, ids[:3], n=2)
@@ -202,6 +203,8 @@ def _config(extra, model_dir, dtype="bfloat16", layers=6, heads=1, head=64, bloc
     ({"canonical_layout": True}, ValueError, "canonical_layout"),
     ({"cpu_bytes_to_use": 1000}, ValueError, "holds no chunk"),
     ({"cpu_bytes_to_use": "lots"}, ValueError, "cpu_bytes_to_use"),
+    ({"cpu_bytes_to_use": float("nan")}, ValueError, "cpu_bytes_to_use .* must be a positive number"),
+    ({"kvops_codec": "lossless", "kvops_rope": "2fp4"}, ValueError, "configure the nvfp4 codec"),
 ])
 def test_bad_config_is_refused_naming_it(model_dir, extra, error, match):
     from kvops.integrations.vllm.offloading import KvopsOffloadingSpec

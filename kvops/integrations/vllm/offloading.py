@@ -10,6 +10,7 @@ raw tier for a bf16 cache, and a worker moves blocks with one fused kvops kernel
 from __future__ import annotations
 
 import dataclasses
+import math
 from typing import Any, Mapping
 
 import numpy as np
@@ -60,6 +61,9 @@ class Options:
             if getattr(opts, name) not in choices:
                 raise ValueError(f"{WHAT}: kvops_{name} must be one of {CODECS if name == 'codec' else ROPE}, got "
                                  f"{getattr(opts, name)!r}")
+        if opts.codec == "lossless" and ({"kvops_rope", "kvops_global_scale"} & set(extra)):
+            raise ValueError(f"{WHAT}: kvops_rope and kvops_global_scale configure the nvfp4 codec; "
+                             "kvops_codec='lossless' stores rows as they are")
         if not isinstance(opts.staged, bool):
             raise TypeError(f"{WHAT}: kvops_staged must be a bool, got {opts.staged!r}")
         if extra.get("canonical_layout"):
@@ -130,7 +134,8 @@ class KvopsOffloadingSpec(OffloadingSpec):
         sizing = BlockLayout("gpu", self.heads, self.tokens, self.head_size, self.dtype)  # the blob's size only
         self.cold_block_bytes = cold_block_bytes([sizing] * len(self.layer_names), self.new_codec())
         bytes_to_use = self.extra_config.get("cpu_bytes_to_use")
-        if isinstance(bytes_to_use, bool) or not isinstance(bytes_to_use, (int, float)) or bytes_to_use <= 0:
+        if isinstance(bytes_to_use, bool) or not isinstance(bytes_to_use, (int, float)) or \
+                not 0 < bytes_to_use < math.inf:
             raise ValueError(f"{WHAT}: cpu_bytes_to_use (the host tier's bytes, all workers together) must be a "
                              f"positive number, got {bytes_to_use!r}")
         chunk_bytes = self.cold_block_bytes * self.blocks_per_chunk * config.parallel.world_size

@@ -110,6 +110,8 @@ class BlobTier:
             raise ValueError(f"{what}: staged transfers need the cache on a GPU, got {self.device}")
         self.staged = staged
         self.slots = torch.zeros(num_slots, self.cold_page_bytes, dtype=torch.uint8, pin_memory=cuda)
+        self._tags = self.slots.numpy()[:, :4].view(np.uint32)[:, 0]  # each slot's first word, read in place
+        self._tag = codec.layout_tag(0)
         self._streams = (torch.cuda.Stream(self.device), torch.cuda.Stream(self.device)) if cuda else None
         self.stats = {"stored_blocks": 0, "loaded_blocks": 0, "stored_bytes": 0, "loaded_bytes": 0}
 
@@ -118,8 +120,11 @@ class BlobTier:
         return pairs.pin_memory() if self._streams is not None else pairs
 
     def _check(self, what: str, blocks, slots) -> tuple[np.ndarray, np.ndarray]:
-        blocks = np.asarray(blocks, dtype=np.int64).reshape(-1)
-        slots = np.asarray(slots, dtype=np.int64).reshape(-1)
+        blocks, slots = np.asarray(blocks).reshape(-1), np.asarray(slots).reshape(-1)
+        for name, ids in (("blocks", blocks), ("slots", slots)):
+            if ids.size and ids.dtype.kind not in "iu":
+                raise TypeError(f"kvops BlobTier.{what}: {name} must be integers, got {ids.dtype}")
+        blocks, slots = blocks.astype(np.int64), slots.astype(np.int64)
         if blocks.shape != slots.shape:
             raise ValueError(f"kvops BlobTier.{what}: {blocks.size} blocks for {slots.size} slots")
         for name, ids, bound in (("blocks", blocks, self.num_blocks), ("slots", slots, self.slots.shape[0])):
@@ -129,6 +134,11 @@ class BlobTier:
         if np.unique(blocks if what == "load" else slots).size != blocks.size:
             raise ValueError(f"kvops BlobTier.{what}: each {'block' if what == 'load' else 'slot'} may be written "
                              "once per call")
+        if what == "load":  # every slot one of this tier's cold pages (a host read: the slots live in host memory)
+            stale = slots[self._tags[slots] != self._tag]
+            if stale.size:
+                raise ValueError(f"kvops BlobTier.load: slots {stale[:4].tolist()} hold no cold page of this tier "
+                                 "(never stored, or overwritten)")
         return blocks, slots
 
     def store(self, blocks, slots) -> Transfer:
@@ -148,8 +158,9 @@ class BlobTier:
         return Transfer(blocks.size, blocks.size * self.cold_page_bytes, time.perf_counter() - start)
 
     def load(self, slots, blocks) -> Transfer:
-        """Decode ``slots[i]`` into ``blocks[i]``. A slot never stored (or corrupt) raises ValueError on the CPU
-        before anything is written; on the GPU it leaves the block as it was and counts in ``refused()``."""
+        """Decode ``slots[i]`` into ``blocks[i]``. A slot that holds no cold page of this tier (never stored) raises
+        ValueError before anything is written; one whose scales are corrupt raises on the CPU, and on the GPU leaves
+        its block as it was and counts in ``refused()``."""
         blocks, slots = self._check("load", blocks, slots)
         self.stats["loaded_blocks"] += blocks.size
         self.stats["loaded_bytes"] += blocks.size * self.cold_page_bytes
