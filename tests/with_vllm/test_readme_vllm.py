@@ -24,3 +24,17 @@ def test_readme_vllm_snippet_runs(model_dir, tmp_path):
     assert out.returncode == 0, out.stderr[-4000:]
     runs = [line for line in out.stdout.splitlines() if line.startswith("[")]
     assert len(runs) == 2 and all(len(eval(r)) == 16 for r in runs), out.stdout[-2000:]
+
+
+def test_the_installed_wheel_runs_the_readme_codec_snippet(tmp_path):
+    """This venv's kvops is a wheel (scripts/install_vllm.sh: pip wheel, then pip install), built against vLLM's
+    torch: the README's codec snippet runs on it from outside the source tree."""
+    import kvops
+
+    assert "site-packages" in kvops.__file__, kvops.__file__
+    (snippet,) = [b for b in re.findall(r"^```python\n(.*?)^```", README.read_text(), flags=re.S | re.M)
+                  if "PageBlobCodec(" in b]
+    out = subprocess.run([sys.executable, "-c", snippet + "\nimport kvops; print(kvops.__file__)"], cwd=tmp_path,
+                         capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-4000:]
+    assert "site-packages" in out.stdout
