@@ -223,22 +223,29 @@ def layer_sensitivity(model, token_ids: torch.Tensor, *, window: int = 2048, win
 
 
 def _sensitivity(model, token_ids: torch.Tensor, window: int, windows: int, recent: tuple[int, ...],
-                 sinks: int) -> dict:
-    """layer_sensitivity on checked arguments."""
+                 sinks: int, progress: bool = False) -> dict:
+    """layer_sensitivity on checked arguments; `progress`: a bar over its forwards (windows x (1 + R x L))."""
     device = next(model.parameters()).device
     L = model.config.num_hidden_layers
     loss = torch.nn.functional.cross_entropy
     nats, tokens = torch.zeros(len(recent), L, dtype=torch.float64), 0
     training = model.training
+    starts = [s for s in range(0, min(windows * window, token_ids.numel()), window)
+              if min(window, token_ids.numel() - s) >= MIN_SENSITIVITY_TOKENS]  # a last window may be too short
+    bar = None
+    if progress:
+        from tqdm.auto import tqdm  # a dependency of transformers
+
+        bar = tqdm(total=len(starts) * (1 + len(recent) * L), unit="fwd", desc="kvops calibrate: layer sensitivity")
     try:
         model.eval()
-        for start in range(0, min(windows * window, token_ids.numel()), window):
+        for start in starts:
             ids = token_ids[start:start + window].to(device)
             n, half = ids.numel(), ids.numel() // 2
-            if n < MIN_SENSITIVITY_TOKENS:  # a last window with no position to measure
-                break
             full = loss(model(input_ids=ids[None], use_cache=False).logits[0, half:-1].float(), ids[half + 1:],
                         reduction="sum")
+            if bar is not None:
+                bar.update()
             t = torch.arange(n, device=device)
             age = t[:, None] - t[None, :]
             for i, r in enumerate(recent):
@@ -247,9 +254,13 @@ def _sensitivity(model, token_ids: torch.Tensor, window: int, windows: int, rece
                     with layer_masks(model, {layer: allowed}):
                         logits = model(input_ids=ids[None], use_cache=False).logits[0, half:-1].float()
                     nats[i, layer] += float(loss(logits, ids[half + 1:], reduction="sum") - full)
+                    if bar is not None:
+                        bar.update()
             tokens += n - 1 - half
     finally:
         model.train(training)
+        if bar is not None:
+            bar.close()
     return {"recent": torch.tensor(recent, dtype=torch.int64), "nats": (nats / tokens).float(),
             "sinks": sinks, "tokens": tokens}
 
@@ -298,7 +309,7 @@ def calibrate(model, token_ids: torch.Tensor, window: int = 2048, progress: bool
     data = stats.to_file_format(metadata)
     if sensitivity_windows and min(window, token_ids.numel()) >= MIN_SENSITIVITY_TOKENS:
         data["layer_sensitivity"] = _sensitivity(model, token_ids, window, sensitivity_windows, SENSITIVITY_RECENT,
-                                                 SENSITIVITY_SINKS)
+                                                 SENSITIVITY_SINKS, progress)
     return data
 
 
