@@ -183,7 +183,14 @@ def _measure(name: str, model, calibration, ids: torch.Tensor, args, device: tor
     cuda = device.type == "cuda"
     if cuda:
         torch.cuda.reset_peak_memory_stats(device)
-    r["phase"] = "fill"
+    start = time.perf_counter()
+
+    def phase(what: str) -> None:  # a line on stderr per phase: the fill and the first (compiling) decode are long
+        r["phase"] = what
+        print(f"e2e: {name}, batch {ids.shape[0]}, context {context}: {what} ({time.perf_counter() - start:.0f} s "
+              "in)", file=sys.stderr, flush=True)
+
+    phase("fill")
     cache = _new_cache(name, model, calibration, context, args)
     timer = _RoundTimer(cache) if name.startswith("kvops") else None
     _fill(model, cache, ids[:, :-1], args.prompt, args.beta if timer else 2048)
@@ -193,7 +200,7 @@ def _measure(name: str, model, calibration, ids: torch.Tensor, args, device: tor
         r["kv_bytes"] = kv_bytes(cache)
     else:
         r["kv_bytes"] = sum(t.numel() * t.element_size() for layer in cache.layers for t in (layer.keys, layer.values))
-    r["phase"] = "warm-up decode"
+    phase("warm-up decode" + (", compiling the step" if name in STATIC else ""))
     r["warmup_decode_s"], seq = _decode(model, cache, ids, args.new_tokens, device)
     if cuda:
         r["peak_gib_warmup"] = torch.cuda.max_memory_allocated(device) / 2**30
@@ -201,7 +208,7 @@ def _measure(name: str, model, calibration, ids: torch.Tensor, args, device: tor
         cache.crop(-(cache.get_seq_length() - context))  # back to the context
         seq = ids
     rounds, round_s = (cache.num_rounds, timer.total_seconds()) if timer else (0, 0.0)
-    r["phase"] = "timed decode"
+    phase("timed decode")
     r["decode_s"], _ = _decode(model, cache, seq, args.new_tokens, device)
     r["tokens_per_s"] = ids.shape[0] * args.new_tokens / r["decode_s"]
     if cuda:

@@ -311,8 +311,17 @@ def ci95(values: list[float]) -> tuple[float, float]:
     return mean, t * sd / math.sqrt(m)
 
 
+def _bar(progress: bool, total: int, desc: str):
+    """A progress bar on stderr with its estimate of what is left (tqdm, which transformers brings), or None."""
+    if not progress:
+        return None
+    from tqdm.auto import tqdm
+
+    return tqdm(total=total, desc=desc, unit="run", file=sys.stderr)
+
+
 def evaluate(model, windows: list[torch.Tensor], calibration, budgets, beta: int, prompt: int,
-             methods=METHODS, log=print) -> list[dict]:
+             methods=METHODS, log=print, progress: bool = False) -> list[dict]:
     """One row per (method, budget): loss and next-token agreement with the full cache over the positions after
     each window's first round at that budget (the full cache's row at each budget covers the same positions),
     each the mean over the windows with a 95% confidence interval, and the loss difference from the recent
@@ -320,6 +329,7 @@ def evaluate(model, windows: list[torch.Tensor], calibration, budgets, beta: int
     policies = [Policy.parse(m) if isinstance(m, str) else m for m in methods]
     oracle = any(p.kind == "oracle" for p in policies)
     per = {}  # (method, budget) -> [(loss sum, agreement count, positions) per window]
+    bar = _bar(progress, len(windows) * len(budgets) * len(policies), "simulated caches (window x budget x method)")
     with torch.no_grad():
         for w, ids in enumerate(windows):
             full, attention = full_attention(model, ids) if oracle else (_full_logits(model, ids), None)
@@ -332,7 +342,12 @@ def evaluate(model, windows: list[torch.Tensor], calibration, budgets, beta: int
                     loss = float(torch.nn.functional.cross_entropy(logits[span], ids[first + 1:], reduction="sum"))
                     agree = int((logits[span].argmax(-1) == full[span].argmax(-1)).sum())
                     per.setdefault((policy.name, budget), []).append((loss, agree, ids.numel() - 1 - first))
+                    if bar is not None:
+                        bar.set_postfix_str(f"window {w}, budget {budget}, {policy.name}", refresh=False)
+                        bar.update()
             attention = None
+    if bar is not None:
+        bar.close()
     rows = []
     for budget in budgets:
         base = per.get(("recent", budget))
@@ -403,7 +418,7 @@ def _decode(model, cache, ids: torch.Tensor, prompt: int, cycle_at: int | None =
 
 
 def evaluate_caches(model, windows: list[torch.Tensor], calibration, budgets, beta: int, prompt: int,
-                    modes=CACHE_MODES, log=print, **options) -> list[dict]:
+                    modes=CACHE_MODES, log=print, progress: bool = False, **options) -> list[dict]:
     """The same measures through real caches in bf16, decoding token by token: ``full_cache`` (transformers'
     DynamicCache), ``triattention_<mode>_cache`` (kvops' TriAttentionCache, with `options`: its policy
     keywords; the mode's default keep policy without them), ``triattention_<mode>_nvfp4`` (the same cache with one
@@ -416,6 +431,8 @@ def evaluate_caches(model, windows: list[torch.Tensor], calibration, budgets, be
         fulls = [_full_logits(model, ids) for ids in windows]
     kinds = ("cache", "nvfp4", "split") if calibration.layer_sensitivity is not None else ("cache", "nvfp4")
     rows = []
+    bar = _bar(progress, len(budgets) * (1 + len(modes) * len(kinds)) * len(windows),
+               "real caches decoding (budget x method x window)")
     for budget in budgets:
         methods = [("full_cache", None, "")] + [(f"triattention_{m}_{kind}", m, kind) for m in modes for kind in kinds]
         for method, mode, kind in methods:
@@ -432,8 +449,13 @@ def evaluate_caches(model, windows: list[torch.Tensor], calibration, budgets, be
                 span = slice(first - prompt + 1, None)  # logits[i] predicts position prompt + i
                 cells.append((float(torch.nn.functional.cross_entropy(logits[span], ids[first + 1:], reduction="sum")),
                               int((logits[span].argmax(-1) == full[first:n - 1].argmax(-1)).sum()), n - 1 - first))
+                if bar is not None:
+                    bar.set_postfix_str(f"budget {budget}, {method}", refresh=False)
+                    bar.update()
             held = windows[0].numel() if mode is None else prompt + budget + beta
             rows.append(_row(model, method, budget, beta, cells, held, log, tokens_per_s=positions / seconds))
+    if bar is not None:
+        bar.close()
     return rows
 
 
@@ -490,7 +512,7 @@ def main(argv: list[str] | None = None) -> int:
         evaluation = ids
     else:
         split = min(a.calibration_tokens, ids.numel() // 2)
-        calibration = load_calibration(calibrate(model, ids[:split].to(a.device)), config)
+        calibration = load_calibration(calibrate(model, ids[:split].to(a.device), progress=True), config)
         evaluation = ids[split:]
     windows = [evaluation[i * a.window:(i + 1) * a.window].to(a.device)
                for i in range(a.skip_windows, a.skip_windows + a.windows)]
@@ -511,9 +533,10 @@ def main(argv: list[str] | None = None) -> int:
             print(f"  layer sensitivity, newest {r} tokens: " + " ".join(f"{v:+.4f}" for v in nats))
         for budget in budgets:
             print(f"  +split at budget {budget}: {layer_split(sensitivity, budget)}")
-    rows = evaluate(model, windows, calibration, budgets, a.beta, a.prompt, methods)
+    rows = evaluate(model, windows, calibration, budgets, a.beta, a.prompt, methods, progress=True)
     if a.cache_windows > 0:
-        rows += evaluate_caches(model, windows[:a.cache_windows], calibration, budgets, a.beta, a.prompt, cache_modes)
+        rows += evaluate_caches(model, windows[:a.cache_windows], calibration, budgets, a.beta, a.prompt, cache_modes,
+                                progress=True)
     if a.csv:
         with open(a.csv, "w", newline="") as f:
             writer = csv.DictWriter(f, fieldnames=list(rows[0]))

@@ -44,14 +44,31 @@ def test_cpu_pages_as_vllms_kernel_writes_them(isa, head_size, dtype):
     assert torch.equal(cache.view(torch.int16), written.view(torch.int16))
 
 
-def test_gpu_pages_as_the_gpu_backends_split_them():
-    """FlashAttention/FlashInfer/Triton under the LBHNC layout the OffloadingConnector asks for: per layer
-    [blocks, heads, tokens, 2 * head_size], K then V per token, as their forward splits it (flash_attn.py:
-    kv_cache.transpose(1, 2).split(head_size, dim=-1)). Not run on a GPU vLLM: none is installable here."""
-    B, H, N, D = 5, 4, 16, 64
-    cache = torch.randn(B, H, N, 2 * D, dtype=torch.bfloat16)
-    key_cache, value_cache = cache.transpose(1, 2).split(D, dim=-1)
-    pool = BlockLayout("gpu", H, N, D, torch.bfloat16).pool(cache.view(B, -1).view(torch.int8))
-    assert torch.equal(pool[:, :, :, 0], key_cache.transpose(1, 2))
-    assert torch.equal(pool[:, :, :, 1], value_cache.transpose(1, 2))
-    assert pool.untyped_storage().data_ptr() == cache.untyped_storage().data_ptr()
+def test_gpu_pages_from_vllms_own_cache_views():
+    """A GPU cache as vLLM builds it (create_kv_cache_views under the LBHNC layout the OffloadingConnector asks
+    for), split as FlashAttention/FlashInfer/Triton split it (flash_attn.py: kv_cache.transpose(1, 2).split(
+    head_size, dim=-1)), and handed to the offloading worker as int8 block pages (offloading/worker.py,
+    register_kv_caches): kvops' pool over those pages is K and V, without a copy. Built on the CPU: no GPU vLLM
+    is installable here."""
+    from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheTensor, create_kv_cache_views
+    from vllm.v1.kv_cache_layout import KVCacheLayout
+
+    B, H, N, D, L = 6, 4, 16, 64, 3
+    spec = FullAttentionSpec(block_size=N, num_kv_heads=H, head_size=D, dtype=torch.bfloat16)
+    page = spec.page_size_bytes
+    tensor = KVCacheTensor(size=L * B * page, layers=[f"l{i}" for i in range(L)], layer_stride=B * page,
+                           block_stride=page)
+    raw = torch.zeros(tensor.size, dtype=torch.int8)
+    views = create_kv_cache_views(raw, spec, B, KVCacheLayout.LBHNC, tensor)
+    lay = BlockLayout("gpu", H, N, D, torch.bfloat16)
+    assert lay.page_bytes == page
+    for view in views:
+        view.copy_(torch.randn(view.shape, dtype=torch.bfloat16))
+        key_cache, value_cache = view.transpose(1, 2).split(D, dim=-1)  # [B, N, H, D] each
+        elem = view.element_size()
+        pages = torch.tensor([], dtype=torch.int8).set_(view.untyped_storage(), view.storage_offset() * elem,
+                                                        (B, page), (view.stride(0) * elem, 1))
+        pool = lay.pool(pages)
+        assert torch.equal(pool[:, :, :, 0], key_cache.transpose(1, 2))
+        assert torch.equal(pool[:, :, :, 1], value_cache.transpose(1, 2))
+        assert pool.untyped_storage().data_ptr() == raw.untyped_storage().data_ptr()
