@@ -227,8 +227,9 @@ def test_bad_config_reaches_the_user_of_llm(model_dir):
 def test_fp8_cache_and_a_model_of_other_heads_are_refused(model_dir):
     from kvops.integrations.vllm.offloading import KvopsOffloadingSpec
 
-    with pytest.raises(ValueError, match="'fp8_e4m3' cache is not supported"):
-        KvopsOffloadingSpec(_config({}, model_dir, dtype="fp8_e4m3"))
+    for dtype in ("fp8_e4m3", "float32", "__class__"):
+        with pytest.raises(ValueError, match=f"encodes bfloat16 and float16 caches; a '{dtype}' cache"):
+            KvopsOffloadingSpec(_config({}, model_dir, dtype=dtype))
     with pytest.raises(ValueError, match="is not heads x 128 tokens x 2 x 64"):
         KvopsOffloadingSpec(_config({}, model_dir, head=48))
     assert torch.bfloat16 is KvopsOffloadingSpec(_config({}, model_dir)).dtype

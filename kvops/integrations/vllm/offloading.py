@@ -108,12 +108,10 @@ class KvopsOffloadingSpec(OffloadingSpec):
         if len(config.groups) != 1:
             raise ValueError(f"{WHAT}: offloads one KV cache group (full attention); this model has "
                              f"{len(config.groups)} groups to offload")
-        try:
-            self.dtype = getattr(torch, config.model.dtype)
-            assert isinstance(self.dtype, torch.dtype)
-        except (AttributeError, AssertionError):
-            raise ValueError(f"{WHAT}: kvops encodes caches in the model's dtype; a {config.model.dtype!r} cache "
-                             "is not supported") from None
+        self.dtype = getattr(torch, str(config.model.dtype), None)
+        if self.dtype not in (torch.bfloat16, torch.float16):
+            raise ValueError(f"{WHAT}: kvops encodes bfloat16 and float16 caches; a {config.model.dtype!r} cache "
+                             "is not supported")
         self.layer_names = config.groups[0].layer_names
         self.tokens = config.groups[0].tokens_per_block
         self.head_size, rope = _head_dims(config.model.name)
