@@ -78,8 +78,9 @@ def _expected(codec_factory, ks, v, blocks, plane_dim=2):
     pools = [torch.stack([ki[blocks], v[blocks]], dim=2) for ki in ks]
     codec = codec_factory()
     assert codec.configure([LayerGroupPools(0, tuple(pools), plane_dim)])
-    slots = torch.zeros(len(blocks), codec.cold_page_bytes(0), dtype=torch.uint8)
-    pairs = torch.stack([torch.arange(len(blocks)), torch.arange(len(blocks))], 1).int()
+    device = pools[0].device
+    slots = torch.zeros(len(blocks), codec.cold_page_bytes(0), dtype=torch.uint8, device=device)
+    pairs = torch.stack([torch.arange(len(blocks)), torch.arange(len(blocks))], 1).int().to(device)
     codec.encode(0, slots, pairs)
     for p in pools:
         poison_(p)
