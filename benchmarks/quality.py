@@ -119,7 +119,7 @@ METHODS = ("full", "triattention_per_head+default", "triattention_per_head+defau
            "triattention_per_layer_perhead+default", "triattention_union", "triattention_per_head",
            "triattention_per_layer_perhead", "recent", "sinks", "random", "oracle+l0")
 # --quick: fewer windows and calibration tokens, no token-by-token decoding through real caches
-QUICK = dict(calibration_tokens=16384, windows=4, window=2048, budgets="128,256,512", cache_windows=0)
+QUICK = dict(calibration_tokens=8192, windows=2, window=1024, budgets="128,256", cache_windows=0)
 # --quick's methods unless --methods is given: each mode as a user gets it, against the baselines and the ceiling
 QUICK_METHODS = tuple(m for m in METHODS if "_" not in m or m.endswith("+default") or m.startswith("oracle"))
 
