@@ -484,11 +484,17 @@ def main(argv: list[str] | None = None) -> int:
                     help="under 5 minutes on two CPU cores: " + ", ".join(f"--{k.replace('_', '-')} {v}"
                                                                       for k, v in QUICK.items()))
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    ap.add_argument("--threads", type=int, default=torch.get_num_threads(),
+                    help="CPU threads (default %(default)s, torch's); 1 beside another CPU job: two jobs' thread "
+                         "pools on the same cores slow each other several-fold")
     ap.add_argument("--csv")
     ap.add_argument("--plot")
     a = ap.parse_args(argv)
     if a.skip_windows < 0:
         ap.error(f"--skip-windows: a count of windows >= 0, got {a.skip_windows}")
+    if a.threads < 1:
+        ap.error(f"--threads: at least 1, got {a.threads}")
+    torch.set_num_threads(a.threads)
     if a.quick:
         vars(a).update(QUICK)
     chosen, a.methods = bool(a.methods), a.methods or ",".join(QUICK_METHODS if a.quick else METHODS)

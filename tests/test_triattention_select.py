@@ -52,10 +52,16 @@ def _check(cal, device, mode, budget, prompt, cache, T=16, normalize=True, k_sca
         assert ((got - want).abs() / want.abs().clamp_min(1.0)).max() < 1e-4
         assert torch.isinf(rows[r, :, want.shape[1]:]).all()
     mismatch = (kept.cpu() != ref).any(-1)
-    for r, row in mismatch.nonzero().tolist():  # allowed only where the reference ties at its own boundary
+    for r, row in mismatch.nonzero().tolist():
+        # allowed only at the reference's own boundary: every token kept instead of one of the reference's scores
+        # (in float64) within the kernel's score accuracy (checked above: 1e-4 relative) of the one it displaced
         scores = ref_rows[r][row]
-        threshold = scores[ref[r, row][ref[r, row] >= 0].long() - int(P[r])].min()
-        assert (scores == threshold).sum() > 1, f"request {r} row {row} keeps a different set without a tie"
+        mine, theirs = (set(x[x >= 0].long().tolist()) for x in (kept[r, row].cpu(), ref[r, row]))
+        tol = 1e-4 * max(float(scores.abs().max()), 1.0)
+        extra = [scores[i - int(P[r])] for i in mine - theirs]
+        missing = [scores[i - int(P[r])] for i in theirs - mine]
+        assert extra and len(extra) == len(missing) and min(extra) >= max(missing) - 2 * tol, \
+            f"request {r} row {row} keeps a different set, not at a (near) tie: {extra} for {missing}"
     return kept
 
 
