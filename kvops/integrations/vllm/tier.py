@@ -143,38 +143,38 @@ class BlobTier:
 
     def store(self, blocks, slots) -> Transfer:
         """Encode ``blocks[i]`` into ``slots[i]``."""
-        blocks, slots = self._check("store", blocks, slots)
-        self.stats["stored_blocks"] += blocks.size
-        self.stats["stored_bytes"] += blocks.size * self.cold_page_bytes
-        if self._streams is not None:
-            return self._on_gpu(0, lambda pairs: self.codec.encode(0, self.slots, pairs, staged=self.staged),
-                                self._pairs(slots, blocks), blocks.size)
-        start = time.perf_counter()
-        for i in range(0, blocks.size, STAGING_BLOCKS):
-            chunk = torch.from_numpy(blocks[i:i + STAGING_BLOCKS])
-            for lay, planes, pool in zip(self.layouts, self._planes, self._pools):
-                lay.gather(planes, chunk, pool[:chunk.numel()])
-            self.codec.encode(0, self.slots, self._pairs(slots[i:i + chunk.numel()], np.arange(chunk.numel())))
-        return Transfer(blocks.size, blocks.size * self.cold_page_bytes, time.perf_counter() - start)
+        return self._move(True, *self._check("store", blocks, slots))
 
     def load(self, slots, blocks) -> Transfer:
         """Decode ``slots[i]`` into ``blocks[i]``. A slot that holds no cold page of this tier (never stored) raises
         ValueError before anything is written; one whose scales are corrupt raises on the CPU, and on the GPU leaves
         its block as it was and counts in ``refused()``."""
-        blocks, slots = self._check("load", blocks, slots)
-        self.stats["loaded_blocks"] += blocks.size
-        self.stats["loaded_bytes"] += blocks.size * self.cold_page_bytes
-        if self._streams is not None:
-            return self._on_gpu(1, lambda pairs: self.codec.decode(0, self.slots, pairs, staged=self.staged),
-                                self._pairs(blocks, slots), blocks.size)
+        return self._move(False, *self._check("load", blocks, slots))
+
+    def _move(self, store: bool, blocks: np.ndarray, slots: np.ndarray) -> Transfer:
+        n, done = blocks.size, "stored" if store else "loaded"
+        self.stats[f"{done}_blocks"] += n
+        self.stats[f"{done}_bytes"] += n * self.cold_page_bytes
+        if self._streams is not None:  # the codec's pairs: (slot, block) to encode, (block, slot) to decode
+            if store:
+                run = lambda pairs: self.codec.encode(0, self.slots, pairs, staged=self.staged)  # noqa: E731
+            else:
+                run = lambda pairs: self.codec.decode(0, self.slots, pairs, staged=self.staged)  # noqa: E731
+            return self._on_gpu(0 if store else 1, run, self._pairs(slots, blocks) if store else
+                                self._pairs(blocks, slots), n)
         start = time.perf_counter()
-        for i in range(0, blocks.size, STAGING_BLOCKS):
-            chunk = torch.from_numpy(blocks[i:i + STAGING_BLOCKS])
-            self.codec.decode(0, self.slots, self._pairs(np.arange(chunk.numel()), slots[i:i + chunk.numel()]),
-                              validate=True)
-            for lay, planes, pool in zip(self.layouts, self._planes, self._pools):
-                lay.scatter(planes, chunk, pool[:chunk.numel()])
-        return Transfer(blocks.size, blocks.size * self.cold_page_bytes, time.perf_counter() - start)
+        for i in range(0, n, STAGING_BLOCKS):  # through the staging pools, STAGING_BLOCKS at a time
+            chunk, part = torch.from_numpy(blocks[i:i + STAGING_BLOCKS]), slots[i:i + STAGING_BLOCKS]
+            staged = np.arange(part.size)
+            if store:
+                for lay, planes, pool in zip(self.layouts, self._planes, self._pools):
+                    lay.gather(planes, chunk, pool[:part.size])
+                self.codec.encode(0, self.slots, self._pairs(part, staged))
+            else:
+                self.codec.decode(0, self.slots, self._pairs(staged, part), validate=True)
+                for lay, planes, pool in zip(self.layouts, self._planes, self._pools):
+                    lay.scatter(planes, chunk, pool[:part.size])
+        return Transfer(n, n * self.cold_page_bytes, time.perf_counter() - start)
 
     def _on_gpu(self, direction: int, run, pairs: torch.Tensor, n: int) -> Transfer:
         stream = self._streams[direction]
