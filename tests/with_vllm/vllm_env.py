@@ -17,7 +17,9 @@ if os.environ.get("KVOPS_REQUIRE_VLLM") == "1":
 else:
     pytest.importorskip("vllm", reason="vLLM is not installed here (tests/with_vllm run in .ci/run's vLLM venv)")
 
-MODEL = pathlib.Path(__file__).resolve().parents[3] / "shared" / "models" / "pycode-qwen3-7m"
+# the trained test model beside the checkout (../shared), or where KVOPS_SHARED_DIR says
+SHARED = pathlib.Path(os.environ.get("KVOPS_SHARED_DIR") or pathlib.Path(__file__).resolve().parents[3] / "shared")
+MODEL = SHARED / "models" / "pycode-qwen3-7m"
 HELDOUT = MODEL.parents[1] / "data" / "pycode-heldout-1mb.txt"
 
 
