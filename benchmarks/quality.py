@@ -481,7 +481,7 @@ def main(argv: list[str] | None = None) -> int:
                          "with tokens/s; 0: none")
     ap.add_argument("--cache-modes", default=",".join(CACHE_MODES), help="the eviction modes of those caches")
     ap.add_argument("--quick", action="store_true",
-                    help="under 5 minutes on two CPU cores: " + ", ".join(f"--{k.replace('_', '-')} {v}"
+                    help="about 3 minutes on two CPU cores (with --threads 1 beside another job): " + ", ".join(f"--{k.replace('_', '-')} {v}"
                                                                       for k, v in QUICK.items()))
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     ap.add_argument("--threads", type=int, default=torch.get_num_threads(),
