@@ -54,7 +54,6 @@ def test_layout_reads_and_writes_the_kernels_placement(backend, isa):
     lay.gather(planes, blocks, out)
     assert torch.equal(out[:, :, 0], k[blocks]) and torch.equal(out[:, :, 1], v[blocks])
     fresh = torch.randn(n, H, 2, N, D, dtype=torch.bfloat16)
-    expect = pages.clone()
     k2, v2 = k.clone(), v.clone()
     k2[blocks], v2[blocks] = fresh[:, :, 0], fresh[:, :, 1]
     expect = pack(backend, isa, k2, v2)

@@ -152,16 +152,15 @@ class BlobTier:
         return self._move(False, *self._check("load", blocks, slots))
 
     def _move(self, store: bool, blocks: np.ndarray, slots: np.ndarray) -> Transfer:
-        n, done = blocks.size, "stored" if store else "loaded"
-        self.stats[f"{done}_blocks"] += n
-        self.stats[f"{done}_bytes"] += n * self.cold_page_bytes
+        n = blocks.size
         if self._streams is not None:  # the codec's pairs: (slot, block) to encode, (block, slot) to decode
             if store:
                 run = lambda pairs: self.codec.encode(0, self.slots, pairs, staged=self.staged)  # noqa: E731
             else:
                 run = lambda pairs: self.codec.decode(0, self.slots, pairs, staged=self.staged)  # noqa: E731
-            return self._on_gpu(0 if store else 1, run, self._pairs(slots, blocks) if store else
-                                self._pairs(blocks, slots), n)
+            transfer = self._on_gpu(0 if store else 1, run, self._pairs(slots, blocks) if store else
+                                    self._pairs(blocks, slots), n)
+            return self._count(store, transfer)
         start = time.perf_counter()
         for i in range(0, n, STAGING_BLOCKS):  # through the staging pools, STAGING_BLOCKS at a time
             chunk, part = torch.from_numpy(blocks[i:i + STAGING_BLOCKS]), slots[i:i + STAGING_BLOCKS]
@@ -174,7 +173,14 @@ class BlobTier:
                 self.codec.decode(0, self.slots, self._pairs(staged, part), validate=True)
                 for lay, planes, pool in zip(self.layouts, self._planes, self._pools):
                     lay.scatter(planes, chunk, pool[:part.size])
-        return Transfer(n, n * self.cold_page_bytes, time.perf_counter() - start)
+        return self._count(store, Transfer(n, n * self.cold_page_bytes, time.perf_counter() - start))
+
+    def _count(self, store: bool, transfer: Transfer) -> Transfer:
+        """Counts a transfer once it is enqueued (GPU) or done (CPU): a refused one counts nothing."""
+        done = "stored" if store else "loaded"
+        self.stats[f"{done}_blocks"] += transfer.blocks
+        self.stats[f"{done}_bytes"] += transfer.cold_bytes
+        return transfer
 
     def _on_gpu(self, direction: int, run, pairs: torch.Tensor, n: int) -> Transfer:
         stream = self._streams[direction]
