@@ -295,6 +295,11 @@ class TriAttentionManager(KVCacheCompressionManager):
                       self._seats, self._stored, self.local_accounted, self.local_since, self.local_compressed):
             table.pop(request.id, None)
 
+    def rebind(self) -> None:
+        """The cache's views changed (an engine that stages pages, or reallocated its pools): the next rounds bind
+        them again, and capture their graphs again."""
+        self._round = self._local_round = None
+
     def logical_position(self, rid) -> int:
         """The next token's absolute position: the cache length plus every token evicted so far."""
         self._admitted("TriAttentionManager.logical_position", "rid", rid)
