@@ -9,6 +9,7 @@ import pytest
 import torch
 import triton
 
+from conftest import DEVICES
 from kvops.cache import PagedKVCache
 from kvops.config import TriAttentionConfig
 from kvops.integrations.vllm.block_cache import BlockCache, physical_length
@@ -31,9 +32,10 @@ class Blocks:
     """An engine's side of a BlockCache: vLLM-layout pages of `blocks` blocks, each request's block list (taken
     from a shuffled free list as it grows, released when a round shrinks it), and token writes into them."""
 
-    def __init__(self, layout: BlockLayout, blocks: int):
+    def __init__(self, layout: BlockLayout, blocks: int, device: str):
         self.layout = layout
-        self.pages = [torch.randint(-100, 100, (blocks, layout.page_bytes), dtype=torch.int8) for _ in range(L)]
+        self.pages = [torch.randint(-100, 100, (blocks, layout.page_bytes), dtype=torch.int8, device=device)
+                      for _ in range(L)]
         self.free = random.sample(range(blocks), blocks)
         self.table: dict = {}
         self.cache = BlockCache(self.pages, layout, lambda rid: self.table[rid], self.shrunk)
@@ -47,7 +49,7 @@ class Blocks:
         lay = self.layout
         if lay.zero_copy:
             return lay.pool(self.pages[layer])[block].permute(0, 2, 1, 3).clone()
-        out = torch.empty(lay.pool_shape(1), dtype=lay.dtype)
+        out = torch.empty(lay.pool_shape(1), dtype=lay.dtype, device=self.pages[layer].device)
         lay.gather(lay.planes(self.pages[layer]), torch.tensor([block]), out)
         return out[0]
 
@@ -79,26 +81,27 @@ class Blocks:
         return torch.stack(layers).permute(0, 2, 3, 1, 4)
 
 
-LAYOUTS = [("gpu", None), ("cpu", "vec"), ("cpu", "amx")]
+# vLLM's GPU layout on every device kvops runs on (on the GPU with the manager's CUDA-graph rounds); its CPU
+# backend's packings on the CPU
+CASES = [("gpu", None, d) for d in DEVICES] + [("cpu", "vec", "cpu"), ("cpu", "amx", "cpu")]
 
 
-@pytest.mark.parametrize("backend,isa", LAYOUTS)
+@pytest.mark.parametrize("backend,isa,device", CASES)
 @pytest.mark.parametrize("mode", ["per_head", "per_layer_perhead"])
-def test_rounds_on_vllm_blocks_equal_the_reference_cache(calibration, backend, isa, mode):
+def test_rounds_on_vllm_blocks_equal_the_reference_cache(calibration, backend, isa, device, mode):
     """Three requests (prompts of 7, 40 and 33 tokens, one joining late, one confirming several tokens in some
     steps) run the same manager hooks on a PagedKVCache and on vLLM-layout blocks: after every step each request
     holds the same K and V, and the blocks a round frees go back to the engine. Blocks of requests no round
     covered are untouched."""
     config = TriAttentionConfig(budget=12, beta=5, eviction_mode=mode, calibration_path=calibration)
-    ref = PagedKVCache(L, H, D, N, num_pages=64)
-    blocks = Blocks(BlockLayout(backend, H, N, D, torch.bfloat16, isa), 64)
+    ref = PagedKVCache(L, H, D, N, num_pages=64, device=device)
+    blocks = Blocks(BlockLayout(backend, H, N, D, torch.bfloat16, isa), 64, device)
     managers = [create_compression_manager(config, c, MODEL) for c in (ref, blocks.cache)]
-    managers[1].cuda_graphs = False
     prompts = {"a": 7, "b": 40, "c": 33}
 
     def admit(rid):
         ref.add_request(rid)
-        k, v = torch.randn(prompts[rid], H, D).bfloat16(), torch.randn(prompts[rid], H, D).bfloat16()
+        k, v = (torch.randn(prompts[rid], H, D, device=device).bfloat16() for _ in range(2))
         ref.append(rid, k, v)
         blocks.append(rid, k, v)
         for m in managers:
@@ -114,13 +117,14 @@ def test_rounds_on_vllm_blocks_equal_the_reference_cache(calibration, backend, i
         live = list(ref._requests)
         batch = [(r, 3 if r == "b" and step % 7 == 3 else 1) for r in live]
         for rid, n in batch:
-            k, v = torch.randn(n, H, D).bfloat16(), torch.randn(n, H, D).bfloat16()
+            k, v = (torch.randn(n, H, D, device=device).bfloat16() for _ in range(2))
             ref.append(rid, k, v)
             blocks.append(rid, k, v)
         due = managers[1].due(batch)
         assert due == managers[0].due(batch)
         idle = {r: blocks.read(r) for r in live if r not in due}
-        if blocks.cache.stage(due):
+        protected = [managers[1].prompt_length[r] + managers[1].policy.sink_tokens for r in due]
+        if blocks.cache.stage(due, protected):
             managers[1].rebind()
         for m in managers:
             m.on_generation_step_end(batch)

@@ -331,3 +331,42 @@ def test_refused_configs(model_dir, calibration, tmp_path):
     path.write_text(json.dumps({"algorithm": "nvfp4_cold_page", "row_size": 64}))
     with pytest.raises(Exception, match="must be a TriAttention config"):
         build({"kvops_triattention": str(path)})
+
+
+def test_eviction_with_the_nvfp4_tier(model_dir, prompt_ids, calibration):
+    """vLLM's MultiConnector running kvops' offloading tier (prompt blocks only: a round rewrites the others) and
+    the eviction: a second request on the same prompt loads its prompt blocks from the tier (lossless: bit-exact)
+    and, evicting alike, generates what the first did."""
+    from vllm import LLM, SamplingParams
+    from vllm.config import KVTransferConfig
+
+    from vllm_env import free_llm as free
+
+    config, ids, n = triattention(calibration, **CASE), prompt_ids[:300], 80
+    connectors = [
+        {"kv_connector": "OffloadingConnector", "kv_role": "kv_both",
+         "kv_connector_extra_config": {"spec_name": "KvopsOffloadingSpec", "cpu_bytes_to_use": 16 << 20,
+                                       "kvops_codec": "lossless", "offload_prompt_only": True}},
+        {"kv_connector": "KvopsEvictionConnector", "kv_role": "kv_both",
+         "kv_connector_extra_config": {"kvops_triattention": config.to_dict()}}]
+    llm = LLM(model=model_dir, dtype="bfloat16", max_model_len=2048, block_size=BLOCK, enforce_eager=True,
+              skip_tokenizer_init=True, enable_prefix_caching=False, seed=0,
+              kv_transfer_config=KVTransferConfig(kv_connector="MultiConnector", kv_role="kv_both",
+                                                  kv_connector_extra_config={"connectors": connectors}))
+    try:
+        from vllm.distributed.kv_transfer import get_kv_transfer_group
+
+        offload, evict = get_kv_transfer_group().sub_connectors
+        params = SamplingParams(max_tokens=n, temperature=0, ignore_eos=True)
+        first = llm.generate([{"prompt_token_ids": ids}], params, use_tqdm=False)[0].outputs[0].token_ids
+        rounds = evict.worker_side.rounds
+        llm.generate([{"prompt_token_ids": ids[:5]}], SamplingParams(max_tokens=2), use_tqdm=False)  # drain stores
+        stored = dict(offload.connector_worker.worker.tier.stats)
+        again = llm.generate([{"prompt_token_ids": ids}], params, use_tqdm=False)[0].outputs[0].token_ids
+        loaded = dict(offload.connector_worker.worker.tier.stats)
+    finally:
+        free(llm)
+    assert rounds == (n - 1 - CASE["budget"] - 1) // CASE["beta"] + 1
+    assert stored["stored_blocks"] == len(ids) // BLOCK
+    assert loaded["loaded_blocks"] - stored["loaded_blocks"] == len(ids) // BLOCK
+    assert list(again) == list(first)

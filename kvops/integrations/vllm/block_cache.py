@@ -18,6 +18,7 @@ worker checks every round against it.
 
 from __future__ import annotations
 
+import time
 from typing import Callable, Sequence
 
 import torch
@@ -52,6 +53,7 @@ class BlockCache:
         self.page_size, self.num_kv_heads, self.head_dim = layout.tokens, layout.heads, layout.head_size
         self.device = pages[0].device
         self.lengths: dict = {}
+        self.staging_seconds = 0.0
         if layout.zero_copy:  # [blocks, heads, tokens, 2, dim] -> the compaction's [page, plane, head, token, dim]
             self._views = [layout.pool(p).permute(0, 3, 1, 2, 4) for p in pages]
             self._planes = None
@@ -81,9 +83,10 @@ class BlockCache:
         for i, rid in enumerate(rids):
             if self._planes is None:
                 ids = torch.as_tensor(list(self.block_ids(rid))[:width], dtype=torch.int32)
-            else:
-                first, blocks = self._staged[rid]
-                ids = torch.arange(first, first + len(blocks), dtype=torch.int32)
+            else:  # the blocks below the staged ones are neither read nor moved: -1 as past the end
+                first, skip, blocks = self._staged[rid]
+                ids = torch.cat([torch.full((skip,), -1, dtype=torch.int32),
+                                 torch.arange(first, first + len(blocks), dtype=torch.int32)])
             table[i, :len(ids)] = ids
         return table if device is None else table.to(device)
 
@@ -97,8 +100,8 @@ class BlockCache:
         keep = [triton.cdiv(n, self.page_size) for n in new_lengths]
         if self._planes is not None:
             for rid, k in zip(rids, keep):
-                first, blocks = self._staged.pop(rid)
-                self._move(False, blocks[:k], first)
+                first, skip, blocks = self._staged.pop(rid)
+                self._move(False, blocks[:k - skip], first)
         for rid, n, k in zip(rids, new_lengths, keep):
             self.lengths[rid] = n
             self.on_shrink(rid, k)
@@ -108,22 +111,29 @@ class BlockCache:
     def staged(self) -> bool:
         return self._planes is not None
 
-    def stage(self, rids: Sequence) -> bool:
-        """Copies the requests' blocks into the staging pools before their round (a no-op for zero-copy pages).
-        Returns True when the staging pools were reallocated: the manager must bind them again
-        (``TriAttentionManager.rebind``)."""
+    def stage(self, rids: Sequence, protected: Sequence[int]) -> bool:
+        """Copies the requests' blocks into the staging pools before their round (a no-op for zero-copy pages),
+        but those wholly inside each request's first `protected` tokens (its prompt and sinks, which a round
+        neither reads nor moves). Returns True when the staging pools were reallocated: the manager must bind
+        them again (``TriAttentionManager.rebind``)."""
         if self._planes is None or not rids:
             return False
-        blocks = [torch.as_tensor(list(self.block_ids(r))[:triton.cdiv(self.lengths[r], self.page_size)],
-                                  dtype=torch.long) for r in rids]
-        need = sum(len(b) for b in blocks)
+        N, blocks, skips = self.page_size, [], []
+        for rid, p in zip(rids, protected):
+            if not 0 <= p <= self.lengths[rid]:
+                raise ValueError(f"kvops BlockCache.stage: request {rid!r} holds {self.lengths[rid]} tokens, "
+                                 f"{p} protected")
+            ids = list(self.block_ids(rid))[p // N:triton.cdiv(self.lengths[rid], N)]
+            blocks.append(torch.as_tensor(ids, dtype=torch.long))
+            skips.append(p // N)
+        need = max(sum(len(b) for b in blocks), 1)
         grown = self._views[0].shape[0] < need
         if grown:  # in powers of two, so rounds of similar sizes reuse one binding
             self._allocate(1 << (need - 1).bit_length())
         self._staged.clear()
         first = 0
-        for rid, b in zip(rids, blocks):
-            self._staged[rid] = (first, b)
+        for rid, skip, b in zip(rids, skips, blocks):
+            self._staged[rid] = (first, skip, b)
             self._move(True, b, first)
             first += len(b)
         return grown
@@ -137,10 +147,12 @@ class BlockCache:
         return 0 if self._planes is None else sum(v.numel() * v.element_size() for v in self._views)
 
     def _move(self, gather: bool, blocks: torch.Tensor, first: int) -> None:
-        """Staging pages first.. <-> vLLM blocks `blocks`, every layer."""
+        """Staging pages first.. <-> vLLM blocks `blocks`, every layer (host time in ``staging_seconds``)."""
+        start = time.perf_counter()
         for planes, view in zip(self._planes, self._views):
             staging = view[first:first + len(blocks)].transpose(1, 2)  # the layout's [n, heads, 2, tokens, dim]
             if gather:
                 self.layout.gather(planes, blocks, staging)
             else:
                 self.layout.scatter(planes, blocks, staging)
+        self.staging_seconds += time.perf_counter() - start

@@ -239,10 +239,7 @@ class _WorkerSide:
         table = batch.block_table[0]
         for row, rid in enumerate(batch.req_ids[:n]):
             before = int(computed[row])
-            if rid not in self.prompt:
-                if before:
-                    raise RuntimeError(f"{WHAT}: request {rid!r} arrives with {before} tokens computed; a request "
-                                       "starts from none here (prefix caching off, no KV transfer)")
+            if rid not in self.prompt:  # admitted, or resumed: its tokens so far (a tier may hold some) are its prompt
                 self.prompt[rid] = runner.requests[rid].num_tokens
                 self.evicted[rid] = 0
             evicted[row] = self.evicted[rid]
@@ -307,7 +304,8 @@ class _WorkerSide:
         due = manager.due(decoded)
         if due:
             start = time.perf_counter()
-            if cache.stage(due):
+            sinks = manager.policy.sink_tokens
+            if cache.stage(due, [manager.prompt_length[r] + sinks for r in due]):
                 manager.rebind()
             logical = {rid: cache.lengths[rid] + self.evicted[rid] for rid in due}
             manager.on_generation_step_end(decoded)
@@ -403,6 +401,16 @@ class KvopsEvictionConnector(KVConnectorBase_V1):
         return False, None
 
 
+def eviction_connector(connector) -> KvopsEvictionConnector | None:
+    """The eviction connector a process runs: the connector itself, or one of a MultiConnector's."""
+    if isinstance(connector, KvopsEvictionConnector):
+        return connector
+    for child in getattr(connector, "sub_connectors", ()):
+        if isinstance(child, KvopsEvictionConnector):
+            return child
+    return None
+
+
 _PATCHED = False
 
 
@@ -418,8 +426,8 @@ def install_runner_patch() -> None:
     original = GPUModelRunner._prepare_inputs
 
     def _prepare_inputs(self, scheduler_output, num_scheduled_tokens):
-        connector = get_kv_transfer_group() if has_kv_transfer_group() else None
-        if isinstance(connector, KvopsEvictionConnector):
+        connector = eviction_connector(get_kv_transfer_group()) if has_kv_transfer_group() else None
+        if connector is not None:
             return connector.worker_side.prepare_inputs(self, original, scheduler_output, num_scheduled_tokens)
         return original(self, scheduler_output, num_scheduled_tokens)
 
