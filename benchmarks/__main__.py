@@ -12,11 +12,12 @@ import torch
 
 import kvops  # noqa: F401
 
-from . import bench_attention, bench_compaction, bench_nvfp4, bench_topk, bench_triattention, bench_vllm
+from . import (bench_attention, bench_compaction, bench_nvfp4, bench_topk, bench_triattention, bench_vllm,
+               bench_vllm_round)
 from .common import markdown_table, print_table, pyplot, write_csv
 
 FAMILIES = {"attention": bench_attention, "nvfp4": bench_nvfp4, "compaction": bench_compaction, "topk": bench_topk,
-            "triattention": bench_triattention, "vllm_tier": bench_vllm}
+            "triattention": bench_triattention, "vllm_tier": bench_vllm, "vllm_round": bench_vllm_round}
 
 
 def main(argv=None) -> int:
