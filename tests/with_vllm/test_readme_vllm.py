@@ -26,6 +26,29 @@ def test_readme_vllm_snippet_runs(model_dir, tmp_path):
     assert len(runs) == 2 and all(len(eval(r)) == 16 for r in runs), out.stdout[-2000:]
 
 
+def test_readme_eviction_snippet_runs(model_dir, tmp_path):
+    """The eviction snippet as pasted (model and calibration swapped for the test model's), multiprocess."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from kvops.calibrate import calibrate
+
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    ids = torch.randint(1, model.config.vocab_size, (1024,), generator=torch.Generator().manual_seed(0))
+    torch.save(calibrate(model, ids, window=512, sensitivity_windows=0), tmp_path / "calibration.pt")
+    (snippet,) = re.findall(r"^```python vllm-eviction\n(.*?)^```", README.read_text(), flags=re.S | re.M)
+    code, n = re.subn(r'^MODEL_DIR = ".*?"', f"MODEL_DIR = {model_dir!r}", snippet, flags=re.M)
+    code, m = re.subn(r'^CALIBRATION = ".*?"', 'CALIBRATION = "calibration.pt"', code, flags=re.M)
+    assert n == m == 1
+    (tmp_path / "snippet.py").write_text(code)
+    env = {k: v for k, v in os.environ.items() if k != "VLLM_ENABLE_V1_MULTIPROCESSING"}
+    out = subprocess.run([sys.executable, "snippet.py"], cwd=tmp_path, env=env | {"VLLM_CPU_KVCACHE_SPACE": "1"},
+                         capture_output=True, text=True, timeout=600)
+    assert out.returncode == 0, out.stderr[-4000:]
+    assert "1024 tokens, each step attending" in out.stdout, out.stdout[-2000:]
+    assert "KvopsEvictionConnector: TriAttention per_head, budget 512, beta 64" in out.stdout + out.stderr
+
+
 def test_the_installed_wheel_runs_the_readme_codec_snippet(tmp_path):
     """This venv's kvops is a wheel (scripts/install_vllm.sh: pip wheel, then pip install), built against vLLM's
     torch: the README's codec snippet runs on it from outside the source tree."""

@@ -34,6 +34,7 @@ import torch
 import triton
 from vllm.distributed.kv_transfer.kv_connector.v1.base import (KVConnectorBase_V1, KVConnectorMetadata,
                                                                KVConnectorRole)
+from vllm.logger import init_logger
 from vllm.model_executor.models.utils import extract_layer_index
 from vllm.platforms import current_platform
 from vllm.v1.kv_cache_interface import FullAttentionSpec
@@ -45,6 +46,7 @@ from . import check_vllm_version
 from .block_cache import BlockCache, physical_length
 from .layouts import BlockLayout
 
+logger = init_logger(f"vllm.{__name__}")  # under vLLM's logger, which vLLM configures
 CONFIG_KEY = "kvops_triattention"  # kv_connector_extra_config: a TriAttentionConfig dict, or its JSON file's path
 GPU_BACKENDS = ("FLASH_ATTN", "FLASHINFER", "TRITON_ATTN")  # K|V in each token's content dim under LBHNC
 
@@ -96,6 +98,9 @@ class _Settings:
         if vllm_config.cache_config.enable_prefix_caching:
             raise ValueError(f"{WHAT}: rounds rewrite a request's blocks in place, so they cannot be shared through "
                              "the prefix cache; pass enable_prefix_caching=False (--no-enable-prefix-caching)")
+        if vllm_config.scheduler_config.async_scheduling:
+            raise ValueError(f"{WHAT}: has run under synchronous scheduling only (vLLM's CPU platform has no "
+                             "other); pass async_scheduling=False (--no-async-scheduling)")
         if vllm_config.speculative_config is not None:
             raise ValueError(f"{WHAT}: speculative decoding is not supported (a round needs each step's tokens "
                              "confirmed)")
@@ -208,6 +213,10 @@ class _WorkerSide:
         manager = create_compression_manager(self.settings.config, self.cache, model_config(self.vllm_config))
         manager.cuda_graphs = not self.cache.staged
         self.manager = manager
+        config = self.settings.config
+        logger.info("%s: TriAttention %s, budget %d, beta %d, over %d layers of %s blocks (%s)", WHAT,
+                    config.eviction_mode, self.settings.budget, config.beta, len(pages),
+                    "staged CPU" if self.cache.staged else "in-place", layouts[0])
 
     def _row(self, rid: str) -> int:
         return self.runner.input_batch.req_id_to_index[rid]
