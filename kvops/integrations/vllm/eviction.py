@@ -44,11 +44,10 @@ from ...manager import Request, TriAttentionManager, create_compression_manager
 from . import CONNECTOR_NAME as WHAT
 from . import check_vllm_version
 from .block_cache import BlockCache, physical_length
-from .layouts import BlockLayout
+from .layouts import BlockLayout, layer_layout
 
 logger = init_logger(f"vllm.{__name__}")  # under vLLM's logger, which vLLM configures
 CONFIG_KEY = "kvops_triattention"  # kv_connector_extra_config: a TriAttentionConfig dict, or its JSON file's path
-GPU_BACKENDS = ("FLASH_ATTN", "FLASHINFER", "TRITON_ATTN")  # K|V in each token's content dim under LBHNC
 
 
 def parse_config(extra: dict) -> TriAttentionConfig:
@@ -165,14 +164,6 @@ class _SchedulerSide:
         self.prompt.pop(rid, None)
 
 
-class _Step:
-    """One step's requests, as ``_prepare_inputs`` saw them: id, tokens computed before it (logical), tokens
-    scheduled, its batch row."""
-
-    def __init__(self):
-        self.rows: list[tuple[str, int, int, int]] = []
-
-
 class _WorkerSide:
     """Runs the rounds on vLLM's pages and keeps the runner's inputs physical (module docstring)."""
 
@@ -183,7 +174,8 @@ class _WorkerSide:
         self.runner = None
         self.prompt: dict[str, int] = {}
         self.evicted: dict[str, int] = {}  # request id -> tokens its rounds removed (logical - physical)
-        self.step = _Step()
+        # this step's requests as _prepare_inputs saw them: (id, tokens computed before it (logical), scheduled, row)
+        self.step: list[tuple[str, int, int, int]] = []
         self.rounds = 0
         self.round_seconds = 0.0
 
@@ -195,16 +187,7 @@ class _WorkerSide:
         block_size = self.vllm_config.cache_config.block_size
         layouts, pages = [], []
         for name in names:
-            layer = context[name]
-            if current_platform.is_cpu():
-                layout = BlockLayout("cpu", layer.num_kv_heads, block_size, layer.head_size, dtype,
-                                     isa=getattr(layer, "isa", None))
-            else:
-                backend = layer.attn_backend.get_name()
-                if backend not in GPU_BACKENDS:
-                    raise ValueError(f"{WHAT}: kvops reads the blocks of the {', '.join(GPU_BACKENDS)} backends and "
-                                     f"vLLM's CPU backend, not {backend}")
-                layout = BlockLayout("gpu", layer.num_kv_heads, block_size, layer.head_size, dtype)
+            layout = layer_layout(WHAT, context[name], block_size, dtype, current_platform.is_cpu())
             layouts.append(layout)
             pages.append(_pages(name, kv_caches[name], layout))
         if len(set(layouts)) != 1:
@@ -243,7 +226,7 @@ class _WorkerSide:
             self._forget(rid)
         n = batch.num_reqs
         computed = batch.num_computed_tokens_cpu[:n]
-        self.step.rows = []
+        self.step = []
         evicted = np.zeros(n, dtype=np.int64)
         table = batch.block_table[0]
         for row, rid in enumerate(batch.req_ids[:n]):
@@ -258,7 +241,7 @@ class _WorkerSide:
                 raise RuntimeError(f"{WHAT}: request {rid!r} will hold {held} tokens in "
                                    f"{table.num_blocks_per_row[row]} blocks of {table.block_size}: the scheduler and "
                                    "the worker disagree on its rounds")
-            self.step.rows.append((rid, before, scheduled, row))
+            self.step.append((rid, before, scheduled, row))
         if not evicted.any():
             self.offsets = None
             return original(runner, scheduler_output, num_scheduled_tokens)
@@ -289,11 +272,11 @@ class _WorkerSide:
 
     def after_forward(self) -> None:
         """Confirms the step's tokens to the manager, which runs the due rounds in vLLM's pages."""
-        if self.runner is None or not self.step.rows:
+        if self.runner is None or not self.step:
             return
         manager, cache, settings = self.manager, self.cache, self.settings
         prefilled, decoded = [], []
-        for rid, before, scheduled, _ in self.step.rows:
+        for rid, before, scheduled, _ in self.step:
             prompt = self.prompt[rid]
             if rid not in manager.prompt_length:
                 manager.on_request_init(Request(rid, prompt))
@@ -305,7 +288,7 @@ class _WorkerSide:
                 prefilled.append(Request(rid, prompt))
             else:
                 decoded.append((rid, scheduled))
-        self.step.rows = []
+        self.step = []
         if prefilled:
             manager.on_context_step_end(prefilled)
         if not decoded:

@@ -33,6 +33,19 @@ _CPU_PLANES = {
 }
 _CPU_PLANES["vec16"] = _CPU_PLANES["vec"]
 CPU_ISAS = tuple(_CPU_PLANES)
+GPU_BACKENDS = ("FLASH_ATTN", "FLASHINFER", "TRITON_ATTN")  # K|V in each token's content dim under LBHNC
+
+
+def layer_layout(what: str, layer, tokens: int, dtype: torch.dtype, cpu: bool) -> "BlockLayout":
+    """The layout of a vLLM attention layer's blocks: vLLM's CPU backend (its ISA, ``layer.isa``) when `cpu`, else
+    one of the GPU backends kvops reads (ValueError naming any other)."""
+    if cpu:
+        return BlockLayout("cpu", layer.num_kv_heads, tokens, layer.head_size, dtype, isa=getattr(layer, "isa", None))
+    backend = layer.attn_backend.get_name()
+    if backend not in GPU_BACKENDS:
+        raise ValueError(f"{what}: kvops reads the block pages of the {', '.join(GPU_BACKENDS)} backends and vLLM's "
+                         f"CPU backend, not {backend}")
+    return BlockLayout("gpu", layer.num_kv_heads, tokens, layer.head_size, dtype)
 
 
 @dataclass(frozen=True)

@@ -26,13 +26,12 @@ from vllm.v1.kv_offload.cpu.spec import CPUOffloadingSpec
 from ...codecs import ColdPageCodec, LosslessColdPageCodec, NVFP4ColdPageCodec
 from ...config import NVFP4ColdPageConfig
 from . import check_vllm_version
-from .layouts import BlockLayout
+from .layouts import BlockLayout, layer_layout
 from .tier import BlobTier, Transfer, cold_block_bytes
 
 WHAT = "KvopsOffloadingSpec"
 CODECS = ("nvfp4", "lossless")
 ROPE = ("quantize", "lossless", "2fp4")
-GPU_BACKENDS = ("FLASH_ATTN", "FLASHINFER", "TRITON_ATTN")  # K|V in each token's content dim under LBHNC
 # kv_connector_extra_config keys vLLM itself reads with this spec (the factory, the offloading config, the base
 # spec, CPUOffloadingManager's options)
 VLLM_KEYS = ("spec_name", "spec_module_path", "cpu_bytes_to_use", "block_size", "blocks_per_chunk",
@@ -167,17 +166,6 @@ class KvopsOffloadingSpec(OffloadingSpec):
         return self._worker
 
 
-def _layer_layout(spec: KvopsOffloadingSpec, layer) -> BlockLayout:
-    heads, head_size = layer.num_kv_heads, layer.head_size
-    if current_platform.is_cpu():
-        return BlockLayout("cpu", heads, spec.tokens, head_size, spec.dtype, isa=getattr(layer, "isa", None))
-    backend = layer.attn_backend.get_name()
-    if backend not in GPU_BACKENDS:
-        raise ValueError(f"{WHAT}: kvops reads the block pages of the {', '.join(GPU_BACKENDS)} backends and "
-                         f"vLLM's CPU backend, not {backend}")
-    return BlockLayout("gpu", heads, spec.tokens, head_size, spec.dtype)
-
-
 class KvopsOffloadingWorker(OffloadingWorker):
     """Moves blocks between vLLM's cache and a ``BlobTier`` of ``num_chunks * blocks_per_chunk`` cold pages."""
 
@@ -191,7 +179,8 @@ class KvopsOffloadingWorker(OffloadingWorker):
         for ref, name in zip(refs, spec.layer_names):
             first.setdefault(ref.tensor_idx, name)  # layers aliasing one region share its blocks
         pages = [kv_caches.tensors[i].tensor for i in first]
-        layouts = [_layer_layout(spec, context[name]) for name in first.values()]
+        layouts = [layer_layout(WHAT, context[name], spec.tokens, spec.dtype, current_platform.is_cpu())
+                   for name in first.values()]
         for ref, name in zip(refs, spec.layer_names):
             lay = layouts[list(first).index(ref.tensor_idx)]
             if (lay.heads, lay.head_size) != (spec.heads, spec.head_size):
