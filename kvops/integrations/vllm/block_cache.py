@@ -142,10 +142,6 @@ class BlockCache:
         shape = (pages, 2, self.num_kv_heads, self.page_size, self.head_dim)
         self._views = [torch.empty(shape, dtype=self.layout.dtype, device=self.device) for _ in self._planes]
 
-    @property
-    def staging_bytes(self) -> int:
-        return 0 if self._planes is None else sum(v.numel() * v.element_size() for v in self._views)
-
     def _move(self, gather: bool, blocks: torch.Tensor, first: int) -> None:
         """Staging pages first.. <-> vLLM blocks `blocks`, every layer (host time in ``staging_seconds``)."""
         start = time.perf_counter()
