@@ -159,3 +159,17 @@ def test_physical_length_is_the_managers_rule(calibration):
                 assert cache.length(rid) == physical_length(prompt, logical, budget, beta), (rid, logical)
             manager.on_request_finish(Request(rid, prompt))
             cache.finish(rid)
+
+
+def test_refused_stage_and_shrink_change_nothing():
+    """A protected prefix past a request's length, or a round "leaving" more tokens than it holds: ValueError
+    naming the request, lengths, block lists and pages as they were."""
+    blocks = Blocks(BlockLayout("cpu", H, N, D, torch.bfloat16, "vec"), 16, "cpu")
+    blocks.append("a", torch.randn(40, H, D).bfloat16(), torch.randn(40, H, D).bfloat16())
+    before = ([p.clone() for p in blocks.pages], dict(blocks.cache.lengths), list(blocks.table["a"]))
+    with pytest.raises(ValueError, match="'a' holds 40 tokens, 41 protected"):
+        blocks.cache.stage(["a"], [41])
+    with pytest.raises(ValueError, match="'a' holds 40 tokens, a round cannot leave it 41"):
+        blocks.cache.shrink(["a"], [41])
+    assert all(torch.equal(p, q) for p, q in zip(blocks.pages, before[0]))
+    assert blocks.cache.lengths == before[1] and blocks.table["a"] == before[2]
