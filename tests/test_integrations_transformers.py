@@ -414,31 +414,65 @@ def test_kvops_attention_generates_what_sdpa_does(cache_kind, device):
                                rtol=3e-2)
 
 
+def _holed_masks(device, B=3, N=40):
+    """Decode-step masks [B, 1, 1, N] of every shape a row can take: left padding, a hole (right padding of the
+    prompt, then the generated tokens), scattered zeros, one slot, none."""
+    mask = torch.ones(B, 1, 1, N, dtype=torch.bool, device=device)
+    mask[0, ..., :5] = False
+    mask[1, ..., 10:30] = False
+    masks = [mask]
+    for _ in range(3):
+        masks.append(torch.rand(B, 1, 1, N, device=device) > 0.4)
+    single = torch.zeros_like(mask)
+    single[0, ..., 17] = single[1, ..., 0] = True  # row 2 admits nothing: zeros
+    return masks + [single]
+
+
 @pytest.mark.parametrize("device", DEVICES)
-def test_kvops_attention_sends_a_mask_with_holes_to_sdpa(device):
-    """A decode step's mask whose row admits slots that are no one range (right padding, zeros inside
-    attention_mask) is not read as a range: the result is sdpa's, a contiguous mask still takes the kernel, and a
-    mask changed in place is checked again."""
+@pytest.mark.parametrize("compiled", [False, True], ids=["eager", "compiled"])
+def test_kvops_attention_reads_exactly_the_slots_a_mask_admits(device, compiled):
+    """A decode step's mask with holes (right padding, zeros inside attention_mask) takes the kernel, eager and
+    compiled, and attends to exactly the slots it admits: sdpa's result, on fresh masks and data each call, the
+    compiled step in one graph. The pools' slots a mask leaves out hold huge values, so reading one shows."""
+    module = torch.nn.Module()
+    module.num_key_value_groups, module.is_causal = 2, True
+    attention = torch.compile(kvops_attention, fullgraph=True, dynamic=False) if compiled else kvops_attention
+    torch._dynamo.reset()
+    torch._dynamo.utils.counters.clear()
+    for mask in _holed_masks(device):
+        query = torch.randn(3, 4, 1, 64, device=device, dtype=torch.bfloat16)
+        k, v = (torch.randn(3, 2, 40, 64, device=device, dtype=torch.bfloat16) for _ in range(2))
+        poisoned_k, poisoned_v = (t.masked_fill(~mask[:, :, 0, :, None], 3e4) for t in (k, v))
+        want, _ = grouped_sdpa(module, query, k, v, mask)
+        want = torch.where(mask.any(-1).view(-1, 1, 1, 1), want.float(), 0)  # a row that admits nothing: zeros
+        with unittest.mock.patch(f"{kvops_attention.__module__}.grouped_sdpa", side_effect=AssertionError):
+            got, _ = attention(module, query, poisoned_k, poisoned_v, mask)
+        torch.testing.assert_close(got.float(), want, atol=2e-2, rtol=2e-2)
+    if compiled:
+        assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == 1
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_kvops_attention_pages_the_layouts_caches_hold(device):
+    """The one-token pages over the caches' layouts: a pool's planes (TriAttentionCache), a batch of one, a
+    cache wider than the mask's row; K and V strided unlike each other go to grouped_sdpa."""
     module = torch.nn.Module()
     module.num_key_value_groups, module.is_causal = 2, True
     query = torch.randn(3, 4, 1, 64, device=device, dtype=torch.bfloat16)
-    k, v = (torch.randn(3, 2, 40, 64, device=device, dtype=torch.bfloat16) * 4 for _ in range(2))
-    mask = torch.ones(3, 1, 1, 40, dtype=torch.bool, device=device)
-    mask[0, ..., :5] = False     # left padding: a range
-    mask[1, ..., 10:30] = False  # a hole: right padding of the prompt, then the generated tokens
-    got, _ = kvops_attention(module, query, k, v, mask)
-    want, _ = grouped_sdpa(module, query, k, v, mask)
-    assert torch.equal(got, want)
-    ranged = mask.clone()
-    ranged[1] = True
+    mask = _holed_masks(device)[0]
+    pool = torch.randn(3, 2, 2, 48, 64, device=device, dtype=torch.bfloat16)
+    cases = [(pool[:, 0, :, :40], pool[:, 1, :, :40], mask),
+             (pool[:1, 0, :, :40], pool[:1, 1, :, :40], mask[1:2]),
+             (pool[:, 0, :, 8:], pool[:, 1, :, 8:], mask)]
     with unittest.mock.patch(f"{kvops_attention.__module__}.grouped_sdpa", side_effect=AssertionError):
-        got, _ = kvops_attention(module, query, k, v, ranged)  # the kernel's
-        mask[1] = True  # in place: checked again
-        kvops_attention(module, query, k, v, mask)
-    torch.testing.assert_close(got.float(), grouped_sdpa(module, query, k, v, ranged)[0].float(), atol=2e-2, rtol=2e-2)
-    ranged[2, ..., 20] = False  # in place, a hole now
-    got, _ = kvops_attention(module, query, k, v, ranged)
-    assert torch.equal(got, grouped_sdpa(module, query, k, v, ranged)[0])
+        for k, v, m in cases:
+            got, _ = kvops_attention(module, query[:k.shape[0]], k, v, m)
+            want, _ = grouped_sdpa(module, query[:k.shape[0]], k.contiguous(), v.contiguous(), m)
+            torch.testing.assert_close(got.float(), want.float(), atol=2e-2, rtol=2e-2)
+    k = pool[:, 0, :, :40]
+    v = pool[:, 1, :, :40].contiguous()  # strides unlike K's
+    got, _ = kvops_attention(module, query, k, v, mask)
+    assert torch.equal(got, grouped_sdpa(module, query, k, v, mask)[0])
 
 
 @pytest.mark.parametrize("device", DEVICES)

@@ -33,7 +33,6 @@ import functools
 import inspect
 import os
 import sys
-import weakref
 from dataclasses import dataclass
 from typing import Mapping, NamedTuple
 
@@ -882,13 +881,12 @@ def kvops_attention(module, query, key, value, attention_mask, **kwargs):
     the SMs, and each row reads only the slots its mask admits. Any cache's layers serve as a dense paged cache
     of one page per row (``TriAttentionCache``'s pools, ``StaticCache``, ``DynamicCache``).
 
-    Each row's mask (transformers' padding and causal mask at a decode step) is read as one contiguous range of
-    slots: its first and last admitted slots bound what the row reads, on the device, so a compiled step keeps one
-    graph. An eager step whose mask has a hole in a row (right padding, zeros inside ``attention_mask``) goes to
-    ``grouped_sdpa`` (a host read per mask finds out); a compiled step cannot look, so a compiled caller passes
-    masks without holes (left padding, as ``generate`` wants for decoder-only models). Every other case (prefill,
-    a float mask, dropout, a head_dim or dtype the kernels do not serve) is ``grouped_sdpa``'s, which refuses
-    attention sinks and a soft cap.
+    A row's mask (transformers' padding and causal mask at a decode step) is read on the device, so a compiled
+    step keeps one graph: each token is its own page, the page of a slot the mask leaves out is -1 (which the
+    kernel skips), and the row's first and last admitted slots bound what it reads. A mask with holes (right
+    padding, zeros inside ``attention_mask``) reads exactly its admitted slots, eager and compiled. Every other
+    case (prefill, a float mask, dropout, a head_dim or dtype the kernels do not serve, K and V of unlike strides)
+    is ``grouped_sdpa``'s, which refuses attention sinks and a soft cap.
     Select it with ``model.set_attn_implementation(KVOPS_ATTENTION)``.
     """
     B, Hq, q, D = query.shape
@@ -900,37 +898,41 @@ def kvops_attention(module, query, key, value, attention_mask, **kwargs):
                                              attention_mask.shape[0] not in (1, B) or
                                              attention_mask.shape[1:] != (1, 1, N))):  # one mask row per batch row
         return grouped_sdpa(module, query, key, value, attention_mask, **kwargs)
-    table = torch.arange(B, dtype=torch.int32, device=query.device)[:, None]
     if attention_mask is None:
+        table = torch.arange(B, dtype=torch.int32, device=query.device)[:, None]
         lengths, starts = torch.full((B,), N, dtype=torch.int32, device=query.device), None
     else:
+        pages = _token_pages(key, value)
+        if pages is None:
+            return grouped_sdpa(module, query, key, value, attention_mask, **kwargs)
+        key, value, per_row = pages
         admitted = attention_mask[:, 0, -1].expand(B, N)
         # int64 throughout: with N symbolic (a compiled step), an int32 where(..., N) made inductor emit a
         # reduction whose accumulator changes type in its loop (a Triton compile error, torch 2.11)
         slot = torch.arange(N, device=query.device)
         lengths = torch.where(admitted, slot + 1, 0).amax(-1).to(torch.int32)
         starts = torch.where(admitted, slot, N).amin(-1).to(torch.int32)
-        if not torch.compiler.is_compiling() and _has_holes(attention_mask, admitted, starts, lengths):
-            return grouped_sdpa(module, query, key, value, attention_mask, **kwargs)
+        row = torch.arange(B, device=query.device)[:, None]
+        table = torch.where(admitted, row * per_row + slot, -1).to(torch.int32)
     out = decode_attention(query, key, value, table, lengths, starts=starts, scale=kwargs.get("scaling"))
     return out, None
 
 
-_checked_mask: tuple = (None, -1, False)  # (a weak reference to the last mask checked, its version, its answer)
-
-
-def _has_holes(mask: torch.Tensor, admitted: torch.Tensor, starts: torch.Tensor, lengths: torch.Tensor) -> bool:
-    """Whether a row of an eager decode step's mask admits slots that are not one range (right padding, zeros of
-    `attention_mask` inside a row): kvops' decode attention reads a range per row. Read back once per mask:
-    transformers hands every layer of a forward the same mask tensor, so an eager step pays one host read (and
-    one per local layer under a layer split, whose masks are mapped per layer)."""
-    global _checked_mask
-    ref, version, answer = _checked_mask
-    if ref is not None and ref() is mask and version == mask._version:
-        return answer
-    answer = bool((admitted.sum(-1) != (lengths - starts).clamp_min(0)).any())
-    _checked_mask = (weakref.ref(mask), mask._version, answer)
-    return answer
+def _token_pages(key: torch.Tensor, value: torch.Tensor):
+    """`key` and `value` ``[B, kv_heads, N, head_dim]`` as caches of one-token pages ``[pages, kv_heads, 1,
+    head_dim]`` (views, nothing copied): slot n of row b is page ``b * per_row + n``. Returns the two views and
+    per_row, or None when their strides allow no such view (K and V strided unlike each other, or a row not a
+    whole number of token rows)."""
+    B, H, N, D = key.shape
+    stride = key.stride()
+    if value.stride() != stride or stride[3] != 1 or (N > 1 and stride[2] < D):
+        return None
+    token = stride[2] if N > 1 else D
+    if B > 1 and stride[0] % token:
+        return None
+    per_row = stride[0] // token if B > 1 else N
+    pages = (B - 1) * per_row + N
+    return tuple(t.as_strided((pages, H, 1, D), (token, stride[1], token, 1)) for t in (key, value)) + (per_row,)
 
 
 _sdpa = _transformers_module.modeling_utils.ALL_ATTENTION_FUNCTIONS["sdpa"]
