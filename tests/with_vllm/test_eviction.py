@@ -151,12 +151,39 @@ def reference(model_dir, config, ids, tokens):
     return top.indices[:, 0].tolist(), (top.values[:, 0] - top.values[:, 1]).tolist(), kept
 
 
+class Tokens(list):
+    """A request's greedy tokens, with each step's two best logprobs (logprobs=2)."""
+
+    def __init__(self, ids, logprobs):
+        super().__init__(ids)
+        self.logprobs = logprobs
+
+    def margin(self, i: int) -> float:
+        """How far step i's best logprob led the runner-up (inf when vLLM returned only one)."""
+        values = sorted((lp.logprob for lp in self.logprobs[i].values()), reverse=True)
+        return values[0] - values[1] if len(values) > 1 else float("inf")
+
+
+TIE = 0.25  # logprob lead under which bf16 kernels of different batch shapes may pick either token
+
+
+def assert_same_up_to_a_near_tie(got: Tokens, want: Tokens) -> None:
+    """Equal tokens, or equal up to a step where one run's runner-up came within TIE of its best: vLLM's CPU
+    kernels are not batch-invariant (on some CPUs a request batched with others, or prefilled in chunks, computes
+    slightly other logits even with nothing evicted), so a near-tie may part two runs; a clear lead may not."""
+    differ = [i for i, (a, b) in enumerate(zip(got, want)) if a != b]
+    assert len(got) == len(want)
+    if differ:
+        i = differ[0]
+        assert min(got.margin(i), want.margin(i)) < TIE, f"step {i}: {got[i]} against {want[i]}, a clear lead"
+
+
 def run_staggered(llm, prompts, n, arrivals):
     """Each prompt added at its step (arrivals), greedy, n tokens; returns token ids by request id and the most
     blocks each request held at any step."""
     from vllm import SamplingParams
 
-    engine, params = llm.llm_engine, SamplingParams(max_tokens=n, temperature=0, ignore_eos=True)
+    engine, params = llm.llm_engine, SamplingParams(max_tokens=n, temperature=0, ignore_eos=True, logprobs=2)
     blocks = scheduler(llm).kv_cache_manager.coordinator.single_type_managers[0].req_to_blocks
     outputs, most, step = {}, {}, 0
     pending = sorted(zip(arrivals, range(len(prompts))))
@@ -166,7 +193,7 @@ def run_staggered(llm, prompts, n, arrivals):
             engine.add_request(str(i), {"prompt_token_ids": prompts[i]}, params)
         for out in engine.step():
             if out.finished:
-                outputs[out.request_id] = list(out.outputs[0].token_ids)
+                outputs[out.request_id] = Tokens(out.outputs[0].token_ids, out.outputs[0].logprobs)
         for rid, held in blocks.items():
             most[external(rid)] = max(most.get(external(rid), 0), len(held))
         step += 1
@@ -256,7 +283,8 @@ def test_freed_blocks_serve_later_requests(model_dir, prompt_ids, calibration):
         alone = {str(i): run_staggered(llm, [ids], n, [0])[0]["0"] for i, ids in enumerate(prompts)}
     finally:
         free_llm(llm)
-    assert together == alone
+    for rid in alone:
+        assert_same_up_to_a_near_tie(together[rid], alone[rid])
     assert max(most.values()) <= -(-(100 + CASE["budget"] + CASE["beta"]) // BLOCK) < -(-(100 + n) // BLOCK)
 
 
@@ -273,7 +301,7 @@ def test_chunked_prefill_equals_one_prefill(model_dir, prompt_ids, calibration):
         finally:
             free_llm(llm)
         assert rounds == (n - 1 - CASE["budget"] - 1) // CASE["beta"] + 1
-    assert outs[0] == outs[1]
+    assert_same_up_to_a_near_tie(outs[1], outs[0])
 
 
 def test_preempted_request_resumes_from_its_full_recompute(model_dir, prompt_ids, calibration):
@@ -334,26 +362,39 @@ def test_refused_configs(model_dir, calibration, tmp_path):
         build({"kvops_triattention": str(path)})
 
 
+def tiered_llm(model_dir, config, prompt_only):
+    """vLLM with a MultiConnector: kvops' lossless offloading tier, then the eviction."""
+    from vllm import LLM
+    from vllm.config import KVTransferConfig
+
+    connectors = [
+        {"kv_connector": "OffloadingConnector", "kv_role": "kv_both",
+         "kv_connector_extra_config": {"spec_name": "KvopsOffloadingSpec", "cpu_bytes_to_use": 16 << 20,
+                                       "kvops_codec": "lossless", "offload_prompt_only": prompt_only}},
+        {"kv_connector": "KvopsEvictionConnector", "kv_role": "kv_both",
+         "kv_connector_extra_config": {"kvops_triattention": config.to_dict()}}]
+    return LLM(model=model_dir, dtype="bfloat16", max_model_len=2048, block_size=BLOCK, enforce_eager=True,
+               skip_tokenizer_init=True, enable_prefix_caching=False, seed=0,
+               kv_transfer_config=KVTransferConfig(kv_connector="MultiConnector", kv_role="kv_both",
+                                                   kv_connector_extra_config={"connectors": connectors}))
+
+
+def test_a_tier_storing_decode_blocks_is_refused(model_dir, calibration):
+    """A round rewrites decode blocks, so a sibling connector storing them would keep stale contents."""
+    with pytest.raises(Exception, match="offload_prompt_only"):
+        tiered_llm(model_dir, triattention(calibration, **CASE), prompt_only=False)
+
+
 def test_eviction_with_the_nvfp4_tier(model_dir, prompt_ids, calibration):
     """vLLM's MultiConnector running kvops' offloading tier (prompt blocks only: a round rewrites the others) and
     the eviction: a second request on the same prompt loads its prompt blocks from the tier (lossless: bit-exact)
     and, evicting alike, generates what the first did."""
-    from vllm import LLM, SamplingParams
-    from vllm.config import KVTransferConfig
+    from vllm import SamplingParams
 
     from vllm_env import free_llm as free
 
     config, ids, n = triattention(calibration, **CASE), prompt_ids[:300], 80
-    connectors = [
-        {"kv_connector": "OffloadingConnector", "kv_role": "kv_both",
-         "kv_connector_extra_config": {"spec_name": "KvopsOffloadingSpec", "cpu_bytes_to_use": 16 << 20,
-                                       "kvops_codec": "lossless", "offload_prompt_only": True}},
-        {"kv_connector": "KvopsEvictionConnector", "kv_role": "kv_both",
-         "kv_connector_extra_config": {"kvops_triattention": config.to_dict()}}]
-    llm = LLM(model=model_dir, dtype="bfloat16", max_model_len=2048, block_size=BLOCK, enforce_eager=True,
-              skip_tokenizer_init=True, enable_prefix_caching=False, seed=0,
-              kv_transfer_config=KVTransferConfig(kv_connector="MultiConnector", kv_role="kv_both",
-                                                  kv_connector_extra_config={"connectors": connectors}))
+    llm = tiered_llm(model_dir, config, prompt_only=True)
     try:
         from vllm.distributed.kv_transfer import get_kv_transfer_group
 

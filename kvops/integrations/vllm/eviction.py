@@ -38,6 +38,7 @@ from vllm.logger import init_logger
 from vllm.model_executor.models.utils import extract_layer_index
 from vllm.platforms import current_platform
 from vllm.v1.kv_cache_interface import FullAttentionSpec
+from vllm.v1.utils import CpuGpuBuffer
 
 from ...config import TriAttentionConfig, config_from_dict
 from ...manager import Request, TriAttentionManager, create_compression_manager
@@ -176,11 +177,17 @@ class _WorkerSide:
         self.evicted: dict[str, int] = {}  # request id -> tokens its rounds removed (logical - physical)
         # this step's requests as _prepare_inputs saw them: (id, tokens computed before it (logical), scheduled, row)
         self.step: list[tuple[str, int, int, int]] = []
+        self.evicted_rows: CpuGpuBuffer | None = None  # this step's evicted tokens per runner row
+        self.shifted = False  # whether this step's slot mapping subtracts them
         self.rounds = 0
         self.round_seconds = 0.0
 
     # -- setup -------------------------------------------------------------------------------------------------
     def register(self, kv_caches: dict[str, torch.Tensor]) -> None:
+        from vllm.distributed.kv_transfer import get_kv_transfer_group, has_kv_transfer_group
+
+        if has_kv_transfer_group():
+            _check_siblings(get_kv_transfer_group())
         context = self.vllm_config.compilation_config.static_forward_context
         names = sorted(kv_caches, key=extract_layer_index)
         dtype = kv_caches[names[0]].dtype
@@ -227,7 +234,7 @@ class _WorkerSide:
         n = batch.num_reqs
         computed = batch.num_computed_tokens_cpu[:n]
         self.step = []
-        evicted = np.zeros(n, dtype=np.int64)
+        evicted = self.evicted_rows.np[:n]
         table = batch.block_table[0]
         for row, rid in enumerate(batch.req_ids[:n]):
             before = int(computed[row])
@@ -236,22 +243,24 @@ class _WorkerSide:
                 self.evicted[rid] = 0
             evicted[row] = self.evicted[rid]
             scheduled = int(num_scheduled_tokens[row])
-            held = before - evicted[row] + scheduled
+            held = before - self.evicted[rid] + scheduled
             if table.num_blocks_per_row[row] != triton.cdiv(held, table.block_size):
                 raise RuntimeError(f"{WHAT}: request {rid!r} will hold {held} tokens in "
                                    f"{table.num_blocks_per_row[row]} blocks of {table.block_size}: the scheduler and "
                                    "the worker disagree on its rounds")
             self.step.append((rid, before, scheduled, row))
-        if not evicted.any():
-            self.offsets = None
+        self.shifted = bool(evicted.any())
+        if not self.shifted:
             return original(runner, scheduler_output, num_scheduled_tokens)
-        per_token = np.repeat(evicted, num_scheduled_tokens[:n])
-        self.offsets = torch.from_numpy(per_token).to(runner.positions.device, non_blocking=True)
-        out = original(runner, scheduler_output, num_scheduled_tokens)
-        shift = torch.from_numpy(evicted)
-        runner.seq_lens[:n] -= shift.to(runner.seq_lens.device, runner.seq_lens.dtype, non_blocking=True)
-        runner.optimistic_seq_lens_cpu[:n] -= shift.to(runner.optimistic_seq_lens_cpu.dtype)
-        self.offsets = None
+        # pinned, copied once per step on the runner's stream: the slot mapping reads it per token through the
+        # runner's own token-to-request index (compute_slot_mapping below)
+        shift = self.evicted_rows.copy_to_gpu(n)
+        try:
+            out = original(runner, scheduler_output, num_scheduled_tokens)
+        finally:
+            self.shifted = False
+        runner.seq_lens[:n] -= shift.to(runner.seq_lens.dtype)
+        runner.optimistic_seq_lens_cpu[:n] -= self.evicted_rows.cpu[:n].to(runner.optimistic_seq_lens_cpu.dtype)
         return out
 
     def _bind(self, runner) -> None:
@@ -263,12 +272,14 @@ class _WorkerSide:
         worker = self
 
         def compute_slot_mapping(num_reqs, query_start_loc, positions):
-            if worker.offsets is not None:
-                positions = positions - worker.offsets[:positions.shape[0]]
+            if worker.shifted:
+                rows = runner.req_indices.gpu[:positions.shape[0]]  # _prepare_inputs filled it for this step
+                positions = positions - worker.evicted_rows.gpu[rows]
             return original(tables, num_reqs, query_start_loc, positions)
 
         tables.compute_slot_mapping = compute_slot_mapping
-        self.runner, self.offsets = runner, None
+        self.evicted_rows = CpuGpuBuffer(runner.max_num_reqs, dtype=torch.int32, device=runner.device)
+        self.runner, self.shifted = runner, False
 
     def after_forward(self) -> None:
         """Confirms the step's tokens to the manager, which runs the due rounds in vLLM's pages."""
@@ -293,25 +304,24 @@ class _WorkerSide:
             manager.on_context_step_end(prefilled)
         if not decoded:
             return
-        due = manager.due(decoded)
+        # the round rule the scheduler sizes blocks by says who is due; the manager's own plan must agree
+        logical = {rid: cache.lengths[rid] + self.evicted[rid] for rid, _ in decoded}
+        want = {rid: physical_length(self.prompt[rid], logical[rid], settings.budget, settings.beta)
+                for rid, _ in decoded}
+        due = [rid for rid, _ in decoded if want[rid] < cache.lengths[rid]]
+        start = time.perf_counter()
+        if due and cache.stage(due, [manager.prompt_length[r] + manager.policy.sink_tokens for r in due]):
+            manager.rebind()
+        manager.on_generation_step_end(decoded)
+        for rid, _ in decoded:
+            held = cache.lengths[rid]
+            if held != want[rid]:
+                raise RuntimeError(f"{WHAT}: request {rid!r} holds {held} tokens after this step, the scheduler's "
+                                   f"rule {want[rid]}")
+            self.evicted[rid] = logical[rid] - held
         if due:
-            start = time.perf_counter()
-            sinks = manager.policy.sink_tokens
-            if cache.stage(due, [manager.prompt_length[r] + sinks for r in due]):
-                manager.rebind()
-            logical = {rid: cache.lengths[rid] + self.evicted[rid] for rid in due}
-            manager.on_generation_step_end(decoded)
             self.rounds += 1
-            for rid in due:
-                held = cache.lengths[rid]
-                want = physical_length(self.prompt[rid], logical[rid], settings.budget, settings.beta)
-                if held != want:
-                    raise RuntimeError(f"{WHAT}: request {rid!r}'s round left {held} tokens, the scheduler's rule "
-                                       f"{want}")
-                self.evicted[rid] = logical[rid] - held
             self.round_seconds += time.perf_counter() - start  # host time: all of it on the CPU
-        else:
-            manager.on_generation_step_end(decoded)
 
     def _forget(self, rid: str) -> None:
         if self.manager is not None and rid in self.manager.prompt_length:
@@ -326,6 +336,20 @@ class _WorkerSide:
             self._forget(rid)
 
 
+
+
+def _check_siblings(group) -> None:
+    """Under a MultiConnector, the other connectors must never store a block a round rewrites: vLLM's offloading
+    connector with ``offload_prompt_only`` (its default) is the one that has run beside the eviction."""
+    for child in getattr(group, "sub_connectors", ()):
+        if isinstance(child, KvopsEvictionConnector):
+            continue
+        transfer = child._kv_transfer_config
+        extra = transfer.kv_connector_extra_config or {}
+        if transfer.kv_connector != "OffloadingConnector" or not extra.get("offload_prompt_only", True):
+            raise ValueError(f"{WHAT}: beside it a MultiConnector may run vLLM's OffloadingConnector with "
+                             f"offload_prompt_only true (prompt blocks, which rounds never rewrite); got "
+                             f"{transfer.kv_connector} with {dict(extra)}")
 
 
 def _pages(name: str, kv: torch.Tensor, layout: BlockLayout) -> torch.Tensor:
