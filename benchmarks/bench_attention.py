@@ -96,6 +96,27 @@ def run(quick: bool = False) -> tuple[list[Row], list[str]]:
                              torch.bfloat16, timed["kvops"], nbytes, copy_gbps, "sdpa_exact", timed["sdpa_exact"]))
         layers = None
         torch.cuda.empty_cache()
+    # transformers' KVOPS_ATTENTION under decode masks with left padding (row 0) and a hole (row 1): one-token
+    # pages whose table it builds from the mask on the device, against the op over one page per row (the range
+    # a mask without holes maps to)
+    from kvops.integrations.transformers import kvops_attention
+
+    module = torch.nn.Module()
+    module.num_key_value_groups = HQ // HKV
+    for batch, tokens, capacity in ((8, 3136, 3201), (32, 3136, 3201), (8, 16384, 16640)):
+        query, pool, table, lengths = _case(batch, tokens, capacity, False, torch.bfloat16)
+        mask = (torch.arange(capacity, device="cuda") < tokens).expand(batch, capacity).clone()
+        mask[0, :128] = False
+        mask[1, 1024:1152] = False
+        mask = mask.view(batch, 1, 1, capacity)
+        k, v = pool[:, 0], pool[:, 1]
+        us = time_us(graphed(lambda: kvops_attention(module, query, k, v, mask)), iters)
+        ranged = time_us(graphed(lambda: decode_attention(query, k, v, table, lengths)), iters)
+        nbytes = int(mask.sum()) * 2 * HKV * D * 2
+        rows.append(Row.make(FAMILY, "decode_masked", f"b{batch} x {tokens} of {capacity}, holes", torch.bfloat16,
+                             us, nbytes, copy_gbps, "one page per row", ranged))
+        query = pool = table = lengths = mask = k = v = None
+        torch.cuda.empty_cache()
     notes.insert(0, f"Qwen3-8B heads (32 on 8, head_dim 128), one query token; copy bandwidth {copy_gbps:.0f} GB/s; "
                     "bytes: the held K and V. Baselines (graphed, same data):")
     return rows, notes
