@@ -27,10 +27,15 @@ model the numbers show only that the mechanics run (the output says so).
 from __future__ import annotations
 
 import argparse
+import bisect
+import builtins
 import copy
 import csv
+import itertools
+import keyword
 import math
 import os
+import re
 import sys
 import time
 from dataclasses import dataclass, replace
@@ -45,6 +50,9 @@ from kvops.triattention import TriAttentionSelector, load_calibration
 from .common import pyplot
 
 SINKS = 4
+NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
+# names a model completes without looking back: the retrieval probe leaves them out
+COMMON_NAMES = frozenset(keyword.kwlist) | frozenset(dir(builtins)) | {"self", "cls"}
 
 
 @dataclass(frozen=True)
@@ -320,28 +328,83 @@ def _bar(progress: bool, total: int, desc: str):
     return tqdm(total=total, desc=desc, unit="run", file=sys.stderr)
 
 
+def retrieval_probes(tokenizer, ids: torch.Tensor, prompt: int) -> torch.Tensor:
+    """The retrieval probe of a window, from its text alone: each place where a name used earlier in the window
+    comes back (a Python identifier of two or more tokens, not a keyword or builtin), as int64 [m, 3]: the
+    positions of the name's second and last tokens (what completing the name takes, given its first) and the
+    tokens since the name's previous occurrence ended (its gap). Occurrences inside the prompt count as earlier
+    ones but are not probed, and a name whose previous occurrence lies in the prompt is not probed (every cache
+    holds the prompt)."""
+    pieces = [tokenizer.decode([i]) for i in ids.tolist()]
+    starts = list(itertools.accumulate(map(len, pieces), initial=0))  # char offset of each token, then the end
+    last: dict[str, int] = {}  # name -> the token its latest occurrence ended in
+    probes = []
+    for match in NAME.finditer("".join(pieces)):
+        name, (a, b) = match.group(), match.span()
+        if name in COMMON_NAMES:
+            continue
+        first = bisect.bisect_right(starts, a) - 1  # the token holding the name's first character
+        end = bisect.bisect_right(starts, b) - 2  # the last token wholly inside the name
+        if first < end and first >= prompt and last.get(name, -1) >= prompt:
+            probes.append((first + 1, end, first - last[name]))
+        last[name] = end
+    return torch.tensor(probes, dtype=torch.int64).reshape(-1, 3)
+
+
+def long_range_tokens(full: torch.Tensor, recent: torch.Tensor, ids: torch.Tensor, first: int) -> torch.Tensor:
+    """The long-range tokens of a window at a budget: bool [n - 1 - first] over the positions predicted from
+    query rows first .. n-2, true where the full cache's logits predict the next token and the recent window's
+    (at that budget) do not. Chosen from those two runs alone, so every method is judged on the same tokens; the
+    recent window is wrong on all of them by construction."""
+    target = ids[first + 1:]
+    return (full[first:-1].argmax(-1) == target) & (recent[first:-1].argmax(-1) != target)
+
+
+def _cell(logits: torch.Tensor, full: torch.Tensor, ids: torch.Tensor, first: int, long: torch.Tensor,
+          probes: torch.Tensor) -> tuple:
+    """A method's measures on one window at one budget, as sums over the positions after its first round:
+    (loss, agreement with the full cache's next token, positions; loss and agreement on the long-range tokens
+    `long`, their count; probes completed, probes), a probe (a row of ``retrieval_probes``, its tokens after
+    `first`) completed when every one of its tokens is predicted."""
+    span, target = slice(first, ids.numel() - 1), ids[first + 1:]
+    loss = torch.nn.functional.cross_entropy(logits[span], target, reduction="none")
+    agree = logits[span].argmax(-1) == full[span].argmax(-1)
+    wrong = torch.cat(((logits[span].argmax(-1) != target).cumsum(0), target.new_zeros(1)))
+    # wrong[i]: wrong predictions of positions first + 1 .. first + 1 + i; a probe's count is a difference
+    completed = wrong[probes[:, 1] - first - 1] == wrong[probes[:, 0] - first - 2]
+    return (float(loss.sum()), int(agree.sum()), target.numel(), float(loss[long].sum()), int(agree[long].sum()),
+            int(long.sum()), int(completed.sum()), probes.shape[0])
+
+
 def evaluate(model, windows: list[torch.Tensor], calibration, budgets, beta: int, prompt: int,
-             methods=METHODS, log=print, progress: bool = False) -> list[dict]:
+             methods=METHODS, log=print, progress: bool = False, tokenizer=None) -> list[dict]:
     """One row per (method, budget): loss and next-token agreement with the full cache over the positions after
     each window's first round at that budget (the full cache's row at each budget covers the same positions),
     each the mean over the windows with a 95% confidence interval, and the loss difference from the recent
-    window on the same windows (paired), with its interval. Also the most KV tokens a sequence's cache holds."""
+    window on the same windows (paired), with its interval. Also the most KV tokens a sequence's cache holds.
+    The long-range measures: the same loss and agreement on each window's ``long_range_tokens`` at that budget
+    (the recent window's run decides them first, also when it is not among `methods`), and with a `tokenizer`
+    the retrieval probe (``retrieval_probes`` whose name was last seen more than budget + beta tokens back):
+    the share of probes each method completes, and its paired difference from the recent window's share."""
     policies = [Policy.parse(m) if isinstance(m, str) else m for m in methods]
     oracle = any(p.kind == "oracle" for p in policies)
-    per = {}  # (method, budget) -> [(loss sum, agreement count, positions) per window]
+    recent = Policy("recent")
+    per = {}  # (method, budget) -> [_cell per window]
     bar = _bar(progress, len(windows) * len(budgets) * len(policies), "simulated caches (window x budget x method)")
     with torch.no_grad():
         for w, ids in enumerate(windows):
             full, attention = full_attention(model, ids) if oracle else (_full_logits(model, ids), None)
+            probes = (retrieval_probes(tokenizer, ids, prompt) if tokenizer is not None else
+                      torch.zeros(0, 3, dtype=torch.int64)).to(ids.device)
             for budget in budgets:
                 first = next(rounds(ids.numel(), prompt, budget, beta), ids.numel())
-                span = slice(first, ids.numel() - 1)
+                window_logits = simulate(model, ids, prompt, budget, beta, recent, seed=w)
+                long = long_range_tokens(full, window_logits, ids, first)
+                probed = probes[(probes[:, 2] > budget + beta) & (probes[:, 0] > first)]
                 for policy in policies:
-                    logits = full if policy.kind == "full" else simulate(
+                    logits = full if policy.kind == "full" else window_logits if policy == recent else simulate(
                         model, ids, prompt, budget, beta, policy, calibration, attention, seed=w)
-                    loss = float(torch.nn.functional.cross_entropy(logits[span], ids[first + 1:], reduction="sum"))
-                    agree = int((logits[span].argmax(-1) == full[span].argmax(-1)).sum())
-                    per.setdefault((policy.name, budget), []).append((loss, agree, ids.numel() - 1 - first))
+                    per.setdefault((policy.name, budget), []).append(_cell(logits, full, ids, first, long, probed))
                     if bar is not None:
                         bar.set_postfix_str(f"window {w}, budget {budget}, {policy.name}", refresh=False)
                         bar.update()
@@ -350,7 +413,7 @@ def evaluate(model, windows: list[torch.Tensor], calibration, budgets, beta: int
         bar.close()
     rows = []
     for budget in budgets:
-        base = per.get(("recent", budget))
+        base = per.get((recent.name, budget))
         for policy in policies:
             cells = per[(policy.name, budget)]
             held = windows[0].numel() if policy.kind == "full" else prompt + budget + beta
@@ -377,21 +440,49 @@ def _full_logits(model, ids: torch.Tensor) -> torch.Tensor:
                                                 device=ids.device).tril()[None, None])
 
 
+def _paired(cells: list, base: list | None, part, of) -> tuple[float, float, float, float]:
+    """The mean over windows of part(cell) / of(cell) with its interval, and its paired difference from `base`'s
+    (the recent window's cells on the same windows) with its interval; windows where `of` counts nothing are left
+    out, and a value with no window is nan."""
+    nan = float("nan")
+    pairs = [(part(c) / of(c), part(b) / of(b) if base else nan) for c, b in zip(cells, base or cells) if of(c)]
+    if not pairs:
+        return nan, nan, nan, nan
+    mean, ci = ci95([x for x, _ in pairs])
+    delta, delta_ci = ci95([x - b for x, b in pairs]) if base else (nan, nan)
+    return mean, ci, delta, delta_ci
+
+
 def _row(model, method, budget, beta, cells, held, log, base=None, tokens_per_s=None) -> dict:
-    """A table row from per-window cells (loss sum, positions agreeing with the full cache, positions); `base`:
-    the recent window's cells on the same windows, for the paired difference."""
-    losses = [loss / count for loss, _, count in cells]
-    loss, loss_ci = ci95(losses)
-    agreement, agreement_ci = ci95([agree / count for _, agree, count in cells])
-    delta, delta_ci = ci95([x - b[0] / b[2] for x, b in zip(losses, base)]) if base else (float("nan"),) * 2
+    """A table row from per-window cells (``_cell``: loss sum, positions agreeing with the full cache, positions,
+    and the long-range measures; a real cache's cells hold the first three only); `base`: the recent window's
+    cells on the same windows, for the paired differences."""
+    loss, loss_ci, delta, delta_ci = _paired(cells, base, lambda c: c[0], lambda c: c[2])
+    agreement, agreement_ci, *_ = _paired(cells, None, lambda c: c[1], lambda c: c[2])
     row = {"method": method, "budget": budget, "beta": beta, "windows": len(cells), "loss": loss, "loss_ci95": loss_ci,
            "vs_recent": delta, "vs_recent_ci95": delta_ci, "agreement": agreement, "agreement_ci95": agreement_ci,
-           "perplexity": math.exp(loss), "positions": sum(c for *_, c in cells), "kv_tokens_max": held,
+           "perplexity": math.exp(loss), "positions": sum(c[2] for c in cells), "kv_tokens_max": held,
            "kv_mib_bf16": held * _token_bytes(model) / 2**20, "tokens_per_s": tokens_per_s}
     speed = f", {tokens_per_s:.0f} tokens/s" if tokens_per_s else ""
     versus = f", vs recent {delta:+.3f} ± {delta_ci:.3f}" if base and method != "recent" else ""
+    long = ""
+    if len(cells[0]) > 3:
+        row["long_range_tokens"] = sum(c[5] for c in cells)
+        (row["long_range_loss"], row["long_range_loss_ci95"], row["long_range_vs_recent"],
+         row["long_range_vs_recent_ci95"]) = _paired(cells, base, lambda c: c[3], lambda c: c[5])
+        row["long_range_agreement"], row["long_range_agreement_ci95"], *_ = _paired(
+            cells, None, lambda c: c[4], lambda c: c[5])
+        row["probes"] = sum(c[7] for c in cells)
+        (row["probe_accuracy"], row["probe_accuracy_ci95"], row["probe_vs_recent"],
+         row["probe_vs_recent_ci95"]) = _paired(cells, base, lambda c: c[6], lambda c: c[7])
+        long = (f"; long-range ({row['long_range_tokens']}): loss {row['long_range_loss']:.3f}, agreement "
+                f"{row['long_range_agreement']:.3f} ± {row['long_range_agreement_ci95']:.3f}")
+        if row["probes"]:
+            long += (f"; probes ({row['probes']}): {row['probe_accuracy']:.3f}"
+                     + (f", vs recent {row['probe_vs_recent']:+.3f} ± {row['probe_vs_recent_ci95']:.3f}"
+                        if base and method != "recent" else ""))
     log(f"  {method:>36} budget {budget:>5}: loss {loss:.3f} ± {loss_ci:.3f}{versus}, agreement {agreement:.3f}"
-        f"{speed}")
+        f"{speed}{long}")
     return row
 
 
@@ -539,7 +630,8 @@ def main(argv: list[str] | None = None) -> int:
             print(f"  layer sensitivity, newest {r} tokens: " + " ".join(f"{v:+.4f}" for v in nats))
         for budget in budgets:
             print(f"  +split at budget {budget}: {layer_split(sensitivity, budget)}")
-    rows = evaluate(model, windows, calibration, budgets, a.beta, a.prompt, methods, progress=True)
+    rows = evaluate(model, windows, calibration, budgets, a.beta, a.prompt, methods, progress=True,
+                    tokenizer=tokenizer)
     if a.cache_windows > 0:
         rows += evaluate_caches(model, windows[:a.cache_windows], calibration, budgets, a.beta, a.prompt, cache_modes,
                                 progress=True)

@@ -44,9 +44,16 @@ def test_quality_harness_runs_and_full_cache_agrees_with_itself():
     windows = [torch.randint(0, TINY["vocab_size"], (96,)) for _ in range(2)]
     methods = ["full", "recent", "sinks", "random", "oracle", "oracle+l0", "triattention_union",
                "triattention_per_head+w4+s2", "triattention_per_layer_perhead+l0"]
-    rows = evaluate(model, windows, _calibrated(model), [16], beta=4, prompt=8, methods=methods, log=lambda *a: None)
+    rows = evaluate(model, windows, _calibrated(model), [16], beta=4, prompt=8, methods=methods, log=lambda *a: None,
+                    tokenizer=_Chars())
     by = {r["method"]: r for r in rows}
     assert list(by) == methods and all(r["windows"] == 2 for r in rows)
+    # the long-range tokens (the full cache right, the recent window wrong: a random model is seldom right, so
+    # test_long_range_measures_... checks what they hold) and the probes are the same tokens for every method
+    assert len({r["long_range_tokens"] for r in rows}) == 1
+    assert len({r["probes"] for r in rows}) == 1
+    assert all(0.0 <= r["probe_accuracy"] <= 1.0 if r["probes"] else r["probe_accuracy"] != r["probe_accuracy"]
+               for r in rows)
     assert by["full"]["agreement"] == 1.0 and by["full"]["loss_ci95"] >= 0
     assert by["recent"]["vs_recent"] == 0.0
     assert all(0.0 <= r["agreement"] <= 1.0 and r["loss"] > 0 and r["loss_ci95"] == r["loss_ci95"] for r in rows)
@@ -219,3 +226,56 @@ def test_real_caches_decode_with_and_without_an_nvfp4_cycle():
     plain, cycled = by["triattention_union_cache"], by["triattention_union_nvfp4"]
     assert plain["loss"] != cycled["loss"] and abs(plain["loss"] - cycled["loss"]) < 0.5
     assert all(abs(r["perplexity"] - torch.tensor(r["loss"]).exp().item()) < 1e-3 * r["perplexity"] for r in rows)
+
+
+class _Chars:
+    """A tokenizer of one character per token (a token id is the character's code)."""
+
+    @staticmethod
+    def decode(ids):
+        return "".join(map(chr, ids))
+
+
+def test_retrieval_probes_find_names_that_come_back_from_the_text_alone():
+    from benchmarks.quality import retrieval_probes
+
+    text = "ab = 1\nlen(ab)\nself.cd(x)\nx.cd + ab + len\nab"
+    ids = torch.tensor([ord(c) for c in text])
+    probes = retrieval_probes(_Chars(), ids, prompt=0).tolist()
+    # ab at 11 (its last use ended at 1), cd at 28 (21), ab at 33 (12), ab at 42 (34); not len, self or x (a
+    # builtin, a common name, a one-token name)
+    assert probes == [[12, 12, 10], [29, 29, 7], [34, 34, 21], [43, 43, 8]]
+    assert [text[s - 1:e + 1] for s, e, _ in probes] == ["ab", "cd", "ab", "ab"]
+    # a name first seen in the prompt is not probed where it comes back; occurrences in the prompt are not probed
+    assert retrieval_probes(_Chars(), ids, prompt=7).tolist() == [[29, 29, 7], [34, 34, 21], [43, 43, 8]]
+    assert retrieval_probes(_Chars(), ids[:0], prompt=0).shape == (0, 3)
+
+
+def test_long_range_measures_judge_every_method_on_the_same_tokens():
+    """long_range_tokens: where the full cache predicts the next token and the recent window does not; _cell
+    counts a probe completed only when every one of its tokens is predicted, and loss and agreement on the
+    long-range tokens alone."""
+    from benchmarks.quality import _cell, long_range_tokens
+
+    n, vocab, first = 12, 5, 3
+    ids = torch.randint(0, vocab, (n,), generator=torch.Generator().manual_seed(1))
+    onehot = lambda tokens: torch.nn.functional.one_hot(tokens, vocab).float() * 4  # noqa: E731
+    right = onehot(torch.cat((ids[1:], ids[:1])))  # row i predicts ids[i + 1]
+    wrong = onehot((torch.cat((ids[1:], ids[:1])) + 1) % vocab)
+    full = right.clone()
+    full[5] = wrong[5]                       # the full cache misses position 6
+    recent = right.clone()
+    recent[[4, 5, 7]] = wrong[[4, 5, 7]]     # the window misses 5, 6 and 8
+    long = long_range_tokens(full, recent, ids, first)
+    assert long.tolist() == [i + first in (4, 7) for i in range(n - 1 - first)]
+    method = right.clone()
+    method[7] = wrong[7]                     # gets 5 back, still misses 8
+    probes = torch.tensor([[5, 6, 40], [8, 8, 40], [9, 10, 40]])
+    loss, agree, count, long_loss, long_agree, long_count, completed, probed = _cell(method, full, ids, first, long,
+                                                                                      probes)
+    assert (count, long_count, probed) == (n - 1 - first, 2, 3)
+    assert long_agree == 1 and agree == count - 2  # 8 differs from the full cache, and 6 (the full cache's miss)
+    assert completed == 2  # 5-6 and 9-10 completed, 8 missed
+    ce = torch.nn.functional.cross_entropy(method[first:-1], ids[first + 1:], reduction="none")
+    assert long_loss == pytest.approx(float(ce[[4 - first, 7 - first]].sum()))
+    assert loss == pytest.approx(float(ce.sum()))
