@@ -3,6 +3,7 @@
 (transformers) on the same prompts and calibration, and vLLM without the connector."""
 
 import json
+from pathlib import Path
 
 import pytest
 import torch
@@ -360,6 +361,15 @@ def test_refused_configs(model_dir, calibration, tmp_path):
     path.write_text(json.dumps({"algorithm": "nvfp4_cold_page", "row_size": 64}))
     with pytest.raises(Exception, match="must be a TriAttention config"):
         build({"kvops_triattention": str(path)})
+    # a layer split with local layers: layer 0 loses nothing on a window, so it is local
+    data = torch.load(calibration)
+    layers = json.loads((Path(model_dir) / "config.json").read_text())["num_hidden_layers"]
+    data["layer_sensitivity"] = {"recent": torch.tensor([64, 256]), "sinks": 16,
+                                 "nats": torch.tensor([[0.0] + [0.5] * (layers - 1), [0.0] + [0.2] * (layers - 1)])}
+    split = tmp_path / "split.pt"
+    torch.save(data, split)
+    with pytest.raises(Exception, match="block table per layer group"):
+        build({"kvops_triattention": triattention(str(split), layer_split=True).to_dict()})
 
 
 def tiered_llm(model_dir, config, prompt_only):

@@ -112,8 +112,9 @@ class _Settings:
         calibration = config.load_calibration(model_config(vllm_config))  # a calibration of another model raises
         split = config.layer_groups(calibration)
         if split.local_layers:
-            raise ValueError(f"{WHAT}: a layer split with local layers ({split}) needs a KV cache group per layer "
-                             "group, which vLLM does not give full-attention layers; use layer_split=False")
+            raise ValueError(f"{WHAT}: a layer split with local layers ({split}) needs a block table per layer "
+                             "group; vLLM gives full-attention layers one (docs/vllm.md, Refused): use "
+                             "layer_split=False")
         if kv_cache_config is not None:
             groups = kv_cache_config.kv_cache_groups
             if len(groups) != 1 or not isinstance(groups[0].kv_cache_spec, FullAttentionSpec) or \
