@@ -20,8 +20,14 @@ each with keep-policy options (``+wW`` newest W kept, ``+sS`` sinks, ``+lA.B`` l
 ``triattention_<mode>+default``: the mode under kvops' default keep policy for each budget. Then, on the first
 ``--cache-windows`` windows, real caches in bf16 decode token by token (``evaluate_caches``): ``full_cache``,
 ``triattention_<mode>_cache`` and ``triattention_<mode>_nvfp4`` (one NVFP4 offload/onboard cycle halfway; each
-mode under its default keep policy), with decode tokens/s. Every row reports agreement, loss, perplexity and the KV each sequence holds. On a random-weight
-model the numbers show only that the mechanics run (the output says so).
+mode under its default keep policy), with decode tokens/s. Every row reports agreement, loss, perplexity and the KV
+each sequence holds. On a random-weight model the numbers show only that the mechanics run (the output says so).
+
+The average hides the few tokens that need far context, so each simulated row also reports two long-range
+measures: its loss and agreement on the window's ``long_range_tokens`` (those the full cache predicts and the
+recent window of the budget does not: every method judged on the same tokens, the window itself wrong on all of
+them), and the retrieval probe (``retrieval_probes``, from the text alone: a name last seen more than budget +
+beta tokens back comes again; the share of such names each method completes, paired against the window's share).
 """
 
 from __future__ import annotations
