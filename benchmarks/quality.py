@@ -45,6 +45,7 @@ import re
 import sys
 import time
 from dataclasses import dataclass, replace
+from typing import NamedTuple
 
 import torch
 
@@ -366,20 +367,31 @@ def long_range_tokens(full: torch.Tensor, recent: torch.Tensor, ids: torch.Tenso
     return (full[first:-1].argmax(-1) == target) & (recent[first:-1].argmax(-1) != target)
 
 
+class Cell(NamedTuple):
+    """A method's measures on one window at one budget, as sums over the positions after its first round. A real
+    cache's cells (``evaluate_caches``) hold the first three only."""
+    loss: float              # loss summed over the positions
+    agree: int               # positions whose prediction is the full cache's
+    count: int               # positions
+    long_loss: float | None = None  # the same two on the long-range tokens, and their count
+    long_agree: int | None = None
+    long_count: int | None = None
+    completed: int | None = None    # retrieval probes completed, and probes
+    probes: int | None = None
+
+
 def _cell(logits: torch.Tensor, full: torch.Tensor, ids: torch.Tensor, first: int, long: torch.Tensor,
-          probes: torch.Tensor) -> tuple:
-    """A method's measures on one window at one budget, as sums over the positions after its first round:
-    (loss, agreement with the full cache's next token, positions; loss and agreement on the long-range tokens
-    `long`, their count; probes completed, probes), a probe (a row of ``retrieval_probes``, its tokens after
-    `first`) completed when every one of its tokens is predicted."""
+          probes: torch.Tensor) -> Cell:
+    """A method's ``Cell``: `long` the window's long-range tokens, `probes` the rows of ``retrieval_probes`` it is
+    judged on (their tokens after `first`), each completed when every one of its tokens is predicted."""
     span, target = slice(first, ids.numel() - 1), ids[first + 1:]
     loss = torch.nn.functional.cross_entropy(logits[span], target, reduction="none")
     agree = logits[span].argmax(-1) == full[span].argmax(-1)
     wrong = torch.cat(((logits[span].argmax(-1) != target).cumsum(0), target.new_zeros(1)))
     # wrong[i]: wrong predictions of positions first + 1 .. first + 1 + i; a probe's count is a difference
     completed = wrong[probes[:, 1] - first - 1] == wrong[probes[:, 0] - first - 2]
-    return (float(loss.sum()), int(agree.sum()), target.numel(), float(loss[long].sum()), int(agree[long].sum()),
-            int(long.sum()), int(completed.sum()), probes.shape[0])
+    return Cell(float(loss.sum()), int(agree.sum()), target.numel(), float(loss[long].sum()),
+                int(agree[long].sum()), int(long.sum()), int(completed.sum()), probes.shape[0])
 
 
 def evaluate(model, windows: list[torch.Tensor], calibration, budgets, beta: int, prompt: int,
@@ -460,27 +472,26 @@ def _paired(cells: list, base: list | None, part, of) -> tuple[float, float, flo
 
 
 def _row(model, method, budget, beta, cells, held, log, base=None, tokens_per_s=None) -> dict:
-    """A table row from per-window cells (``_cell``: loss sum, positions agreeing with the full cache, positions,
-    and the long-range measures; a real cache's cells hold the first three only); `base`: the recent window's
-    cells on the same windows, for the paired differences."""
-    loss, loss_ci, delta, delta_ci = _paired(cells, base, lambda c: c[0], lambda c: c[2])
-    agreement, agreement_ci, *_ = _paired(cells, None, lambda c: c[1], lambda c: c[2])
+    """A table row from per-window ``Cell``s; `base`: the recent window's cells on the same windows, for the
+    paired differences."""
+    loss, loss_ci, delta, delta_ci = _paired(cells, base, lambda c: c.loss, lambda c: c.count)
+    agreement, agreement_ci, *_ = _paired(cells, None, lambda c: c.agree, lambda c: c.count)
     row = {"method": method, "budget": budget, "beta": beta, "windows": len(cells), "loss": loss, "loss_ci95": loss_ci,
            "vs_recent": delta, "vs_recent_ci95": delta_ci, "agreement": agreement, "agreement_ci95": agreement_ci,
-           "perplexity": math.exp(loss), "positions": sum(c[2] for c in cells), "kv_tokens_max": held,
+           "perplexity": math.exp(loss), "positions": sum(c.count for c in cells), "kv_tokens_max": held,
            "kv_mib_bf16": held * _token_bytes(model) / 2**20, "tokens_per_s": tokens_per_s}
     speed = f", {tokens_per_s:.0f} tokens/s" if tokens_per_s else ""
     versus = f", vs recent {delta:+.3f} ± {delta_ci:.3f}" if base and method != "recent" else ""
     long = ""
-    if len(cells[0]) > 3:
-        row["long_range_tokens"] = sum(c[5] for c in cells)
+    if cells[0].long_count is not None:
+        row["long_range_tokens"] = sum(c.long_count for c in cells)
         (row["long_range_loss"], row["long_range_loss_ci95"], row["long_range_vs_recent"],
-         row["long_range_vs_recent_ci95"]) = _paired(cells, base, lambda c: c[3], lambda c: c[5])
+         row["long_range_vs_recent_ci95"]) = _paired(cells, base, lambda c: c.long_loss, lambda c: c.long_count)
         row["long_range_agreement"], row["long_range_agreement_ci95"], *_ = _paired(
-            cells, None, lambda c: c[4], lambda c: c[5])
-        row["probes"] = sum(c[7] for c in cells)
+            cells, None, lambda c: c.long_agree, lambda c: c.long_count)
+        row["probes"] = sum(c.probes for c in cells)
         (row["probe_accuracy"], row["probe_accuracy_ci95"], row["probe_vs_recent"],
-         row["probe_vs_recent_ci95"]) = _paired(cells, base, lambda c: c[6], lambda c: c[7])
+         row["probe_vs_recent_ci95"]) = _paired(cells, base, lambda c: c.completed, lambda c: c.probes)
         long = (f"; long-range ({row['long_range_tokens']}): loss {row['long_range_loss']:.3f}, agreement "
                 f"{row['long_range_agreement']:.3f} ± {row['long_range_agreement_ci95']:.3f}")
         if row["probes"]:
@@ -544,8 +555,9 @@ def evaluate_caches(model, windows: list[torch.Tensor], calibration, budgets, be
                 logits, s = _decode(half, cache, ids, prompt, cycle_at)
                 seconds, positions = seconds + s, positions + n - 1 - prompt
                 span = slice(first - prompt + 1, None)  # logits[i] predicts position prompt + i
-                cells.append((float(torch.nn.functional.cross_entropy(logits[span], ids[first + 1:], reduction="sum")),
-                              int((logits[span].argmax(-1) == full[first:n - 1].argmax(-1)).sum()), n - 1 - first))
+                loss = float(torch.nn.functional.cross_entropy(logits[span], ids[first + 1:], reduction="sum"))
+                cells.append(Cell(loss, int((logits[span].argmax(-1) == full[first:n - 1].argmax(-1)).sum()),
+                                  n - 1 - first))
                 if bar is not None:
                     bar.set_postfix_str(f"budget {budget}, {method}", refresh=False)
                     bar.update()
