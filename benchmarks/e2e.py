@@ -39,6 +39,7 @@ the compiled step allocate more); tokens/s there compare peak against peak. ``--
 from __future__ import annotations
 
 import argparse
+import contextlib
 import gc
 import json
 import sys
@@ -70,11 +71,48 @@ def _model(fields: dict, device: str):
     return model.eval()
 
 
+# Tokens (batch x sequence) a forward's MLP takes at once while a cache is filled: the prompt's forward at batch 221
+# x 1024 tokens held 17 GiB of MLP intermediates, which set the kvops peak batch instead of its pools.
+MLP_TOKENS = 16384
+
+
+@contextlib.contextmanager
+def _bounded_mlps(model, tokens: int = MLP_TOKENS):
+    """Each decoder layer's MLP over at most `tokens` tokens at a time, written into one output: the same values
+    (an MLP acts on each token alone) with its intermediates bounded. The decode step (one token a row) passes
+    through whole; the model is restored on exit, before generate compiles it."""
+    mlps = [layer.mlp for layer in model.model.layers]
+
+    def bounded(forward):
+        def run(x):
+            flat = x.reshape(-1, x.shape[-1])
+            if flat.shape[0] <= tokens:
+                return forward(x)
+            out = torch.empty_like(flat)
+            for part, dst in zip(flat.split(tokens), out.split(tokens)):
+                dst.copy_(forward(part))
+            return out.view(x.shape)
+        return run
+
+    patched = [(mlp, mlp.__dict__.get("forward")) for mlp in mlps]  # an instance forward of its own, if any
+    for mlp in mlps:
+        mlp.forward = bounded(mlp.forward)
+    try:
+        yield
+    finally:
+        for mlp, own in patched:
+            if own is None:
+                del mlp.forward  # the class's forward again
+            else:
+                mlp.forward = own
+
+
 def _fill(model, cache, ids: torch.Tensor, prompt: int, chunk: int) -> None:
-    """Run ids through the model into `cache`: the prompt in one forward, then `chunk` tokens per forward. Only the
-    last position's logits are computed (all of them would take 20 GB at batch 32 x 2048 tokens)."""
+    """Run ids through the model into `cache`: the prompt in one forward, then `chunk` tokens per forward, the MLPs
+    bounded (_bounded_mlps). Only the last position's logits are computed (all of them would take 20 GB at batch
+    32 x 2048 tokens)."""
     key = cache_keyword(model)
-    with torch.no_grad():
+    with torch.no_grad(), _bounded_mlps(model):
         model(input_ids=ids[:, :prompt], logits_to_keep=1, **{key: cache})
         for start in range(prompt, ids.shape[1], chunk):
             model(input_ids=ids[:, start:start + chunk], logits_to_keep=1, **{key: cache})
@@ -230,7 +268,7 @@ def _fits(name: str, model, calibration, batch: int, context: int, args, device:
     try:
         cache = _new_cache(name, model, calibration, context, args)
         key = cache_keyword(model)
-        with torch.no_grad():
+        with torch.no_grad(), _bounded_mlps(model):
             ids = torch.randint(1, model.config.vocab_size, (batch, args.prompt), device=device)
             model(input_ids=ids, logits_to_keep=1, **{key: cache})
             # a DynamicCache grows to the whole context: hold the bytes it would add while the step runs

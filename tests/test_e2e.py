@@ -74,3 +74,26 @@ def test_peak_steps_down_while_the_benchmark_runs_out_of_memory(monkeypatch, cap
     assert [(r["batch"], r["peak"], r.get("oom", False)) for r in out["rows"]] == [(3, True, False)]
     printed = capsys.readouterr().err  # progress
     assert printed.count('"oom": true') == 2 and printed.count('"phase": "fill"') == 2  # each failed batch, where
+
+
+def test_bounded_mlps_give_the_same_values_and_restore_the_model():
+    """The fill's MLPs in slices of a few tokens: the same hidden states as the whole forward (each token's MLP
+    alone), and the model as it was afterwards (no instance forward left for generate to compile)."""
+    import torch
+
+    from benchmarks import e2e
+
+    model = e2e._model(e2e.TINY, "cpu")
+    ids = torch.randint(1, e2e.TINY["vocab_size"], (3, 11))
+    with torch.no_grad():
+        whole = model(input_ids=ids).logits
+        calls = []
+        mlp = model.model.layers[0].mlp
+        forward = mlp.forward
+        mlp.forward = lambda x: calls.append(x.shape) or forward(x)  # counts the slices reaching the MLP
+        with e2e._bounded_mlps(model, tokens=4):
+            bounded = model(input_ids=ids).logits
+        del mlp.forward
+    assert torch.equal(bounded, whole)
+    assert calls == [(4, 64)] * 8 + [(1, 64)]  # 33 tokens in slices of 4
+    assert all("forward" not in layer.mlp.__dict__ for layer in model.model.layers)
