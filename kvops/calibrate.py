@@ -110,6 +110,38 @@ def layer_masks(model, masks: Mapping[int, torch.Tensor]):
             handle.remove()
 
 
+@contextlib.contextmanager
+def _recorded(attentions: Mapping[int, Any]):
+    """Within it, each attention module's output lands in the dict it yields, by layer, without the attention
+    weights of a tuple's other fields (None in their place: decoder layers drop them)."""
+    outputs = {}
+
+    def hook(layer):
+        def record(module, args, output):
+            outputs[layer] = (output[0], *[None] * (len(output) - 1)) if isinstance(output, tuple) else output
+        return record
+    handles = [module.register_forward_hook(hook(layer)) for layer, module in attentions.items()]
+    try:
+        yield outputs
+    finally:
+        for handle in handles:
+            handle.remove()
+
+
+@contextlib.contextmanager
+def _replayed(attentions: Mapping[int, Any], outputs: Mapping[int, Any], below: int):
+    """Within it, the attention modules of the layers below `below` return their recorded outputs (_recorded)
+    instead of computing them: exact where their inputs are the recorded forward's, and layer_sensitivity's
+    forwards cost about half (only the limited layer and those above it attend)."""
+    try:
+        for layer in range(below):
+            attentions[layer].forward = lambda *args, _out=outputs[layer], **kwargs: _out
+        yield
+    finally:
+        for layer in range(below):
+            attentions[layer].__dict__.pop("forward", None)  # the class's forward again
+
+
 class QueryStatistics:
     """Running float64 sums of the pre-RoPE queries, per layer, head and frequency, fed by forward hooks."""
 
@@ -227,6 +259,7 @@ def _sensitivity(model, token_ids: torch.Tensor, window: int, windows: int, rece
     """layer_sensitivity on checked arguments; `progress`: a bar over its forwards (windows x (1 + R x L))."""
     device = next(model.parameters()).device
     L = model.config.num_hidden_layers
+    attentions = attention_modules(model)
     loss = torch.nn.functional.cross_entropy
     nats, tokens = torch.zeros(len(recent), L, dtype=torch.float64), 0
     training = model.training
@@ -242,8 +275,9 @@ def _sensitivity(model, token_ids: torch.Tensor, window: int, windows: int, rece
         for start in starts:
             ids = token_ids[start:start + window].to(device)
             n, half = ids.numel(), ids.numel() // 2
-            full = loss(model(input_ids=ids[None], use_cache=False).logits[0, half:-1].float(), ids[half + 1:],
-                        reduction="sum")
+            with _recorded(attentions) as outputs:
+                full = loss(model(input_ids=ids[None], use_cache=False).logits[0, half:-1].float(), ids[half + 1:],
+                            reduction="sum")
             if bar is not None:
                 bar.update()
             t = torch.arange(n, device=device)
@@ -251,7 +285,8 @@ def _sensitivity(model, token_ids: torch.Tensor, window: int, windows: int, rece
             for i, r in enumerate(recent):
                 allowed = ((age >= 0) & ((age < r) | (t[None, :] < sinks)))[None, None]
                 for layer in range(L):
-                    with layer_masks(model, {layer: allowed}):
+                    # the layers below see what they saw unmasked: their attention is the full forward's
+                    with layer_masks(model, {layer: allowed}), _replayed(attentions, outputs, layer):
                         logits = model(input_ids=ids[None], use_cache=False).logits[0, half:-1].float()
                     nats[i, layer] += float(loss(logits, ids[half + 1:], reduction="sum") - full)
                     if bar is not None:

@@ -13,7 +13,7 @@ from conftest import TINY, TINY_MODELS, run_python, tiny_model
 
 transformers = pytest.importorskip("transformers")
 
-from kvops.calibrate import (QueryStatistics, _split_line, calibrate, check_model_config,  # noqa: E402
+from kvops.calibrate import (QueryStatistics, _split_line, attention_modules, calibrate, check_model_config,  # noqa: E402
                              layer_sensitivity, main)
 from kvops.config import LayerSplit, TriAttentionConfig  # noqa: E402
 from kvops.triattention import TriAttentionSelector, load_calibration  # noqa: E402
@@ -107,6 +107,30 @@ def test_layer_sensitivity_is_the_loss_a_recent_window_adds(name):
             assert abs(float(got["nats"][i, layer]) - want) < 1e-4, (r, layer)
     assert got["nats"][:2].abs().max() > 1e-3  # the windows do limit something
     assert got["nats"][2].abs().max() < 1e-5   # a window of 128 limits nothing in 128-token sequences
+
+
+def test_layer_sensitivity_replays_the_layers_below_the_limited_one(monkeypatch):
+    """The layers below the limited one return the full forward's attention instead of attending again: the same
+    nats, bit for bit, as computing every layer, with L + R x L(L+1)/2 attentions a window instead of
+    (1 + R x L) x L."""
+    import contextlib
+
+    from kvops import calibrate as calibration_module
+
+    model = tiny_model("qwen3")
+    ids = torch.randint(0, TINY["vocab_size"], (200,))
+    L, R = model.config.num_hidden_layers, 3
+    computed = []
+    for attention in attention_modules(model).values():
+        attention.q_proj.register_forward_hook(lambda *_: computed.append(1))  # runs only where a layer attends
+    replayed = layer_sensitivity(model, ids, window=128, windows=2, recent=(8, 32, 128), sinks=4)
+    assert len(computed) == 2 * (L + R * L * (L + 1) // 2)
+    computed.clear()
+    monkeypatch.setattr(calibration_module, "_replayed", lambda *a: contextlib.nullcontext())
+    every = layer_sensitivity(model, ids, window=128, windows=2, recent=(8, 32, 128), sinks=4)
+    assert len(computed) == 2 * (1 + R * L) * L
+    assert torch.equal(replayed["nats"], every["nats"]) and replayed["nats"].abs().max() > 1e-3
+    assert all("forward" not in a.__dict__ for a in attention_modules(model).values())
 
 
 def test_a_calibration_file_carries_the_layer_sensitivity():
