@@ -49,7 +49,7 @@ from typing import NamedTuple
 
 import torch
 
-from kvops.calibrate import calibrate, layer_masks, require_transformers
+from kvops.calibrate import SENSITIVITY_WINDOWS, calibrate, layer_masks, require_transformers
 from kvops.config import layer_split, resolve_keep_policy, split_budget
 from kvops.integrations.transformers import TriAttentionCache, cache_keyword, install_layer_masks
 from kvops.triattention import TriAttentionSelector, load_calibration
@@ -134,7 +134,8 @@ METHODS = ("full", "triattention_per_head+default", "triattention_per_head+defau
            "triattention_per_layer_perhead+default", "triattention_union", "triattention_per_head",
            "triattention_per_layer_perhead", "recent", "sinks", "random", "oracle+l0")
 # --quick: fewer windows and calibration tokens, no token-by-token decoding through real caches
-QUICK = dict(calibration_tokens=8192, windows=2, window=1024, budgets="128,256", cache_windows=0)
+QUICK = dict(calibration_tokens=8192, sensitivity_windows=2, windows=2, window=1024, budgets="128,256",
+             cache_windows=0)
 # --quick's methods unless --methods is given: each mode as a user gets it, against the baselines and the ceiling
 QUICK_METHODS = tuple(m for m in METHODS if "_" not in m or m.endswith("+default") or m.startswith("oracle"))
 
@@ -575,6 +576,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--text", required=True, help="UTF-8 text: calibration part first, evaluation windows after")
     ap.add_argument("--calibration", help="a calibration file or shipped name (default: calibrate on the text)")
     ap.add_argument("--calibration-tokens", type=int, default=65536)
+    ap.add_argument("--sensitivity-windows", type=int, default=SENSITIVITY_WINDOWS,
+                    help="calibration windows the layer sensitivity is measured on, without --calibration "
+                         "(default %(default)s)")
     ap.add_argument("--budgets", default="64,128,256")
     ap.add_argument("--beta", type=int, default=16)
     ap.add_argument("--prompt", type=int, default=16, help="prompt tokens of each window (never evicted)")
@@ -603,6 +607,8 @@ def main(argv: list[str] | None = None) -> int:
         ap.error(f"--skip-windows: a count of windows >= 0, got {a.skip_windows}")
     if a.threads < 1:
         ap.error(f"--threads: at least 1, got {a.threads}")
+    if a.sensitivity_windows < 0:
+        ap.error(f"--sensitivity-windows: a count of windows >= 0, got {a.sensitivity_windows}")
     torch.set_num_threads(a.threads)
     if a.quick:
         vars(a).update(QUICK)
@@ -627,7 +633,8 @@ def main(argv: list[str] | None = None) -> int:
         evaluation = ids
     else:
         split = min(a.calibration_tokens, ids.numel() // 2)
-        calibration = load_calibration(calibrate(model, ids[:split].to(a.device), progress=True), config)
+        calibration = load_calibration(calibrate(model, ids[:split].to(a.device), progress=True,
+                                                 sensitivity_windows=a.sensitivity_windows), config)
         evaluation = ids[split:]
     windows = [evaluation[i * a.window:(i + 1) * a.window].to(a.device)
                for i in range(a.skip_windows, a.skip_windows + a.windows)]

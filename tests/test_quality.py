@@ -279,3 +279,12 @@ def test_long_range_measures_judge_every_method_on_the_same_tokens():
     ce = torch.nn.functional.cross_entropy(method[first:-1], ids[first + 1:], reduction="none")
     assert long_loss == pytest.approx(float(ce[[4 - first, 7 - first]].sum()))
     assert loss == pytest.approx(float(ce.sum()))
+
+
+def test_counts_are_checked_before_the_model_loads():
+    from benchmarks.quality import main
+
+    for option in ("--skip-windows", "--threads", "--sensitivity-windows"):
+        with pytest.raises(SystemExit) as e:
+            main(["--model", "no-such-dir", "--text", "no-such-file", option, "-1"])
+        assert e.value.code == 2
