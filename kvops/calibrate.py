@@ -133,13 +133,17 @@ def _replayed(attentions: Mapping[int, Any], outputs: Mapping[int, Any], below: 
     """Within it, the attention modules of the layers below `below` return their recorded outputs (_recorded)
     instead of computing them: exact where their inputs are the recorded forward's, and layer_sensitivity's
     forwards cost about half (only the limited layer and those above it attend)."""
+    own = {layer: attentions[layer].__dict__.get("forward") for layer in range(below)}  # e.g. accelerate's hooks
     try:
         for layer in range(below):
             attentions[layer].forward = lambda *args, _out=outputs[layer], **kwargs: _out
         yield
     finally:
-        for layer in range(below):
-            attentions[layer].__dict__.pop("forward", None)  # the class's forward again
+        for layer, forward in own.items():
+            if forward is None:
+                attentions[layer].__dict__.pop("forward", None)  # the class's forward again
+            else:
+                attentions[layer].forward = forward
 
 
 class QueryStatistics:

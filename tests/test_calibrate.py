@@ -131,6 +131,12 @@ def test_layer_sensitivity_replays_the_layers_below_the_limited_one(monkeypatch)
     assert len(computed) == 2 * (1 + R * L) * L
     assert torch.equal(replayed["nats"], every["nats"]) and replayed["nats"].abs().max() > 1e-3
     assert all("forward" not in a.__dict__ for a in attention_modules(model).values())
+    monkeypatch.undo()
+    wrapped = attention_modules(model)[0]
+    own = wrapped.forward  # an instance forward of the module's own (accelerate's hooks set one) stays
+    wrapped.forward = own
+    layer_sensitivity(model, ids, window=128, windows=1, recent=(8,), sinks=4)
+    assert wrapped.__dict__["forward"] is own
 
 
 def test_a_calibration_file_carries_the_layer_sensitivity():
