@@ -39,7 +39,6 @@ the compiled step allocate more); tokens/s there compare peak against peak. ``--
 from __future__ import annotations
 
 import argparse
-import contextlib
 import gc
 import json
 import sys
@@ -47,7 +46,7 @@ import time
 
 import torch
 
-from kvops.calibrate import require_transformers
+from kvops.calibrate import forwards_replaced, require_transformers
 from kvops.config import DEFAULT_MODE, LOCAL_SHARE, split_budget
 from kvops.integrations.transformers import (GROUPED_SDPA, KVOPS_ATTENTION, TriAttentionCache, cache_keyword,
                                              install_layer_masks, kv_bytes)
@@ -76,7 +75,6 @@ def _model(fields: dict, device: str):
 MLP_TOKENS = 16384
 
 
-@contextlib.contextmanager
 def _bounded_mlps(model, tokens: int = MLP_TOKENS):
     """Each decoder layer's MLP over at most `tokens` tokens at a time, written into one output: the same values
     (an MLP acts on each token alone) with its intermediates bounded. The decode step (one token a row) passes
@@ -94,17 +92,7 @@ def _bounded_mlps(model, tokens: int = MLP_TOKENS):
             return out.view(x.shape)
         return run
 
-    patched = [(mlp, mlp.__dict__.get("forward")) for mlp in mlps]  # an instance forward of its own, if any
-    for mlp in mlps:
-        mlp.forward = bounded(mlp.forward)
-    try:
-        yield
-    finally:
-        for mlp, own in patched:
-            if own is None:
-                del mlp.forward  # the class's forward again
-            else:
-                mlp.forward = own
+    return forwards_replaced({mlp: bounded(mlp.forward) for mlp in mlps})
 
 
 def _fill(model, cache, ids: torch.Tensor, prompt: int, chunk: int) -> None:

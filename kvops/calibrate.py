@@ -129,21 +129,28 @@ def _recorded(attentions: Mapping[int, Any]):
 
 
 @contextlib.contextmanager
+def forwards_replaced(forwards: Mapping[Any, Any]):
+    """Within it, each module (a key) runs the function it maps to as its forward; on exit each has the forward it
+    had again, an instance forward of its own (accelerate's hooks set one) included. Hooks still run around it."""
+    own = {module: module.__dict__.get("forward") for module in forwards}
+    try:
+        for module, forward in forwards.items():
+            module.forward = forward
+        yield
+    finally:
+        for module, forward in own.items():
+            if forward is None:
+                module.__dict__.pop("forward", None)  # the class's forward again
+            else:
+                module.forward = forward
+
+
 def _replayed(attentions: Mapping[int, Any], outputs: Mapping[int, Any], below: int):
     """Within it, the attention modules of the layers below `below` return their recorded outputs (_recorded)
     instead of computing them: exact where their inputs are the recorded forward's, and layer_sensitivity's
     forwards cost about half (only the limited layer and those above it attend)."""
-    own = {layer: attentions[layer].__dict__.get("forward") for layer in range(below)}  # e.g. accelerate's hooks
-    try:
-        for layer in range(below):
-            attentions[layer].forward = lambda *args, _out=outputs[layer], **kwargs: _out
-        yield
-    finally:
-        for layer, forward in own.items():
-            if forward is None:
-                attentions[layer].__dict__.pop("forward", None)  # the class's forward again
-            else:
-                attentions[layer].forward = forward
+    return forwards_replaced({attentions[layer]: lambda *args, _out=outputs[layer], **kwargs: _out
+                              for layer in range(below)})
 
 
 class QueryStatistics:
