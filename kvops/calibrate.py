@@ -132,6 +132,10 @@ def _recorded(attentions: Mapping[int, Any]):
 def forwards_replaced(forwards: Mapping[Any, Any]):
     """Within it, each module (a key) runs the function it maps to as its forward; on exit each has the forward it
     had again, an instance forward of its own (accelerate's hooks set one) included. Hooks still run around it."""
+    for module, forward in forwards.items():
+        if not isinstance(module, torch.nn.Module) or not callable(forward):
+            raise TypeError(f"forwards_replaced: forwards must map modules to callables, got "
+                            f"{type(module).__name__} -> {type(forward).__name__}")
     own = {module: module.__dict__.get("forward") for module in forwards}
     try:
         for module, forward in forwards.items():

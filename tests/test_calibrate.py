@@ -139,6 +139,18 @@ def test_layer_sensitivity_replays_the_layers_below_the_limited_one(monkeypatch)
     assert wrapped.__dict__["forward"] is own
 
 
+def test_forwards_replaced_checks_every_entry_before_it_replaces_any():
+    from kvops.calibrate import forwards_replaced
+
+    model = tiny_model("qwen3")
+    first, second = model.model.layers[0].mlp, model.model.layers[1].mlp
+    for bad in ({first: print, "mlp": print}, {first: print, second: 3}):
+        with pytest.raises(TypeError, match="forwards must map modules to callables"):
+            with forwards_replaced(bad):
+                pass
+        assert "forward" not in first.__dict__ and "forward" not in second.__dict__
+
+
 def test_a_calibration_file_carries_the_layer_sensitivity():
     """calibrate writes it (sensitivity_windows=0: not); load_calibration reads it back, for_layers keeps the
     layers' columns; a file without one (the shipped ones) loads with None; a malformed one is refused by name."""
